@@ -1,0 +1,126 @@
+"""Hands out the pages of the KV pool, and takes them back.
+
+The allocator knows nothing about tensors or requests: it owns the numbers ``0 ..
+num_pages - 1`` and remembers which of them are free. Allocation is all or nothing: a request
+that cannot get every page it asked for gets none, so a failed allocation never leaves pages
+stranded in a half-built request. Freeing checks every id first, so a bookkeeping bug (a page
+freed twice, an id that never existed) is reported where it happens instead of surfacing much
+later as two requests silently overwriting each other's keys and values.
+"""
+
+from __future__ import annotations
+
+import operator
+from collections.abc import Sequence
+
+import torch
+
+
+class OutOfPagesError(RuntimeError):
+    """Raised by :meth:`PageAllocator.alloc` when fewer pages are free than were asked for."""
+
+    def __init__(self, requested: int, free: int) -> None:
+        super().__init__(f"asked for {requested} KV page(s) but only {free} are free; "
+                         "finish or evict requests first (nothing was allocated)")
+        self.requested = requested
+        self.free = free
+
+
+# --8<-- [start:page_allocator_state]
+class PageAllocator:
+    """A free list over the page ids ``0 .. num_pages - 1``.
+
+    The free pages sit on a stack (a Python list whose end is the top), so taking or returning
+    ``n`` pages costs ``O(n)`` whatever the pool size. A byte per page records whether it is
+    free, which makes the double-free check ``O(1)`` per page.
+    """
+
+    def __init__(self, num_pages: int) -> None:
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
+            raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
+        self._num_pages = num_pages
+        # Reversed, so that the first pops return 0, 1, 2, ...: a fresh pool hands out its
+        # pages in order, which makes printed page tables easy to read.
+        self._free_stack: list[int] = list(range(num_pages - 1, -1, -1))
+        self._is_free = bytearray([1]) * num_pages
+    # --8<-- [end:page_allocator_state]
+
+    @property
+    def num_pages(self) -> int:
+        """Pages under management, free or not."""
+        return self._num_pages
+
+    @property
+    def num_free(self) -> int:
+        """Pages that :meth:`alloc` can hand out right now."""
+        return len(self._free_stack)
+
+    @property
+    def num_used(self) -> int:
+        """Pages handed out and not yet freed."""
+        return self._num_pages - len(self._free_stack)
+
+    def is_free(self, page: int) -> bool:
+        """Whether ``page`` (a valid id) is currently free."""
+        return bool(self._is_free[page])
+
+    # --8<-- [start:page_allocator_alloc]
+    def alloc(self, n: int) -> list[int]:
+        """Take ``n`` free pages and return their ids; all ``n`` or, if too few are free, none.
+
+        Raises:
+            OutOfPagesError: fewer than ``n`` pages are free. The allocator is unchanged, so the
+                caller can free or evict something and try again.
+        """
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise ValueError(f"alloc: the number of pages must be an integer >= 0, got {n!r}")
+        if n > len(self._free_stack):
+            raise OutOfPagesError(requested=n, free=len(self._free_stack))
+        if n == 0:
+            return []
+        pages = self._free_stack[-n:]
+        del self._free_stack[-n:]
+        pages.reverse()  # top of the stack first: the most recently freed page is reused first
+        for page in pages:
+            self._is_free[page] = 0
+        return pages
+    # --8<-- [end:page_allocator_alloc]
+
+    # --8<-- [start:page_allocator_free]
+    def free(self, pages: Sequence[int] | torch.Tensor) -> None:
+        """Return ``pages`` to the pool.
+
+        Every id is checked before anything changes, so a bad call leaves the allocator as it
+        was.
+
+        Raises:
+            ValueError: an id outside ``0 .. num_pages - 1``, a page that is already free (a
+                double free), or the same id twice in ``pages``.
+        """
+        ids = pages.tolist() if isinstance(pages, torch.Tensor) else list(pages)
+        unknown = [p for p in ids if not _is_page_id(p, self._num_pages)]
+        if unknown:
+            raise ValueError(f"free: page id(s) {unknown[:8]} are not in 0..{self._num_pages - 1}")
+        already_free = [p for p in ids if self._is_free[p]]
+        if already_free:
+            raise ValueError(f"free: page(s) {already_free[:8]} are already free (double free)")
+        if len(set(ids)) != len(ids):
+            repeated = sorted({p for p in ids if ids.count(p) > 1})
+            raise ValueError(f"free: page(s) {repeated[:8]} appear more than once in one call")
+        for page in reversed(ids):  # so the next alloc returns them in the order given here
+            self._is_free[page] = 1
+            self._free_stack.append(page)
+    # --8<-- [end:page_allocator_free]
+
+    def __repr__(self) -> str:
+        return f"PageAllocator(num_pages={self._num_pages}, num_free={self.num_free})"
+
+
+def _is_page_id(value: object, num_pages: int) -> bool:
+    """An integer (Python or NumPy, not bool) in ``0 .. num_pages - 1``."""
+    if isinstance(value, bool):
+        return False
+    try:
+        return 0 <= operator.index(value) < num_pages
+    except TypeError:
+        return False

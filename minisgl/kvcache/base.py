@@ -1,0 +1,183 @@
+"""The two interfaces of the KV cache: where the vectors live, and who may reuse them.
+
+``BaseKVPool`` is the storage: every layer's keys and values, one row per *token slot*. The
+slots are grouped into fixed-size *pages*; page ``p`` owns the ``page_size`` consecutive slots
+``p * page_size .. p * page_size + page_size - 1``. The pool does not know which request a slot
+belongs to: it stores a vector where it is told to (``store_kv``) and hands back the rows it is
+asked for (``gather_kv``). Who owns which page is the business of the allocator
+(``allocator.py``) and of the page table (``minisgl/scheduler/table.py``).
+
+``BasePrefixCache`` is the seam for later chapters: a policy that keeps the pages of finished
+requests alive so that a new request starting with the same tokens can reuse them. Chapter 9
+plugs in a cache that keeps nothing, chapter 11 a radix tree that shares common prefixes. This
+chapter defines the interface only, so that those chapters add a class rather than rewrite the
+scheduler around it.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+
+# --8<-- [start:base_pool]
+class BaseKVPool(ABC):
+    """Storage for the keys and values of every layer, addressed by token slot.
+
+    A slot is one token's K (or V) vectors for all KV heads of one layer: ``[num_kv_heads,
+    head_dim]`` numbers. ``k_cache(layer)`` is the ``[num_slots, num_kv_heads, head_dim]`` tensor
+    of that layer, and slot ``s`` is its row ``s``. Implementations differ in how they lay the
+    numbers out (this book has one, :class:`~minisgl.kvcache.mha_pool.MHAKVPool`; others exist
+    for compressed attention schemes), not in how they are addressed.
+    """
+
+    @abstractmethod
+    def k_cache(self, layer_id: int) -> torch.Tensor:
+        """Layer ``layer_id``'s keys: a ``[num_slots, num_kv_heads, head_dim]`` view (no copy)."""
+
+    @abstractmethod
+    def v_cache(self, layer_id: int) -> torch.Tensor:
+        """Layer ``layer_id``'s values: a ``[num_slots, num_kv_heads, head_dim]`` view (no copy)."""
+
+    @abstractmethod
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor,
+                 layer_id: int) -> None:
+        """Write ``k[i]`` and ``v[i]`` (``[num_kv_heads, head_dim]``) to slot ``out_loc[i]``."""
+
+    @property
+    @abstractmethod
+    def num_layers(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def num_pages(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def page_size(self) -> int: ...
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device: ...
+
+    @property
+    @abstractmethod
+    def dtype(self) -> torch.dtype: ...
+# --8<-- [end:base_pool]
+
+    @property
+    def num_slots(self) -> int:
+        """Token slots in the pool: every page's ``page_size`` slots."""
+        return self.num_pages * self.page_size
+
+    # --8<-- [start:gather_kv]
+    def gather_kv(self, slots: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read back the keys and values at ``slots``: two ``[len(slots), num_kv_heads, head_dim]``.
+
+        Indexing with a tensor copies the rows into a new, contiguous tensor: the order of
+        ``slots`` becomes the order of the result, wherever the pages sit in the pool. This is
+        how the simple attention backend of chapter 6 turns a request's scattered pages back into
+        one sequence; the fused kernels read the pages in place instead.
+        """
+        return self.k_cache(layer_id)[slots], self.v_cache(layer_id)[slots]
+    # --8<-- [end:gather_kv]
+
+    def kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_id``'s K and V seen page by page: ``[num_pages, page_size, heads, dim]``.
+
+        The same memory as :meth:`k_cache` / :meth:`v_cache`, reshaped (no copy). Paged
+        attention kernels such as FlashInfer's take the cache in this form and a list of page
+        ids per request.
+        """
+        def by_page(t: torch.Tensor) -> torch.Tensor:
+            return t.view(self.num_pages, self.page_size, *t.shape[1:])
+
+        return by_page(self.k_cache(layer_id)), by_page(self.v_cache(layer_id))
+
+
+# --8<-- [start:prefix_cache_seam]
+@dataclass(frozen=True)
+class CacheHandle:
+    """A reference to a prefix held by a :class:`BasePrefixCache`.
+
+    ``num_tokens`` is the length of the prefix (always a whole number of pages). A cache
+    subclasses this to remember where the prefix sits in its own structure (a tree node, say).
+    """
+
+    num_tokens: int
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """What :meth:`BasePrefixCache.match_prefix` found: a handle and the pages behind it."""
+
+    handle: CacheHandle
+    pages: list[int]  # the page ids holding the prefix, in order: num_tokens // page_size of them
+
+    @property
+    def num_tokens(self) -> int:
+        return self.handle.num_tokens
+
+
+@dataclass(frozen=True)
+class InsertResult:
+    """What :meth:`BasePrefixCache.insert` did with a request's pages."""
+
+    num_already_cached: int  # leading tokens the cache held before: the request's pages for
+                             # them are duplicates, and the caller frees them
+    handle: CacheHandle      # the prefix the cache now holds for these tokens (it owns the pages)
+
+
+class BasePrefixCache(ABC):
+    """A policy that keeps KV pages alive after their request is done, to share them later.
+
+    The scheduler (chapter 9) talks to the cache in whole pages, in four moves:
+
+    1. ``match_prefix(tokens)`` when a request arrives: the longest cached prefix of its tokens,
+       and the pages that hold its K/V. The request copies those page ids into its page table
+       row and computes only the rest.
+    2. ``lock(handle)`` while the request runs, ``unlock(handle)`` when it is done: a locked
+       prefix is never evicted, because a running request is reading its pages.
+    3. ``insert(tokens, pages)`` when the request finishes: the cache takes over the pages of
+       the prefix it decides to keep; the caller frees the duplicates (``num_already_cached``)
+       and every page past ``handle.num_tokens``.
+    4. ``evict(num_pages)`` when the allocator runs short: unlocked cached pages go back.
+
+    Chapter 9's cache keeps nothing (every match is empty, every insert keeps nothing), which
+    makes the scheduler's bookkeeping the same with and without prefix sharing. Chapter 11's
+    radix cache keeps every shared prefix, evicting the least recently used first.
+    """
+
+    @abstractmethod
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """The longest cached prefix of ``token_ids`` (whole pages only). Changes nothing."""
+
+    @abstractmethod
+    def lock(self, handle: CacheHandle) -> None:
+        """Protect the prefix behind ``handle`` from eviction (locks nest: count them)."""
+
+    @abstractmethod
+    def unlock(self, handle: CacheHandle) -> None:
+        """Undo one :meth:`lock`."""
+
+    @abstractmethod
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> InsertResult:
+        """Offer the K/V of ``token_ids`` (held in ``pages``, ``page_size`` tokens each)."""
+
+    @abstractmethod
+    def evict(self, num_pages: int) -> list[int]:
+        """Give back at least ``num_pages`` unlocked pages (fewer only if fewer exist)."""
+
+    @property
+    @abstractmethod
+    def num_evictable_pages(self) -> int:
+        """Pages the cache holds that no running request has locked."""
+
+    @property
+    @abstractmethod
+    def num_locked_pages(self) -> int:
+        """Pages the cache holds that some running request has locked."""
+# --8<-- [end:prefix_cache_seam]

@@ -1,0 +1,143 @@
+"""The KV pool for multi-head (and grouped-query) attention: one K and one V tensor per layer.
+
+The whole cache is allocated once, when the engine starts, as a single block of memory sized to
+what the device can spare. Requests never allocate KV memory of their own; they borrow pages of
+this block through the page allocator and give them back when they finish. That is what makes
+the memory use of the engine flat and predictable however requests come and go.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from minisgl.kvcache.base import BaseKVPool
+from minisgl.utils.logger import get_logger
+
+if TYPE_CHECKING:
+    from minisgl.models.config import ModelConfig
+
+logger = get_logger(__name__)
+
+
+def _check_positive(**values: int) -> None:
+    for name, value in values.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise ValueError(f"{name} must be a positive integer, got {value!r}")
+
+
+class MHAKVPool(BaseKVPool):
+    """Keys and values of every layer, ``page_size`` token slots per page.
+
+    Args:
+        num_layers: transformer layers; each gets its own K and V tensor.
+        num_kv_heads: KV heads *on this device* (under tensor parallelism, chapter 17, each
+            rank passes its share).
+        head_dim: features per head.
+        num_pages: pages in the pool.
+        page_size: token slots per page (1 and 16 are the usual choices).
+        dtype: the dtype the vectors are stored in (the model's activation dtype).
+        device: where the pool lives.
+    """
+
+    # --8<-- [start:pool_layout]
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
+                 page_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        _check_positive(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
+                        num_pages=num_pages, page_size=page_size)
+        self._num_pages, self._page_size = num_pages, page_size
+        # One allocation for everything: [K or V, layer, slot, head, feature]. A single block
+        # is one call to the allocator, and its size is exactly what the budget said.
+        # Zeros, not torch.empty: a slot that was never written (a padded batch entry, a bug)
+        # then reads as harmless zeros instead of leftover bytes that may decode as NaN.
+        self._kv = torch.zeros((2, num_layers, num_pages * page_size, num_kv_heads, head_dim),
+                               dtype=dtype, device=device)
+
+    def k_cache(self, layer_id: int) -> torch.Tensor:
+        return self._kv[0, layer_id]  # [num_slots, num_kv_heads, head_dim], a view
+
+    def v_cache(self, layer_id: int) -> torch.Tensor:
+        return self._kv[1, layer_id]
+    # --8<-- [end:pool_layout]
+
+    # --8<-- [start:store_kv]
+    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor,
+                 layer_id: int) -> None:
+        """Write the new tokens' K/V (``[T, num_kv_heads, head_dim]``) to slots ``out_loc[:T]``.
+
+        ``out_loc`` comes from the page table (:meth:`PageTable.token_slots`). The write is a
+        scatter: the T rows land wherever their slots are, in any order, in one operation.
+        """
+        if k.shape != v.shape or k.shape[0] != out_loc.shape[0]:
+            raise ValueError(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)} and out_loc "
+                             f"{tuple(out_loc.shape)} must agree on the number of tokens")
+        # .to() is free when the dtypes already match; the cast covers a float32 computation
+        # feeding a bfloat16 cache (index assignment refuses mixed dtypes).
+        self.k_cache(layer_id)[out_loc] = k.to(self.dtype)
+        self.v_cache(layer_id)[out_loc] = v.to(self.dtype)
+    # --8<-- [end:store_kv]
+
+    @property
+    def num_layers(self) -> int:
+        return self._kv.shape[1]
+
+    @property
+    def num_kv_heads(self) -> int:
+        return self._kv.shape[3]
+
+    @property
+    def head_dim(self) -> int:
+        return self._kv.shape[4]
+
+    @property
+    def num_pages(self) -> int:
+        return self._num_pages
+
+    @property
+    def page_size(self) -> int:
+        return self._page_size
+
+    @property
+    def device(self) -> torch.device:
+        return self._kv.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self._kv.dtype
+
+    # --8<-- [start:pool_sizing]
+    @property
+    def bytes_per_token(self) -> int:
+        """Bytes one token slot takes over all layers, K and V together."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * self._kv.element_size()
+
+    @property
+    def num_bytes(self) -> int:
+        """Bytes the whole pool occupies."""
+        return self._kv.numel() * self._kv.element_size()
+
+    @staticmethod
+    def num_pages_for_budget(budget_bytes: int, model_config: ModelConfig, page_size: int,
+                             dtype: torch.dtype) -> int:
+        """How many whole pages of ``page_size`` tokens fit in ``budget_bytes`` of memory.
+
+        A page costs ``page_size`` tokens' worth of K and V in every layer:
+        ``page_size * model_config.kv_bytes_per_token(dtype)`` bytes. What is left over after
+        the last whole page stays unused.
+        """
+        _check_positive(page_size=page_size)
+        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
+            raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
+        return budget_bytes // (page_size * model_config.kv_bytes_per_token(dtype))
+
+    @classmethod
+    def from_config(cls, model_config: ModelConfig, num_pages: int, page_size: int,
+                    dtype: torch.dtype, device: torch.device | str) -> MHAKVPool:
+        """A pool shaped for ``model_config`` (all of its KV heads: a single-device engine)."""
+        pool = cls(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+                   num_pages, page_size, dtype, device)
+        logger.info("KV pool: %d pages x %d tokens = %d token slots, %.1f MiB on %s",
+                    num_pages, page_size, pool.num_slots, pool.num_bytes / 2**20, pool.device)
+        return pool
+    # --8<-- [end:pool_sizing]

@@ -1,0 +1,145 @@
+"""Attention: the layer every model uses, and the backend seam that computes it.
+
+The attention *layer* is the same in every chapter: split the fused qkv projection into
+queries, keys and values, normalise them (Qwen3's qk-norm), rotate them (RoPE), and hand them
+to the attention *backend*. What the backend does with them changes as the book goes on:
+
+* here (chapter 3) :class:`DenseCausalAttention` treats the whole input as one sequence and
+  keeps nothing: the model computes logits for a prompt, which is all we need to compare
+  against transformers;
+* chapter 4 adds a contiguous KV cache so generation does not recompute the past;
+* chapter 6 adds paged backends that serve many sequences at once.
+
+All of them implement :class:`AttentionBackend`, and :func:`use_attention_backend` selects the
+one in effect, so the model code never changes when the backend does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Protocol
+
+import torch
+from torch import nn
+
+from minisgl.distributed import get_tp_info
+
+from .base import divide, local_kv_heads
+from .norm import RMSNorm
+from .rotary import RotaryEmbedding
+
+
+# --8<-- [start:backend_protocol]
+class AttentionBackend(Protocol):
+    """Computes attention outputs from rotated queries, keys and values.
+
+    ``q`` is [T, num_qo_heads, head_dim] and ``k``/``v`` are [T, num_kv_heads, head_dim] for the
+    T tokens of this forward pass (local heads, under tensor parallelism); the result is
+    [T, num_qo_heads, head_dim]. ``layer_id`` tells a caching backend which layer's cache to use.
+    """
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+    ) -> torch.Tensor: ...
+# --8<-- [end:backend_protocol]
+
+
+# --8<-- [start:dense_causal_attention]
+class DenseCausalAttention:
+    """The reference backend: one sequence, causal mask, no cache.
+
+    Token ``t`` attends to tokens ``0..t`` of the same forward pass. Keys and values are shared
+    by groups of query heads (grouped-query attention), so each KV head is repeated for its
+    group. Scores and softmax are computed in float32: a softmax over thousands of bfloat16
+    scores would lose the small probabilities that still add up.
+    """
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+    ) -> torch.Tensor:
+        num_tokens, num_qo_heads, head_dim = q.shape
+        group = num_qo_heads // k.shape[1]
+        k = k.repeat_interleave(group, dim=1)  # [T, Hq, D]: query head h reads KV head h // group
+        v = v.repeat_interleave(group, dim=1)
+        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * head_dim**-0.5
+        future = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).triu(1)
+        scores = scores.masked_fill(future, float("-inf"))  # no peeking at later tokens
+        probs = scores.softmax(dim=-1)
+        out = torch.einsum("hqk,khd->qhd", probs, v.float())
+        return out.to(q.dtype)
+# --8<-- [end:dense_causal_attention]
+
+
+# --8<-- [start:backend_context]
+# The backend in effect. A plain module variable rather than a thread-local: the model may run
+# on a worker thread (chapter 12) and must see the backend the engine installed.
+_current_backend: AttentionBackend = DenseCausalAttention()
+
+
+def get_attention_backend() -> AttentionBackend:
+    """The backend :class:`AttentionLayer` calls right now."""
+    return _current_backend
+
+
+@contextlib.contextmanager
+def use_attention_backend(backend: AttentionBackend) -> Iterator[AttentionBackend]:
+    """Run the ``with`` block's forward passes through ``backend``; restore the previous after."""
+    global _current_backend
+    previous = _current_backend
+    _current_backend = backend
+    try:
+        yield backend
+    finally:
+        _current_backend = previous
+# --8<-- [end:backend_context]
+
+
+# --8<-- [start:attention_layer]
+class AttentionLayer(nn.Module):
+    """qkv -> split -> qk-norm -> RoPE -> backend -> attention output.
+
+    Head counts are the model's (global) ones; the layer works on this rank's share, the same
+    share :class:`~minisgl.layers.linear.QKVParallelLinear` produces. ``q_norm``/``k_norm``
+    (Qwen3) normalise each head's vector before the rotation; models without them pass None.
+    """
+
+    def __init__(
+        self,
+        layer_id: int,
+        num_qo_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        rope: RotaryEmbedding,
+        q_norm: RMSNorm | None = None,
+        k_norm: RMSNorm | None = None,
+    ) -> None:
+        super().__init__()
+        if num_qo_heads % num_kv_heads != 0:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
+                             f"num_kv_heads ({num_kv_heads})")
+        tp_size = get_tp_info().size
+        self.layer_id = layer_id
+        self.head_dim = head_dim
+        self.num_qo_heads = divide(num_qo_heads, tp_size, "num_qo_heads")  # local counts
+        self.num_kv_heads = local_kv_heads(num_kv_heads, tp_size)
+        self.rope = rope
+        self.q_norm = q_norm
+        self.k_norm = k_norm
+
+    def forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``qkv`` [T, (Hq + 2*Hkv) * D] and ``positions`` [T] -> attention output [T, Hq * D]."""
+        num_tokens = qkv.shape[0]
+        q_size, kv_size = self.num_qo_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_qo_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q = self.q_norm(q)  # RMSNorm over head_dim, one scale vector shared by all heads
+        if self.k_norm is not None:
+            k = self.k_norm(k)
+        q, k = self.rope(positions, q, k)
+        out = get_attention_backend().forward(q, k, v, self.layer_id)
+        return out.reshape(num_tokens, q_size)
+# --8<-- [end:attention_layer]

@@ -1,0 +1,128 @@
+"""The token embedding and the LM head, split over tensor-parallel ranks by vocabulary rows.
+
+Both are ``[vocab_size, hidden_size]`` matrices: the embedding looks rows up by token id, the
+LM head multiplies by the matrix to score every token. Vocabularies are large (151,936 entries
+for Qwen3), so under tensor parallelism each rank keeps a contiguous block of rows. Many small
+models (tiny-qwen3 among them) *tie* the two: the LM head reuses the embedding matrix, and the
+checkpoint stores it once.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from minisgl.distributed import all_reduce
+
+from .base import BaseLayer, ShardId, copy_checked, new_parameter, take_slice
+
+
+@dataclass(frozen=True)
+class VocabShard:
+    """The vocabulary rows ``[start, end)`` one rank holds, padded to ``padded_rows`` rows.
+
+    Every rank allocates the same number of rows (the vocabulary size divided by the rank count,
+    rounded up) so the ranks' logits can be laid side by side; the last rank's spare rows stay 0.
+    """
+
+    start: int
+    end: int
+    padded_rows: int
+
+    @classmethod
+    def for_rank(cls, vocab_size: int, tp_rank: int, tp_size: int) -> VocabShard:
+        padded_rows = -(-vocab_size // tp_size)  # ceil division
+        start = min(tp_rank * padded_rows, vocab_size)
+        end = min(start + padded_rows, vocab_size)
+        return cls(start, end, padded_rows)
+
+    @property
+    def rows(self) -> int:
+        return self.end - self.start
+
+
+class _VocabParallelBase(BaseLayer):
+    """The bookkeeping both vocabulary-sharded layers share."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__()
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.shard = VocabShard.for_rank(num_embeddings, self.tp_rank, self.tp_size)
+
+    def load_weight(
+        self, loaded: torch.Tensor, shard_id: ShardId = None, param_name: str = "weight"
+    ) -> None:
+        what = f"{type(self).__name__}.{param_name}"
+        src = take_slice(loaded, 0, self.shard.start, self.shard.rows, self.num_embeddings, what)
+        with torch.no_grad():
+            self.weight[self.shard.rows:].zero_()  # padding rows: never looked up, score 0
+        copy_checked(self.weight[: self.shard.rows], src, what)
+
+    def extra_repr(self) -> str:
+        return (f"vocab={self.num_embeddings}, dim={self.embedding_dim}, "
+                f"rows=[{self.shard.start}, {self.shard.end}), tp={self.tp_rank}/{self.tp_size}")
+
+
+# --8<-- [start:vocab_embedding]
+class VocabParallelEmbedding(_VocabParallelBase):
+    """Token id -> hidden vector, with the vocabulary rows split across ranks.
+
+    A rank can only look up ids inside its own block. It returns zeros for the other ids, and the
+    all-reduce (a sum) fills each position in from the one rank that owns that id.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        self.weight = new_parameter(self.shard.padded_rows, embedding_dim)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        owned = (input_ids >= self.shard.start) & (input_ids < self.shard.end)
+        local_ids = torch.where(owned, input_ids - self.shard.start, 0)
+        hidden = F.embedding(local_ids, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
+        return all_reduce(hidden)
+# --8<-- [end:vocab_embedding]
+
+
+# --8<-- [start:lm_head]
+class ParallelLMHead(_VocabParallelBase):
+    """Hidden vector -> one score (logit) per vocabulary entry.
+
+    ``tie_to`` makes the head share the embedding's parameter object. The checkpoint then has no
+    ``lm_head.weight``, and PyTorch lists the shared tensor once, under the embedding's name,
+    which is how the weight loader knows not to expect a second copy.
+    """
+
+    def __init__(
+        self,
+        num_embeddings: int,
+        embedding_dim: int,
+        tie_to: VocabParallelEmbedding | None = None,
+    ) -> None:
+        super().__init__(num_embeddings, embedding_dim)
+        if tie_to is None:
+            self.weight = new_parameter(self.shard.padded_rows, embedding_dim)
+        else:
+            if (tie_to.num_embeddings, tie_to.embedding_dim) != (num_embeddings, embedding_dim):
+                raise ValueError(
+                    f"cannot tie an LM head of shape ({num_embeddings}, {embedding_dim}) to an "
+                    f"embedding of shape ({tie_to.num_embeddings}, {tie_to.embedding_dim})"
+                )
+            self.weight = tie_to.weight  # the same Parameter object, not a copy
+        self.tied = tie_to is not None
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)  # [T, padded_rows]: scores for our block only
+        if self.tp_size == 1:
+            return logits
+        # Lay every rank's block side by side. Summing zero-padded blocks with all-reduce is an
+        # all-gather written with the one collective the layers use.
+        rows = self.shard.padded_rows
+        gathered = logits.new_zeros(logits.shape[0], rows * self.tp_size)
+        gathered[:, self.tp_rank * rows : (self.tp_rank + 1) * rows] = logits
+        return all_reduce(gathered)[:, : self.num_embeddings]
+# --8<-- [end:lm_head]

@@ -1,0 +1,227 @@
+"""Rotary position embeddings (RoPE) and the scalings that stretch them to longer contexts.
+
+RoPE encodes a token's position by *rotating* its query and key vectors: the ``rotary_dim``
+features are read as ``rotary_dim / 2`` pairs, and pair ``i`` of a token at position ``p`` is
+turned by the angle ``p * inv_freq[i]``. A dot product of two rotated vectors then depends only
+on the *difference* of their positions, which is what attention needs. The frequencies fall
+geometrically, ``inv_freq[i] = base ** (-2i / rotary_dim)``: the first pairs spin fast (local
+order), the last ones slowly (long range).
+
+A model trained on contexts of length ``L`` has never seen angles beyond ``L * inv_freq``.
+The scaling methods (``linear``, ``llama3``, ``yarn``) change ``inv_freq`` (and, for YaRN, the
+magnitude of cos/sin) so a longer context maps onto angles the model knows. They run once, at
+construction; the forward pass is the same for all of them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+
+# --8<-- [start:inv_freq]
+def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
+    """The unscaled RoPE frequencies ``base ** (-2i / rotary_dim)``, in float32."""
+    exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
+    return 1.0 / (base ** exponents)
+# --8<-- [end:inv_freq]
+
+
+class RotaryEmbedding(nn.Module):
+    """Applies RoPE to queries and keys, reading cos/sin from a table built once.
+
+    The table holds ``cos`` and ``sin`` of ``position * inv_freq`` for every position below
+    ``max_position``: a lookup per token at run time instead of recomputing trigonometry in
+    every layer. It is a buffer (moves with ``.to(device)``) that is not saved with the weights.
+    """
+
+    # --8<-- [start:rope_cache]
+    def __init__(
+        self,
+        head_dim: int,
+        rotary_dim: int,
+        max_position: int,
+        inv_freq: torch.Tensor,
+        attention_scaling: float = 1.0,
+    ) -> None:
+        super().__init__()
+        if rotary_dim % 2 != 0 or not 0 < rotary_dim <= head_dim:
+            raise ValueError(f"rotary_dim must be even and in (0, head_dim={head_dim}], "
+                             f"got {rotary_dim}")
+        if inv_freq.shape != (rotary_dim // 2,):
+            raise ValueError(f"inv_freq must have rotary_dim/2={rotary_dim // 2} entries, "
+                             f"got shape {tuple(inv_freq.shape)}")
+        self.head_dim = head_dim
+        self.rotary_dim = rotary_dim
+        self.max_position = max_position
+        positions = torch.arange(max_position, dtype=torch.float32)
+        angles = positions[:, None] * inv_freq.float()[None, :]  # [max_position, rotary_dim/2]
+        # Always float32, whatever the model's dtype: angles reach thousands of radians, and
+        # bfloat16 (8 significant bits) cannot even tell position 4000 from 4001.
+        # YaRN's attention_scaling multiplies both cos and sin, i.e. it lengthens q and k.
+        self.register_buffer("cos_cache", angles.cos() * attention_scaling, persistent=False)
+        self.register_buffer("sin_cache", angles.sin() * attention_scaling, persistent=False)
+    # --8<-- [end:rope_cache]
+
+    # --8<-- [start:rope_apply]
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """Rotate ``x`` [T, H, head_dim] by the per-token angles in ``cos``/``sin`` [T, 1, d/2]."""
+        rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
+        # Pairs are (feature i, feature i + rotary_dim/2): the "half split" layout that
+        # Hugging Face Llama/Qwen checkpoints are trained with (not adjacent pairs 2i, 2i+1).
+        # The arithmetic runs in float32 and is rounded to x's dtype once, at the end.
+        x1, x2 = rot.float().chunk(2, dim=-1)
+        rotated = torch.cat((x1 * cos - x2 * sin, x2 * cos + x1 * sin), dim=-1).to(x.dtype)
+        if passthrough.shape[-1] == 0:
+            return rotated
+        return torch.cat((rotated, passthrough), dim=-1)
+
+    def forward(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Return ``q`` and ``k`` rotated to their tokens' ``positions`` ([T] integers).
+
+        ``q`` and ``k`` may be [T, H*head_dim] or [T, H, head_dim] (with different H for q and
+        k under grouped-query attention); the results have the input shapes. Positions must be
+        below ``max_position``.
+        """
+        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim/2], shared by heads
+        sin = self.sin_cache[positions].unsqueeze(1)
+        q_rot = self._rotate(q.view(q.shape[0], -1, self.head_dim), cos, sin)
+        k_rot = self._rotate(k.view(k.shape[0], -1, self.head_dim), cos, sin)
+        return q_rot.view(q.shape), k_rot.view(k.shape)
+    # --8<-- [end:rope_apply]
+
+    def extra_repr(self) -> str:
+        return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
+                f"max_position={self.max_position}")
+
+
+# --- scalings: each returns (inv_freq, attention_scaling) -----------------------------------
+
+Scaled = tuple[torch.Tensor, float]
+
+# --8<-- [start:linear_scaling]
+def _linear_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> Scaled:
+    """Position interpolation: divide every frequency by ``factor`` (positions squeezed by it)."""
+    return default_inv_freq(rotary_dim, base) / params["factor"], 1.0
+# --8<-- [end:linear_scaling]
+
+
+# --8<-- [start:llama3_scaling]
+def _llama3_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> Scaled:
+    """Llama 3.1's scaling: slow down only the low frequencies, and blend in between.
+
+    A pair whose wavelength (``2*pi / inv_freq`` tokens) is short compared with the original
+    context already saw every angle in training: keep it. One whose wavelength exceeds the
+    original context never completed a turn: divide its frequency by ``factor``. Between
+    ``orig / high_freq_factor`` and ``orig / low_freq_factor`` tokens, interpolate linearly.
+    """
+    factor = params["factor"]
+    low_freq_factor = params["low_freq_factor"]
+    high_freq_factor = params["high_freq_factor"]
+    original_max = params["original_max_position_embeddings"]
+
+    inv_freq = default_inv_freq(rotary_dim, base)
+    wavelength = 2 * math.pi / inv_freq
+    if low_freq_factor == high_freq_factor:  # no blending band: a hard switch
+        return torch.where(wavelength < original_max / high_freq_factor,
+                           inv_freq, inv_freq / factor), 1.0
+    # smooth = 1 keeps the frequency, 0 divides it by factor; clamping covers both outer bands.
+    smooth = (original_max / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
+    smooth = smooth.clamp(0.0, 1.0)
+    return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
+# --8<-- [end:llama3_scaling]
+
+
+# --8<-- [start:yarn_scaling]
+def _yarn_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> Scaled:
+    """YaRN: interpolate slow pairs, keep fast ones, ramp in between; and sharpen attention.
+
+    The ramp is measured in rotations over the original context: pairs that turn more than
+    ``beta_fast`` times keep their frequency, pairs that turn fewer than ``beta_slow`` times are
+    divided by ``factor``. Stretching the context also flattens attention scores, so cos and sin
+    are multiplied by ``attention_factor`` (``0.1 * ln(factor) + 1`` unless given).
+    """
+    original_max = params["original_max_position_embeddings"]
+    factor = params["factor"]
+    beta_fast = params.get("beta_fast") or 32.0
+    beta_slow = params.get("beta_slow") or 1.0
+
+    def mscale(scale: float, m: float = 1.0) -> float:
+        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
+
+    attention_factor = params.get("attention_factor")
+    if attention_factor is None:
+        if params.get("mscale") and params.get("mscale_all_dim"):
+            attention_factor = (mscale(factor, params["mscale"])
+                                / mscale(factor, params["mscale_all_dim"]))
+        else:
+            attention_factor = mscale(factor)
+
+    def dim_for_rotations(num_rotations: float) -> float:
+        # The feature index whose pair turns num_rotations times over original_max tokens.
+        return (rotary_dim * math.log(original_max / (num_rotations * 2 * math.pi))
+                / (2 * math.log(base)))
+
+    low, high = dim_for_rotations(beta_fast), dim_for_rotations(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001  # avoid dividing by zero in the ramp
+
+    powers = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
+    keep = 1.0 / powers  # extrapolate: the original frequency
+    interpolate = 1.0 / (factor * powers)
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep_weight = 1 - ramp  # 1 for the fast pairs at the start, 0 for the slow ones at the end
+    return interpolate * (1 - keep_weight) + keep * keep_weight, float(attention_factor)
+# --8<-- [end:yarn_scaling]
+
+
+_SCALINGS: dict[str, Callable[[int, float, Mapping[str, Any]], Scaled]] = {
+    "linear": _linear_scaling,
+    "llama3": _llama3_scaling,
+    "yarn": _yarn_scaling,
+}
+SUPPORTED_ROPE_TYPES = ("default", *_SCALINGS)
+
+
+# --8<-- [start:get_rope]
+def get_rope(
+    head_dim: int,
+    rotary_dim: int,
+    max_position: int,
+    base: float,
+    rope_scaling: Mapping[str, Any] | None = None,
+) -> RotaryEmbedding:
+    """Build the :class:`RotaryEmbedding` a config describes.
+
+    ``rope_scaling`` is the checkpoint's ``rope_scaling`` (or ``rope_parameters``) dict, or
+    ``None``. Its ``rope_type`` (older configs: ``type``) picks the scaling; unknown keys such
+    as ``rope_theta`` are ignored. The table is built on the current default device.
+    """
+    rope_type = "default"
+    if rope_scaling:
+        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    if rope_type == "default":
+        inv_freq, attention_scaling = default_inv_freq(rotary_dim, base), 1.0
+    elif rope_type in _SCALINGS:
+        assert rope_scaling is not None
+        # As in transformers: a missing original context length means "the one in the config".
+        params = {"original_max_position_embeddings": max_position, **rope_scaling}
+        try:
+            inv_freq, attention_scaling = _SCALINGS[rope_type](rotary_dim, base, params)
+        except KeyError as missing:
+            raise ValueError(f"rope_scaling of type {rope_type!r} lacks the key {missing}; "
+                             f"got {dict(rope_scaling)}") from None
+    else:
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: "
+                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+    return RotaryEmbedding(head_dim, rotary_dim, max_position, inv_freq, attention_scaling)
+# --8<-- [end:get_rope]

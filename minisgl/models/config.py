@@ -1,0 +1,293 @@
+"""A checkpoint's ``config.json``, parsed into the numbers the engine is built from.
+
+Every tensor shape in the engine comes from here: the embedding is ``vocab_size x hidden_size``,
+each layer's q/k/v projections are ``num_qo_heads * head_dim`` and ``num_kv_heads * head_dim``
+wide, the KV cache holds ``num_layers x 2 x num_kv_heads x head_dim`` numbers per token. So
+the config is parsed once, at the edge, checked for consistency, and frozen.
+
+The parser reads ``config.json`` itself rather than going through ``transformers.AutoConfig``:
+it is fast, it fills in no model-class defaults that we did not ask for, and it states exactly
+which keys the engine depends on. Both spellings that transformers has used for the rotary
+settings are accepted (``rope_theta`` + ``rope_scaling`` before version 5, ``rope_parameters``
+from version 5 on), and so are both spellings of the dtype (``torch_dtype``, ``dtype``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Any
+
+from minisgl.utils.hf import load_hf_config
+
+if TYPE_CHECKING:
+    import torch
+
+# Bytes per element of the dtypes a KV cache is kept in; spelled as in config.json / torch.
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2, "float8_e4m3fn": 1, "float8_e5m2": 1}
+
+# The config.json key behind each field, so an error names what the user can actually edit.
+_JSON_KEY = {
+    "num_layers": "num_hidden_layers",
+    "num_qo_heads": "num_attention_heads",
+    "num_kv_heads": "num_key_value_heads",
+}
+
+
+class ConfigError(ValueError):
+    """A ``config.json`` is missing a key the engine needs, or its values do not fit together."""
+
+
+def dtype_bytes(dtype: str | torch.dtype) -> int:
+    """Bytes per element of ``dtype``, given by name (``"bfloat16"``) or as a torch.dtype."""
+    if isinstance(dtype, str):
+        name = dtype.removeprefix("torch.")
+        if name not in DTYPE_BYTES:
+            raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
+        return DTYPE_BYTES[name]
+    itemsize = getattr(dtype, "itemsize", None)  # torch.dtype has it; no torch import needed
+    if not isinstance(itemsize, int):
+        raise TypeError(f"expected a dtype name or a torch.dtype, got {dtype!r}")
+    return itemsize
+
+
+# --8<-- [start:rotary_config]
+@dataclass(frozen=True)
+class RotaryConfig:
+    """What the rotary embedding layer needs (chapter 2 builds it from this)."""
+
+    head_dim: int
+    rotary_dim: int  # how many of the head_dim features rotate; all of them unless partial
+    max_position: int
+    base: float  # rope_theta: the wavelength scale of the slowest-rotating pair
+    scaling: Mapping[str, Any] | None  # None, or {"rope_type": "linear"|"llama3"|"yarn", ...}
+# --8<-- [end:rotary_config]
+
+
+# --8<-- [start:model_config]
+@dataclass(frozen=True)
+class ModelConfig:
+    """The architecture of one checkpoint, validated; see :meth:`from_dict` for the keys read."""
+
+    # shapes: these decide every weight tensor and the KV cache
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    # numerics and positions
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: Mapping[str, Any] | None = None
+    partial_rotary_factor: float = 1.0
+    hidden_act: str = "silu"
+    # wiring
+    architectures: tuple[str, ...] = ()
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    torch_dtype: str | None = None  # the dtype the weights were published in
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    # mixture of experts (chapter 18); all zero for a dense model
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False
+    # every key of config.json, for a later architecture that needs one not listed above
+    raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
+# --8<-- [end:model_config]
+
+    # --8<-- [start:post_init]
+    def __post_init__(self) -> None:
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_qo_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"{_JSON_KEY.get(name, name)} must be a positive integer, "
+                                  f"got {value!r}")
+        if self.num_qo_heads % self.num_kv_heads:
+            raise ConfigError(
+                f"num_attention_heads ({self.num_qo_heads}) must be a multiple of "
+                f"num_key_value_heads ({self.num_kv_heads}): each KV head serves a whole "
+                "group of query heads")
+        if self.head_dim % 2:
+            raise ConfigError(f"head_dim must be even (rotary embedding turns pairs of "
+                              f"features), got {self.head_dim}")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary.rotary_dim % 2:
+            raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} must be in "
+                              f"(0, 1] and give an even number of rotary features")
+        if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
+            raise ConfigError(f"rms_norm_eps ({self.rms_norm_eps}) and rope_theta "
+                              f"({self.rope_theta}) must be positive")
+        if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be "
+                              f"between 1 and num_experts ({self.num_experts})")
+    # --8<-- [end:post_init]
+
+    # --8<-- [start:derived]
+    @property
+    def group_size(self) -> int:
+        """Query heads per KV head: 1 is plain multi-head attention, more is GQA."""
+        return self.num_qo_heads // self.num_kv_heads
+
+    @property
+    def q_size(self) -> int:
+        """Width of the query projection's output (all heads side by side)."""
+        return self.num_qo_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        """Width of the key (and of the value) projection's output."""
+        return self.num_kv_heads * self.head_dim
+
+    @property
+    def is_moe(self) -> bool:
+        return self.num_experts > 0
+
+    @property
+    def rotary(self) -> RotaryConfig:
+        return RotaryConfig(
+            head_dim=self.head_dim,
+            rotary_dim=int(self.head_dim * self.partial_rotary_factor),
+            max_position=self.max_position_embeddings,
+            base=self.rope_theta,
+            scaling=self.rope_scaling,
+        )
+
+    def kv_bytes_per_token(self, dtype: str | torch.dtype) -> int:
+        """Bytes of KV cache one token occupies: a K and a V vector per KV head, in every layer."""
+        return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
+    # --8<-- [end:derived]
+
+    # --8<-- [start:from_dict]
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any], source: str = "config") -> ModelConfig:
+        """Parse a ``config.json`` dict; ``source`` (a file name) starts every error message."""
+        if not isinstance(d, Mapping):
+            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
+        get = _Reader(d, source)
+        hidden, heads = get.integer("hidden_size"), get.integer("num_attention_heads")
+        head_dim = get.integer("head_dim", None)
+        if head_dim is None:  # older configs: the heads split the hidden size evenly
+            if hidden % heads:
+                raise ConfigError(f"{source}: no head_dim, and hidden_size ({hidden}) is not "
+                                  f"divisible by num_attention_heads ({heads})")
+            head_dim = hidden // heads
+        theta, scaling, partial = _rope_settings(d, source)
+        values: dict[str, Any] = {
+            "model_type": get.text("model_type"),
+            "vocab_size": get.integer("vocab_size"),
+            "hidden_size": hidden,
+            "intermediate_size": get.integer("intermediate_size"),
+            "num_layers": get.integer("num_hidden_layers"),
+            "num_qo_heads": heads,
+            "num_kv_heads": get.integer("num_key_value_heads", heads),  # absent: plain multi-head
+            "head_dim": head_dim,
+            "rms_norm_eps": get.number("rms_norm_eps"),
+            "rope_theta": theta,
+            "rope_scaling": scaling,
+            "partial_rotary_factor": partial,
+            "max_position_embeddings": get.integer("max_position_embeddings"),
+            "hidden_act": get.text("hidden_act", "silu"),
+            "architectures": tuple(get.items("architectures", str)),
+            "tie_word_embeddings": get.flag("tie_word_embeddings", False),
+            "attention_bias": get.flag("attention_bias", False),
+            "torch_dtype": get.text("torch_dtype", None) or get.text("dtype", None),
+            "bos_token_id": get.integer("bos_token_id", None),
+            "eos_token_ids": tuple(get.items("eos_token_id", int)),  # one id, or a list of them
+            "num_experts": get.integer("num_experts", get.integer("num_local_experts", 0)),
+            "num_experts_per_tok": get.integer("num_experts_per_tok", 0),
+            "moe_intermediate_size": get.integer("moe_intermediate_size", 0),
+            "norm_topk_prob": get.flag("norm_topk_prob", False),
+            "raw": MappingProxyType(dict(d)),
+        }
+        try:
+            return cls(**values)
+        except ConfigError as exc:  # __post_init__ found values that do not fit together
+            raise ConfigError(f"{source}: {exc}") from None
+
+    @classmethod
+    def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
+        """Read ``config.json`` from a local checkpoint directory (resolve hub ids first)."""
+        config_file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
+        return cls.from_dict(load_hf_config(path), source=config_file)
+    # --8<-- [end:from_dict]
+
+
+_MISSING = object()
+
+
+class _Reader:
+    """Typed access to config.json keys, with errors that name the file and the key."""
+
+    def __init__(self, d: Mapping[str, Any], source: str) -> None:
+        self.d, self.source = d, source
+
+    def _get(self, key: str, default: Any, kinds: tuple[type, ...], expected: str) -> Any:
+        value = self.d.get(key)
+        if value is None:  # absent and JSON null mean the same: "not specified"
+            if default is _MISSING:
+                hint = ""
+                if "text_config" in self.d:
+                    hint = (" (this config keeps its language model under 'text_config'; "
+                            "multimodal checkpoints are not supported)")
+                raise ConfigError(f"{self.source}: missing required key {key!r}{hint}")
+            return default
+        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
+            raise ConfigError(f"{self.source}: {key} must be {expected}, got {value!r}")
+        return value
+
+    def integer(self, key: str, default: Any = _MISSING) -> Any:
+        return self._get(key, default, (int,), "an integer")
+
+    def number(self, key: str, default: Any = _MISSING) -> Any:
+        value = self._get(key, default, (int, float), "a number")
+        return value if value is default else float(value)
+
+    def flag(self, key: str, default: Any = _MISSING) -> Any:
+        return self._get(key, default, (bool,), "true or false")
+
+    def text(self, key: str, default: Any = _MISSING) -> Any:
+        return self._get(key, default, (str,), "a string")
+
+    def items(self, key: str, kind: type) -> list[Any]:
+        """An optional key holding one value of ``kind`` or a list of them, as a list."""
+        value = self._get(key, [], (kind, list), f"a {kind.__name__} or a list of them")
+        values = value if isinstance(value, list) else [value]
+        if any(isinstance(v, bool) or not isinstance(v, kind) for v in values):
+            raise ConfigError(f"{self.source}: {key} must hold {kind.__name__} values, "
+                              f"got {value!r}")
+        return values
+
+
+# --8<-- [start:rope_settings]
+def _rope_settings(d: Mapping[str, Any], source: str) -> tuple[float, dict[str, Any] | None, float]:
+    """(rope_theta, scaling or None, partial_rotary_factor) from either transformers spelling.
+
+    Before transformers 5: top-level ``rope_theta`` and an optional ``rope_scaling`` dict whose
+    kind is under ``type`` or ``rope_type``. From 5 on: one ``rope_parameters`` dict holding
+    ``rope_theta`` and ``rope_type`` (``"default"`` meaning no scaling) and the scaling's keys.
+    """
+    params = d.get("rope_parameters") or d.get("rope_scaling") or {}
+    if not isinstance(params, Mapping):
+        raise ConfigError(f"{source}: rope_parameters/rope_scaling must be an object, "
+                          f"got {params!r}")
+    params = dict(params)
+    theta = params.pop("rope_theta", None) or d.get("rope_theta")
+    if theta is None:
+        raise ConfigError(f"{source}: missing required key 'rope_theta' "
+                          "(or 'rope_theta' inside 'rope_parameters')")
+    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+        raise ConfigError(f"{source}: rope_theta must be a number, got {theta!r}")
+    partial = params.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
+    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
+    params.pop("type", None)
+    scaling = None if rope_type == "default" else {"rope_type": rope_type, **params}
+    return float(theta), scaling, float(partial)
+# --8<-- [end:rope_settings]

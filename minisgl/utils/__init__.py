@@ -1,0 +1,8 @@
+"""Small helpers shared by the whole engine, one concept per module.
+
+- ``logger``: ``get_logger(__name__)``, the only way the engine prints.
+- ``hf``: a ``--model`` argument turned into a local checkpoint directory; ``config.json`` read.
+
+Import from the modules themselves (``from minisgl.utils.logger import get_logger``): this
+package file re-exports nothing, so importing one helper never imports the others' dependencies.
+"""

@@ -1,0 +1,166 @@
+"""The book's site builds with no warnings and reads correctly in a real browser.
+
+`mkdocs build --strict` runs once into a temporary directory; the site is served from
+127.0.0.1 and pages are opened in headless Chromium, which loads them the way a reader's browser
+does (scripts, styles, images) and hands back the rendered DOM. Without Chromium the browser
+tests are skipped and say how to install it; the build itself is always checked.
+"""
+from __future__ import annotations
+
+import functools
+import importlib.util
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+# Building the site and starting a browser take several seconds each.
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+ARTIFACTS = ROOT / ".artifacts"  # screenshots, git-ignored
+BROWSER_TIMEOUT_S = 120
+CHROMIUM_NAMES = ("chromium", "chromium-browser", "google-chrome", "google-chrome-stable")
+NO_CHROMIUM = (
+    "no Chromium found (looked for /usr/bin/chromium and " + ", ".join(CHROMIUM_NAMES) + " on "
+    "PATH); install it, e.g. `apt-get install -y chromium`, to run the browser check"
+)
+# Pygments marks tokens with short classes: k keyword, n name, s2 string, nf function name, ...
+PYGMENTS_TOKEN = re.compile(r'<span class="(?:k|kn|n|nf|nb|s|s1|s2|o|p|mi|c1)">')
+
+
+def load_steps() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("_docs_site_steps", ROOT / "tools" / "steps.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # its dataclasses look the module up while it loads
+    spec.loader.exec_module(module)
+    return module
+
+
+def find_chromium() -> str | None:
+    if Path("/usr/bin/chromium").exists():
+        return "/usr/bin/chromium"
+    return next((path for name in CHROMIUM_NAMES if (path := shutil.which(name))), None)
+
+
+class QuietHandler(SimpleHTTPRequestHandler):
+    """Serves the built site; remembers every request so tests can see what the browser fetched."""
+
+    requests: list[tuple[str, int]]
+
+    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
+        self.requests.append((self.path, int(code) if str(code).isdigit() else 0))
+
+    def log_message(self, format: str, *args: object) -> None:  # no noise on stderr
+        pass
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The site, built with `mkdocs build --strict` into a temporary directory."""
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed (pip install -e '.[dev]')")
+    out = tmp_path_factory.mktemp("site") / "site"
+    env = dict(os.environ, NO_MKDOCS_2_WARNING="1")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(ROOT / "mkdocs.yml"),
+         "-d", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode == 0, f"mkdocs build --strict failed:\n{proc.stdout}\n{proc.stderr}"
+    return out
+
+
+@pytest.fixture(scope="module")
+def served(site: Path) -> Iterator[tuple[str, list[tuple[str, int]]]]:
+    """(base URL, log of (path, status) requests) of the site served on 127.0.0.1."""
+    log: list[tuple[str, int]] = []
+    handler = type("Handler", (QuietHandler,), {"requests": log})
+    server = ThreadingHTTPServer(("127.0.0.1", 0), functools.partial(handler, directory=str(site)))
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}", log
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def chromium(url: str, profile: Path, *extra: str) -> str:
+    """Run headless Chromium on `url` with `extra` flags; return its stdout."""
+    browser = find_chromium()
+    if browser is None:
+        pytest.skip(NO_CHROMIUM)
+    cmd = [
+        browser, "--headless", "--no-sandbox", "--disable-gpu", "--disable-quic",
+        "--no-first-run", "--disable-background-networking", "--disable-component-update",
+        "--disable-sync", f"--user-data-dir={profile}", "--window-size=1280,900",
+        "--virtual-time-budget=5000", *extra, url,
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=BROWSER_TIMEOUT_S)
+    assert proc.returncode == 0, f"chromium failed on {url}:\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def render(url: str, profile: Path, screenshot: str) -> str:
+    """The DOM of `url` after the browser ran its scripts; a screenshot lands in .artifacts/."""
+    ARTIFACTS.mkdir(exist_ok=True)
+    return chromium(url, profile, f"--screenshot={ARTIFACTS / screenshot}", "--dump-dom")
+
+
+def test_every_chapter_of_the_manifest_has_a_page(site: Path) -> None:
+    steps = load_steps()
+    manifest = steps.load_manifest(ROOT)
+    missing = [ch.name for ch in manifest.chapters
+               if not (site / "chapters" / ch.name / "index.html").exists()]
+    assert not missing, f"chapters without a page on the site: {missing}"
+    for page in ("tour", "setup", "practice", "reference"):
+        assert (site / page / "index.html").exists(), f"the site has no {page} page"
+
+
+def test_chapter_page_renders_with_title_navigation_and_code(
+    served: tuple[str, list[tuple[str, int]]], tmp_path: Path
+) -> None:
+    base, requests = served
+    ch = load_steps().load_manifest(ROOT).chapter("ch01")
+    dom = render(f"{base}/chapters/{ch.name}/", tmp_path, "ch01.png")
+
+    assert ch.title in dom, f"the page does not show the chapter's title {ch.title!r}"
+    assert 'class="md-nav' in dom and "Stage 1 · One model, one prompt" in dom, (
+        "the page has no navigation listing the stages"
+    )
+    assert "Stage 4 · Scaling out" in dom, "the navigation does not reach the last stage"
+    if ch.written and (ROOT / ch.page).exists():
+        python = re.search(r'class="language-python highlight".*?</pre>', dom, re.S)
+        assert python, "the chapter page has no Python code block"
+        assert PYGMENTS_TOKEN.search(python.group(0)), "its code is not highlighted by Pygments"
+        assert 'data-md-type="copy"' in dom, "code blocks have no copy button"
+    assert "fonts.googleapis.com" not in dom, "the page loads web fonts from the network"
+    failed = [(path, code) for path, code in requests if code >= 400]
+    assert not failed, f"the browser asked for files the site does not have: {failed}"
+
+
+def test_tour_shows_the_process_diagram_and_highlighted_code(
+    served: tuple[str, list[tuple[str, int]]], tmp_path: Path
+) -> None:
+    base, requests = served
+    dom = render(f"{base}/tour/", tmp_path, "tour.png")
+
+    diagram = re.search(r'<img[^>]+src="[^"]*process-flow\.svg"', dom)
+    assert diagram, "the tour has no process diagram"
+    fetched = [code for path, code in requests if path.endswith("process-flow.svg")]
+    assert fetched and all(code in (200, 304) for code in fetched), (
+        f"the browser could not load the diagram (responses: {fetched})"
+    )
+    python = re.search(r'class="language-python highlight".*?</pre>', dom, re.S)
+    assert python and PYGMENTS_TOKEN.search(python.group(0)), "the tour's Python is not highlighted"
+    for cdn in ("cdn.jsdelivr.net", "unpkg.com"):
+        assert cdn not in dom, f"the page loads scripts from {cdn}"

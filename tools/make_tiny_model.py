@@ -1,0 +1,517 @@
+"""Write a Hugging Face-format Qwen3 checkpoint with random weights, offline and reproducibly.
+
+    python tools/make_tiny_model.py                       # models/tiny-qwen3 (about 3M params)
+    python tools/make_tiny_model.py --like qwen3-0.6b     # models/qwen3-0.6b-like (0.6B, bf16)
+    python tools/make_tiny_model.py --out DIR --seed 1    # elsewhere, other random weights
+
+The directory holds what a real checkpoint holds: `config.json`, `generation_config.json`,
+`model.safetensors`, `tokenizer.json` and `tokenizer_config.json` (with a Qwen3-style chat
+template). Every file is a pure function of the arguments: two runs, on any machine, write the
+same bytes. The tokenizer and the chat template are read from `tools/assets/`, never retrained.
+
+The tiny model is the Qwen3 architecture at toy size, so everything in the book runs on a CPU in
+seconds and can be compared token for token with `transformers`. `--like qwen3-0.6b` gives
+Qwen3-0.6B's published shape (random weights, so its text is noise) for GPU benchmarks.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Tokenizer
+
+ROOT = Path(__file__).resolve().parent.parent
+ASSETS = Path(__file__).resolve().parent / "assets"
+TOKENIZER_ASSET = ASSETS / "tokenizer.json"
+CHAT_TEMPLATE_ASSET = ASSETS / "chat_template.jinja"
+
+SUPPORTED_ARCHS = ("qwen3",)
+PLANNED_ARCHS = ("qwen3-moe", "llama", "qwen2")  # chapter 18 adds these
+
+# Where Qwen3 puts its 26 added tokens; our 0.6b-like tokenizer uses the same ids, so prompts
+# and stop tokens look exactly like the real model's.
+QWEN3_FIRST_ADDED_ID = 151643
+
+
+# --8<-- [start:tiny_config]
+@dataclass(frozen=True)
+class ModelShape:
+    """The numbers that decide a Qwen3 model's tensors (everything else is fixed)."""
+
+    name: str  # default output directory under models/
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    vocab_size: int | None  # None: exactly the committed tokenizer's size
+    max_position_embeddings: int
+    dtype: str  # how the weights are stored: "float32" or "bfloat16"
+
+
+TINY_QWEN3 = ModelShape(
+    name="tiny-qwen3", hidden_size=256, intermediate_size=512, num_hidden_layers=4,
+    num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=None,
+    max_position_embeddings=4096, dtype="float32",
+)
+# Qwen3-0.6B's published config.json.
+QWEN3_0_6B = ModelShape(
+    name="qwen3-0.6b-like", hidden_size=1024, intermediate_size=3072, num_hidden_layers=28,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
+    max_position_embeddings=40960, dtype="bfloat16",
+)
+# --8<-- [end:tiny_config]
+
+LIKE = {"qwen3-0.6b": QWEN3_0_6B}
+
+
+# ----------------------------------------------------------------------------------------------
+# Tokenizer
+# ----------------------------------------------------------------------------------------------
+
+
+def load_base_tokenizer_json() -> dict[str, Any]:
+    """The committed byte-level BPE (ordinary tokens first, then Qwen3's 26 added tokens)."""
+    return json.loads(TOKENIZER_ASSET.read_text(encoding="utf-8"))
+
+
+def extend_tokenizer_json(base: dict[str, Any], vocab_size: int,
+                          first_added_id: int) -> dict[str, Any]:
+    """Grow `base` to exactly `vocab_size` ids with the added tokens at `first_added_id`.
+
+    A real checkpoint's embedding may have more rows than its tokenizer has tokens (Qwen3-0.6B:
+    151,936 rows), but a server must be able to decode any id a model emits. So every id gets a
+    token: new ordinary tokens are concatenations of two base tokens, taken in a fixed order
+    (shortest id sums first) and each learned as one more BPE merge. The added tokens move to
+    `first_added_id`; they are also entered in the BPE vocabulary at those ids, because the
+    tokenizers library numbers added tokens that are missing from the model after the model's
+    vocabulary, whatever id the file gives them.
+    """
+    added = base["added_tokens"]
+    vocab: dict[str, int] = dict(base["model"]["vocab"])
+    merges: list[list[str]] = [list(m) if isinstance(m, list) else m.split(" ")
+                               for m in base["model"]["merges"]]
+    ordinary = sorted(vocab, key=vocab.__getitem__)
+    if first_added_id < len(ordinary) or first_added_id + len(added) > vocab_size:
+        raise ValueError(f"cannot place {len(added)} added tokens at id {first_added_id} in a "
+                         f"vocabulary of {vocab_size} with {len(ordinary)} base tokens")
+
+    reserved = {first_added_id + i: tok["content"] for i, tok in enumerate(added)}
+    taken = set(vocab) | set(reserved.values())
+    free_ids = (i for i in range(len(ordinary), vocab_size) if i not in reserved)
+
+    def new_pairs() -> Iterator[tuple[str, str]]:
+        n = len(ordinary)
+        for total in range(2 * n - 1):  # pairs (a, b) with a + b == total, a ascending
+            for a in range(max(0, total - n + 1), min(total, n - 1) + 1):
+                yield ordinary[a], ordinary[total - a]
+
+    pairs = new_pairs()
+    for new_id in free_ids:
+        for left, right in pairs:
+            if left + right not in taken:
+                break
+        else:
+            raise ValueError(f"ran out of token pairs before reaching {vocab_size} ids")
+        taken.add(left + right)
+        vocab[left + right] = new_id
+        merges.append([left, right])
+
+    for new_id, content in reserved.items():
+        vocab[content] = new_id
+    out = dict(base)
+    out["added_tokens"] = [dict(tok, id=first_added_id + i) for i, tok in enumerate(added)]
+    out["model"] = dict(base["model"], vocab=dict(sorted(vocab.items(), key=lambda kv: kv[1])),
+                        merges=merges)
+    return out
+
+
+def build_tokenizer_json(shape: ModelShape) -> dict[str, Any]:
+    """The tokenizer.json contents for `shape`: the committed one, or it grown to the vocab."""
+    base = load_base_tokenizer_json()
+    if shape.vocab_size is None:
+        return base
+    return extend_tokenizer_json(base, shape.vocab_size, QWEN3_FIRST_ADDED_ID)
+
+
+def build_tokenizer(shape: ModelShape) -> Tokenizer:
+    """The `tokenizers.Tokenizer` that `shape`'s checkpoint ships with."""
+    return Tokenizer.from_str(json.dumps(build_tokenizer_json(shape)))
+
+
+def tokenizer_size(tokenizer_json: dict[str, Any]) -> int:
+    """How many ids the tokenizer defines (ordinary and added tokens; the highest id + 1)."""
+    ids = list(tokenizer_json["model"]["vocab"].values())
+    ids += [tok["id"] for tok in tokenizer_json["added_tokens"]]
+    return max(ids) + 1
+
+
+def added_token_ids(tokenizer_json: dict[str, Any]) -> dict[str, int]:
+    """Map each added token ("<|im_end|>", "<think>", ...) to its id."""
+    return {tok["content"]: tok["id"] for tok in tokenizer_json["added_tokens"]}
+
+
+# --8<-- [start:chat_template_use]
+def build_tokenizer_config(tokenizer_json: dict[str, Any], shape: ModelShape) -> dict[str, Any]:
+    """tokenizer_config.json: which tokens are special, the chat template, the length limit."""
+    added = tokenizer_json["added_tokens"]
+    return {
+        "add_bos_token": False,
+        "add_prefix_space": False,
+        "added_tokens_decoder": {
+            str(tok["id"]): {key: tok[key] for key in
+                             ("content", "lstrip", "normalized", "rstrip", "single_word",
+                              "special")}
+            for tok in added
+        },
+        "additional_special_tokens": [tok["content"] for tok in added
+                                      if tok["special"] and tok["content"] != "<|endoftext|>"],
+        "bos_token": None,
+        # The template file ends with a newline for editors; the template itself does not.
+        "chat_template": CHAT_TEMPLATE_ASSET.read_text(encoding="utf-8").rstrip("\n"),
+        "clean_up_tokenization_spaces": False,
+        "eos_token": "<|im_end|>",
+        "errors": "replace",
+        "model_max_length": shape.max_position_embeddings,
+        "pad_token": "<|endoftext|>",
+        "split_special_tokens": False,
+        # The generic fast tokenizer loads tokenizer.json exactly as written. (Naming
+        # Qwen2Tokenizer would make recent transformers rebuild the pipeline with Qwen's NFC
+        # normalizer, and decode(encode(s)) == s would no longer hold for every string.)
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "unk_token": None,
+    }
+# --8<-- [end:chat_template_use]
+
+
+# ----------------------------------------------------------------------------------------------
+# Config
+# ----------------------------------------------------------------------------------------------
+
+
+def build_config(shape: ModelShape, vocab_size: int, bos_token_id: int,
+                 eos_token_id: int) -> dict[str, Any]:
+    """config.json for a Qwen3ForCausalLM of `shape`, with the keys Qwen3's own file has."""
+    return {
+        "architectures": ["Qwen3ForCausalLM"],
+        "attention_bias": False,
+        "attention_dropout": 0.0,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "head_dim": shape.head_dim,
+        "hidden_act": "silu",
+        "hidden_size": shape.hidden_size,
+        "initializer_range": 0.02,
+        "intermediate_size": shape.intermediate_size,
+        "max_position_embeddings": shape.max_position_embeddings,
+        "max_window_layers": shape.num_hidden_layers,
+        "model_type": "qwen3",
+        "num_attention_heads": shape.num_attention_heads,
+        "num_hidden_layers": shape.num_hidden_layers,
+        "num_key_value_heads": shape.num_key_value_heads,
+        "rms_norm_eps": 1e-6,
+        "rope_scaling": None,
+        "rope_theta": 1000000.0,
+        "sliding_window": None,
+        "tie_word_embeddings": True,
+        "torch_dtype": shape.dtype,
+        # Qwen3's own value: the first release that knows Qwen3. Without any version here,
+        # transformers 5.x suspects a Mistral tokenizer and warns about its regex.
+        "transformers_version": "4.51.0",
+        "use_cache": True,
+        "use_sliding_window": False,
+        "vocab_size": vocab_size,
+    }
+
+
+def build_generation_config(bos_token_id: int, eos_token_ids: list[int],
+                            pad_token_id: int) -> dict[str, Any]:
+    """generation_config.json: which tokens end a reply. No sampling defaults, on purpose:
+    `transformers`' generate() then decodes greedily, the reference the tests compare to."""
+    return {"bos_token_id": bos_token_id, "eos_token_id": eos_token_ids,
+            "pad_token_id": pad_token_id}
+
+
+# ----------------------------------------------------------------------------------------------
+# Weights
+# ----------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """One checkpoint tensor: its name, its shape and how to fill it."""
+
+    name: str
+    shape: tuple[int, ...]
+    init: str  # "matrix": centred noise scaled to the fan-in; "norm": 1 plus a little noise
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+def weight_specs(config: dict[str, Any]) -> list[TensorSpec]:
+    """Every tensor of a Qwen3ForCausalLM checkpoint, named as Hugging Face names them.
+
+    The embedding is tied to the LM head, so there is no `lm_head.weight`.
+    """
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config["head_dim"]
+    q_size = config["num_attention_heads"] * head_dim
+    kv_size = config["num_key_value_heads"] * head_dim
+    specs = [TensorSpec("model.embed_tokens.weight", (config["vocab_size"], hidden), "matrix")]
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        specs += [
+            TensorSpec(p + "input_layernorm.weight", (hidden,), "norm"),
+            TensorSpec(p + "self_attn.q_proj.weight", (q_size, hidden), "matrix"),
+            TensorSpec(p + "self_attn.k_proj.weight", (kv_size, hidden), "matrix"),
+            TensorSpec(p + "self_attn.v_proj.weight", (kv_size, hidden), "matrix"),
+            TensorSpec(p + "self_attn.q_norm.weight", (head_dim,), "norm"),
+            TensorSpec(p + "self_attn.k_norm.weight", (head_dim,), "norm"),
+            TensorSpec(p + "self_attn.o_proj.weight", (hidden, q_size), "matrix"),
+            TensorSpec(p + "post_attention_layernorm.weight", (hidden,), "norm"),
+            TensorSpec(p + "mlp.gate_proj.weight", (inter, hidden), "matrix"),
+            TensorSpec(p + "mlp.up_proj.weight", (inter, hidden), "matrix"),
+            TensorSpec(p + "mlp.down_proj.weight", (hidden, inter), "matrix"),
+        ]
+    specs.append(TensorSpec("model.norm.weight", (hidden,), "norm"))
+    return specs
+
+
+# Every matrix gets std = MATRIX_GAIN / sqrt(its input width) (the embedding's is the hidden
+# size: tied, it is also the LM head). That is several times Hugging Face's initializer_range of
+# 0.02, on purpose: at 0.02 the random model's logits are nearly flat (std about 0.3) and greedy
+# decoding soon repeats one token forever. At this scale the logits spread out (std about 2),
+# greedy text keeps changing, and sampling has a real distribution to work on.
+MATRIX_GAIN = 2.0
+NORM_NOISE_STD = 0.1  # RMSNorm weights are 1 + this much noise, so the norms are not identities
+
+
+# --8<-- [start:portable_normal]
+def portable_normal(numel: int, std: float, generator: torch.Generator) -> torch.Tensor:
+    """`numel` float32 samples with mean 0 and standard deviation `std`, bell-shaped.
+
+    Why not torch.randn: its Box-Muller step uses log/sin/cos, whose last bits depend on the
+    CPU's vector instructions, so two machines would write different checkpoints. Instead each
+    sample is ONE random 30-bit integer read as three 10-bit digits; the sum of three uniform
+    digits is already close to a normal curve (the central limit theorem at work). Only exact
+    integer steps and one correctly rounded float multiply follow, so the bits are the same on
+    every machine. Sample i uses the generator's i-th draw, so generating a big tensor in
+    chunks gives exactly the values of generating it whole.
+    """
+    draws = torch.randint(0, 1 << 30, (numel,), generator=generator, dtype=torch.int32)
+    digits_sum = (draws & 1023) + ((draws >> 10) & 1023) + (draws >> 20)
+    # Each digit is uniform on 0..1023 (variance (1024^2 - 1) / 12), so 2 * sum - 3 * 1023 is
+    # centred with variance 1024^2 - 1, and is an exact integer.
+    centred = 2 * digits_sum - 3 * 1023
+    return centred.to(torch.float32) * (std / math.sqrt(1024**2 - 1))
+# --8<-- [end:portable_normal]
+
+
+def generate_tensor(spec: TensorSpec, dtype: torch.dtype, generator: torch.Generator,
+                    chunk_numel: int = 1 << 22) -> Iterator[torch.Tensor]:
+    """The values of `spec`, flattened, in chunks of at most `chunk_numel` elements."""
+    for start in range(0, spec.numel, chunk_numel):
+        n = min(chunk_numel, spec.numel - start)
+        if spec.init == "matrix":
+            values = portable_normal(n, MATRIX_GAIN / math.sqrt(spec.shape[1]), generator)
+        elif spec.init == "norm":
+            values = 1.0 + portable_normal(n, NORM_NOISE_STD, generator)
+        else:
+            raise AssertionError(f"unknown init {spec.init!r} for {spec.name}")
+        yield values.to(dtype)
+
+
+SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
+
+
+# --8<-- [start:safetensors_header]
+def safetensors_header(specs: list[TensorSpec], dtype: torch.dtype) -> bytes:
+    """The header of a .safetensors file holding `specs` back to back, in that order.
+
+    The format is an 8-byte little-endian length, then a JSON object mapping each tensor name
+    to its dtype, shape and byte range in the data section, then the raw data. Writing it by
+    hand lets us stream one tensor at a time (the 0.6B model never sits in memory whole) and
+    fixes every byte of the header.
+    """
+    itemsize = torch.empty((), dtype=dtype).element_size()
+    entries: dict[str, Any] = {"__metadata__": {"format": "pt"}}
+    offset = 0
+    for spec in specs:
+        size = spec.numel * itemsize
+        entries[spec.name] = {"dtype": SAFETENSORS_DTYPES[dtype], "shape": list(spec.shape),
+                              "data_offsets": [offset, offset + size]}
+        offset += size
+    header = json.dumps(entries, separators=(",", ":")).encode("utf-8")
+    header += b" " * (-len(header) % 8)  # pad so the data starts 8-byte aligned
+    return len(header).to_bytes(8, "little") + header
+# --8<-- [end:safetensors_header]
+
+
+def write_weights(path: Path, config: dict[str, Any], seed: int) -> int:
+    """Write seeded random weights for `config` to the safetensors file `path`.
+
+    Returns the number of parameters.
+    """
+    dtype = getattr(torch, config["torch_dtype"])
+    specs = weight_specs(config)
+    generator = torch.Generator().manual_seed(seed)
+    with path.open("wb") as f:
+        f.write(safetensors_header(specs, dtype))
+        for spec in specs:
+            for chunk in generate_tensor(spec, dtype, generator):
+                f.write(chunk.view(torch.uint8).numpy().tobytes())
+    return sum(spec.numel for spec in specs)
+
+
+# ----------------------------------------------------------------------------------------------
+# The checkpoint directory
+# ----------------------------------------------------------------------------------------------
+
+
+def write_json(path: Path, data: dict[str, Any], sort_keys: bool = True) -> None:
+    """Write JSON with fixed formatting (2-space indent, a final newline), so bytes never vary."""
+    text = json.dumps(data, indent=2, sort_keys=sort_keys, ensure_ascii=False)
+    path.write_text(text + "\n", encoding="utf-8")
+
+
+@dataclass
+class CheckpointSummary:
+    """What write_checkpoint wrote, for the summary lines."""
+
+    out: Path
+    files: list[str]
+    num_params: int
+    vocab_size: int
+    special_ids: dict[str, int]
+    weights_bytes: int
+
+
+def write_checkpoint(out: Path, shape: ModelShape, seed: int = 0,
+                     weights: bool = True) -> CheckpointSummary:
+    """Write the whole checkpoint directory for `shape` to `out`.
+
+    With `weights=False` everything but model.safetensors is written (quick, for checking a
+    large shape's config and tokenizer).
+    """
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer_json = build_tokenizer_json(shape)
+    vocab_size = tokenizer_size(tokenizer_json)
+    if shape.vocab_size is not None and vocab_size != shape.vocab_size:
+        raise AssertionError(f"tokenizer has {vocab_size} ids, shape wants {shape.vocab_size}")
+    ids = added_token_ids(tokenizer_json)
+    endoftext, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
+
+    config = build_config(shape, vocab_size, bos_token_id=endoftext, eos_token_id=im_end)
+    write_json(out / "config.json", config)
+    write_json(out / "generation_config.json",
+               build_generation_config(endoftext, [im_end, endoftext], endoftext))
+    # tokenizer.json keeps the tokenizers library's key order (vocab in id order) to stay
+    # readable; its order is already fixed by the asset and the code above.
+    write_json(out / "tokenizer.json", tokenizer_json, sort_keys=False)
+    write_json(out / "tokenizer_config.json", build_tokenizer_config(tokenizer_json, shape))
+    files = ["config.json", "generation_config.json", "tokenizer.json", "tokenizer_config.json"]
+
+    num_params = sum(spec.numel for spec in weight_specs(config))
+    weights_bytes = 0
+    if weights:
+        write_weights(out / "model.safetensors", config, seed)
+        files.insert(2, "model.safetensors")
+        weights_bytes = (out / "model.safetensors").stat().st_size
+    else:
+        # A stale weights file from an earlier run would not match this config.
+        (out / "model.safetensors").unlink(missing_ok=True)
+    special = {name: ids[name] for name in ("<|endoftext|>", "<|im_start|>", "<|im_end|>",
+                                            "<think>", "</think>")}
+    return CheckpointSummary(out, files, num_params, vocab_size, special, weights_bytes)
+
+
+# ----------------------------------------------------------------------------------------------
+# Command line
+# ----------------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The command line (the docs' Reference page renders its help from here)."""
+    parser = argparse.ArgumentParser(
+        prog="make_tiny_model.py",
+        description="Write a Qwen3 checkpoint with seeded random weights (offline, "
+                    "deterministic).")
+    parser.add_argument("--out", type=Path, default=None,
+                        help="output directory (default: models/tiny-qwen3, or "
+                             "models/<like>-like with --like)")
+    parser.add_argument("--arch", default="qwen3",
+                        help="model architecture: qwen3 (qwen3-moe, llama and qwen2 come in "
+                             "chapter 18)")
+    parser.add_argument("--like", default=None,
+                        help=f"copy a real model's shape instead of the tiny one: "
+                             f"{', '.join(LIKE)}")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for the weights")
+    parser.add_argument("--no-weights", action="store_true",
+                        help="write config and tokenizer files only (no model.safetensors)")
+    return parser
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    """Parse and validate the command line (argparse exits with status 2 on errors)."""
+    parser = build_parser()
+    args = parser.parse_args(argv)
+
+    if args.arch in PLANNED_ARCHS:
+        parser.error(f"architecture {args.arch} is not supported yet (chapter 18 adds it)")
+    if args.arch not in SUPPORTED_ARCHS:
+        parser.error(f"unknown architecture {args.arch!r}; choose from "
+                     f"{', '.join(SUPPORTED_ARCHS + PLANNED_ARCHS)}")
+    if args.like is not None and args.like not in LIKE:
+        parser.error(f"unknown --like {args.like!r}; choose from {', '.join(LIKE)}")
+    if args.seed < 0:
+        parser.error(f"--seed must be >= 0, got {args.seed}")
+    if args.out is not None and args.out.exists() and not args.out.is_dir():
+        parser.error(f"--out {args.out} exists and is not a directory")
+    return args
+
+
+def display_path(path: Path) -> str:
+    """`path` relative to the current directory when it is inside it (shorter, and the same on
+    every machine), else as given."""
+    try:
+        return str(path.resolve().relative_to(Path.cwd().resolve()))
+    except ValueError:
+        return str(path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Command-line entry point: write the checkpoint and print what was written."""
+    args = parse_args(argv)
+    shape = LIKE[args.like] if args.like else TINY_QWEN3
+    out = args.out if args.out is not None else ROOT / "models" / shape.name
+    print(f"writing {shape.name} (Qwen3ForCausalLM, {shape.dtype}, seed {args.seed}) to {display_path(out)}")
+    start = time.perf_counter()
+    summary = write_checkpoint(out, shape, seed=args.seed, weights=not args.no_weights)
+    elapsed = time.perf_counter() - start
+
+    print(f"  layers {shape.num_hidden_layers}, hidden {shape.hidden_size}, "
+          f"heads {shape.num_attention_heads} q / {shape.num_key_value_heads} kv "
+          f"x {shape.head_dim}, intermediate {shape.intermediate_size}")
+    print(f"  vocab {summary.vocab_size}: " + ", ".join(
+        f"{name} {i}" for name, i in summary.special_ids.items()))
+    size = (f"{summary.weights_bytes / 2**20:.1f} MiB" if summary.weights_bytes
+            else "not written (--no-weights)")
+    print(f"  {summary.num_params:,} parameters; model.safetensors {size}")
+    print(f"  files: {', '.join(summary.files)}")
+    print(f"done in {elapsed:.2f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
