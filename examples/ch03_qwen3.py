@@ -73,7 +73,7 @@ def main() -> None:
           f"relative {diff / ref.abs().max().item():.2e}")
     print(f"logits_indices=[{len(ids) - 1}] gives {tuple(last_only.shape)}, "
           f"equal to the last row: {torch.allclose(last_only[0], ours[-1], atol=1e-5)}")
-    print("\nnext token, top 5 (id, text, probability; random weights, so nearly uniform):")
+    print("\nnext token, top 5 (id, text, probability; the weights are random, so the text means nothing):")
     print(f"  {'minisgl':<26}transformers")
     for mine, theirs in zip(top5(ours[-1], tokenizer), top5(ref[-1], tokenizer)):
         print(f"  {mine:<26}{theirs}")

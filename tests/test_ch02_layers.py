@@ -319,6 +319,7 @@ def test_column_parallel_rank_1_of_2_holds_the_second_half_of_the_rows() -> None
     assert torch.equal(layer.weight, full[INTERMEDIATE // 2:])
 
 
+# --8<-- [start:test_merged_shard]
 def test_merged_rank_1_of_2_holds_the_second_half_of_gate_then_of_up() -> None:
     gate, up = torch.randn(INTERMEDIATE, HIDDEN), torch.randn(INTERMEDIATE, HIDDEN)
     with as_rank(1, 2):
@@ -328,6 +329,7 @@ def test_merged_rank_1_of_2_holds_the_second_half_of_gate_then_of_up() -> None:
     half = INTERMEDIATE // 2
     # Not rows [512:1024] of cat(gate, up): each slot is sliced on its own.
     assert torch.equal(layer.weight, torch.cat([gate[half:], up[half:]]))
+# --8<-- [end:test_merged_shard]
 
 
 def test_qkv_rank_1_of_2_holds_its_query_heads_then_its_kv_heads() -> None:
