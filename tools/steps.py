@@ -295,7 +295,11 @@ class Tally:
 
 def checkpoint_env(workdir: Path, gpu: bool) -> dict[str, str]:
     env = dict(os.environ)
-    env["PYTHONPATH"] = str(workdir)
+    # The checkpoint first; keep other entries (e.g. a folder of extra wheels) but never the
+    # repository itself, whose final tree must stay out of sight.
+    inherited = [p for p in env.get("PYTHONPATH", "").split(os.pathsep)
+                 if p and Path(p).resolve() != ROOT]
+    env["PYTHONPATH"] = os.pathsep.join([str(workdir), *inherited])
     env["PYTHONDONTWRITEBYTECODE"] = "1"
     env["PYTHONUNBUFFERED"] = "1"
     if gpu:

@@ -1,0 +1,268 @@
+"""What every paged attention backend shares: the batch description, its metadata, the protocol.
+
+A forward pass of the engine runs many requests at once, their tokens packed into one flat
+sequence. For attention, a request is three numbers (:class:`ReqSpan`): the page-table row
+that maps its tokens to pool slots, how many of its tokens are already in the KV pool (its
+*cached* length: a reused prefix, or everything up to the previous decode step), and how many
+new tokens it brings in this pass. A batch is a list of those plus one flag, decode or not
+(:class:`BatchLayout`). Nothing here knows about the engine's request and batch classes of
+chapter 7; they describe themselves in these terms.
+
+A backend is used in two moves:
+
+1. :meth:`BaseAttnBackend.prepare` once per batch, before the model runs. It turns the layout
+   into tensors (:class:`AttnMetadata`): the pool slot of every new token, every token's
+   position, and whatever the backend's kernel wants to know about where each request's keys
+   live. A fused kernel also *plans* here: it decides how to split the work across the GPU.
+2. :meth:`BaseAttnBackend.forward` once per layer, called by the model through the
+   attention-backend seam of chapter 3. It stores the layer's new keys and values into the
+   pool at the prepared slots, then lets each request's queries attend over all of its keys,
+   cached and new. Every layer reuses the same metadata: that is why it is computed once.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from minisgl.attention.utils import indptr_of
+from minisgl.kvcache.mha_pool import MHAKVPool
+from minisgl.scheduler.table import PageTable
+
+
+# --8<-- [start:metadata]
+@dataclass(frozen=True)
+class ReqSpan:
+    """One request's share of a forward pass.
+
+    Attributes:
+        row: the request's row in the page table (its ``table_idx``).
+        cached_len: tokens whose K/V are already in the pool; the new tokens sit at positions
+            ``cached_len .. cached_len + new_len - 1``.
+        new_len: tokens computed in this pass (the whole prompt, a chunk of it, or one decoded
+            token).
+    """
+
+    row: int
+    cached_len: int
+    new_len: int
+
+    @property
+    def total_len(self) -> int:
+        """Keys the request's queries attend over: the cached ones and the new ones."""
+        return self.cached_len + self.new_len
+
+
+@dataclass(frozen=True)
+class BatchLayout:
+    """The requests of one forward pass, in the order their tokens are packed.
+
+    ``is_decode`` marks a batch where every request brings exactly one token after a cached
+    past. Such a batch can use a decode kernel (one query per request), and it is the kind of
+    batch chapter 8 replays as a CUDA graph.
+    """
+
+    spans: tuple[ReqSpan, ...]
+    is_decode: bool = False
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "spans", tuple(self.spans))  # accept a list, store a tuple
+        if not self.spans:
+            raise ValueError("a batch needs at least one request")
+        for span in self.spans:
+            if span.cached_len < 0 or span.new_len < 1:
+                raise ValueError(f"{span}: cached_len must be >= 0 and new_len >= 1")
+            if self.is_decode and span.new_len != 1:
+                raise ValueError(f"{span}: a decode batch brings exactly one new token per "
+                                 f"request, got new_len={span.new_len}")
+        rows = self.rows
+        if len(set(rows)) != len(rows):
+            # Two spans on one row would write their new K/V to the same slots.
+            raise ValueError(f"page-table rows {rows} appear more than once in one batch")
+
+    @property
+    def num_reqs(self) -> int:
+        return len(self.spans)
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens in the pass: the length T of the model's input."""
+        return sum(span.new_len for span in self.spans)
+
+    @property
+    def rows(self) -> list[int]:
+        return [span.row for span in self.spans]
+
+    @property
+    def cached_lens(self) -> list[int]:
+        return [span.cached_len for span in self.spans]
+
+    @property
+    def new_lens(self) -> list[int]:
+        return [span.new_len for span in self.spans]
+
+    @property
+    def total_lens(self) -> list[int]:
+        return [span.total_len for span in self.spans]
+
+
+@dataclass
+class AttnMetadata:
+    """What :meth:`BaseAttnBackend.prepare` computed for one batch; every layer reuses it.
+
+    Backends subclass it to add what their kernel needs. The fields here are what every
+    backend has, and what the engine reads back to build the model's inputs.
+
+    Attributes:
+        layout: the batch's requests. Padding entries added for a CUDA graph are not in it,
+            and the padding-only batch used to capture a graph has None.
+        out_loc: ``[T]`` int64, the pool slot where each new token's K/V is stored.
+        positions: ``[T]`` int64, each new token's position in its sequence (for RoPE).
+        last_indices: ``[B]`` int64, the index in ``0 .. T-1`` of each request's last new
+            token: the rows whose logits the engine samples from.
+    """
+
+    layout: BatchLayout | None
+    out_loc: torch.Tensor
+    positions: torch.Tensor
+    last_indices: torch.Tensor
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens of the forward pass this metadata serves, padding included."""
+        return self.out_loc.shape[0]
+# --8<-- [end:metadata]
+
+
+class BaseAttnBackend(ABC):
+    """A paged attention backend: it implements chapter 3's ``AttentionBackend`` protocol.
+
+    Args:
+        kv_pool: the pool the keys and values live in (this device's share of the heads).
+        page_table: the rows of page ids that say where each request's tokens are.
+        num_qo_heads: query heads on this device (under tensor parallelism, this rank's share).
+    """
+
+    name: ClassVar[str]
+    supports_cuda_graph: ClassVar[bool] = False
+
+    def __init__(self, kv_pool: MHAKVPool, page_table: PageTable, num_qo_heads: int) -> None:
+        if kv_pool.page_size != page_table.page_size:
+            raise ValueError(f"the KV pool has {kv_pool.page_size}-token pages but the page "
+                             f"table assumes {page_table.page_size}; they must agree")
+        if kv_pool.device != page_table.device:
+            raise ValueError(f"the KV pool is on {kv_pool.device} but the page table on "
+                             f"{page_table.device}; attention reads both on one device")
+        if num_qo_heads <= 0 or num_qo_heads % kv_pool.num_kv_heads:
+            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a positive multiple of "
+                             f"the pool's num_kv_heads ({kv_pool.num_kv_heads})")
+        self.kv_pool = kv_pool
+        self.page_table = page_table
+        self.num_qo_heads = num_qo_heads
+        self.num_kv_heads = kv_pool.num_kv_heads
+        self.head_dim = kv_pool.head_dim
+        self.page_size = kv_pool.page_size
+        self.device = kv_pool.device
+        self._metadata: AttnMetadata | None = None
+
+    # --8<-- [start:plan]
+    def prepare(self, layout: BatchLayout) -> AttnMetadata:
+        """Compute the metadata of the next forward pass; call once per batch, before the model.
+
+        The returned metadata stays in effect (every :meth:`forward` call uses it) until the
+        next ``prepare``. Its ``positions`` and ``last_indices`` are the model's inputs.
+        """
+        self._metadata = self._plan(layout)
+        return self._metadata
+
+    def _new_token_fields(self, layout: BatchLayout) -> dict[str, Any]:
+        """The fields of :class:`AttnMetadata` that do not depend on the backend.
+
+        The slots come from the page table (chapter 5): the new tokens of request ``i`` are
+        its positions ``cached_len .. total_len - 1``, and the table checks that the row holds
+        pages for all of them. Lists are built on the host and cross to the device once.
+        """
+        out_loc = self.page_table.batch_token_slots(layout.rows, layout.cached_lens,
+                                                    layout.total_lens)
+        positions = torch.cat([torch.arange(span.cached_len, span.total_len)
+                               for span in layout.spans])
+        last_indices = torch.tensor(indptr_of(layout.new_lens)[1:]) - 1
+        return {"layout": layout, "out_loc": out_loc,
+                "positions": positions.to(self.device, non_blocking=True),
+                "last_indices": last_indices.to(self.device, non_blocking=True)}
+
+    @abstractmethod
+    def _plan(self, layout: BatchLayout) -> AttnMetadata:
+        """Build this backend's metadata for ``layout`` (and plan its kernel, if it has one)."""
+    # --8<-- [end:plan]
+
+    @property
+    def metadata(self) -> AttnMetadata:
+        """The metadata of the batch being run; an error before the first :meth:`prepare`."""
+        if self._metadata is None:
+            raise RuntimeError(f"the {self.name} attention backend has no batch: call "
+                               "prepare(layout) before running the model")
+        return self._metadata
+
+    # --8<-- [start:store_then_attend]
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer_id: int) -> torch.Tensor:
+        """Store this layer's new K/V into the pool, then attend over every request's keys.
+
+        Args:
+            q: ``[T, num_qo_heads, head_dim]`` queries of the new tokens (rotary applied).
+            k: ``[T, num_kv_heads, head_dim]`` their keys.
+            v: ``[T, num_kv_heads, head_dim]`` their values.
+            layer_id: the calling layer, which picks the pool's K/V tensors.
+
+        Returns:
+            ``[T, num_qo_heads, head_dim]`` in the dtype of ``q``.
+        """
+        meta = self.metadata
+        if q.shape[0] != meta.num_tokens:
+            raise ValueError(f"the model passed {q.shape[0]} tokens but the prepared batch has "
+                             f"{meta.num_tokens}; call prepare() for each batch")
+        # Store first: a new token attends to itself and to the new tokens before it, so its
+        # own key must already be in the pool when the kernel reads the request's keys.
+        self.kv_pool.store_kv(k, v, meta.out_loc, layer_id)
+        return self._attend(q, layer_id, meta)
+
+    @abstractmethod
+    def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
+        """Attention of ``q`` over the pool's keys of layer ``layer_id``, as ``meta`` says."""
+    # --8<-- [end:store_then_attend]
+
+    # CUDA-graph hooks (chapter 8). Only a backend whose decode kernel reads fixed buffers can
+    # be captured; the others say so instead of failing somewhere inside the capture.
+    def init_graph_buffers(self, max_batch_size: int, pad_page: int) -> None:
+        """Allocate the fixed buffers that captured decode graphs read."""
+        raise NotImplementedError(f"the {self.name} attention backend does not support "
+                                  "CUDA graphs")
+
+    def prepare_for_capture(self, batch_size: int) -> AttnMetadata:
+        """Make a padding-only decode batch of ``batch_size`` current, for capturing its graph."""
+        raise NotImplementedError(f"the {self.name} attention backend does not support "
+                                  "CUDA graphs")
+
+    def prepare_for_replay(self, layout: BatchLayout, batch_size: int) -> AttnMetadata:
+        """Fill the captured ``batch_size`` graph's buffers for the decode batch ``layout``."""
+        raise NotImplementedError(f"the {self.name} attention backend does not support "
+                                  "CUDA graphs")
+
+    def __repr__(self) -> str:
+        return (f"{type(self).__name__}(heads {self.num_qo_heads}/{self.num_kv_heads} x "
+                f"{self.head_dim}, page_size={self.page_size}, device={self.device})")
+
+
+def layout_of(rows: Sequence[int], cached_lens: Sequence[int], new_lens: Sequence[int],
+              is_decode: bool = False) -> BatchLayout:
+    """A :class:`BatchLayout` from three parallel lists (one entry per request)."""
+    if not len(rows) == len(cached_lens) == len(new_lens):
+        raise ValueError(f"rows, cached_lens and new_lens must have one entry per request, got "
+                         f"{len(rows)}, {len(cached_lens)} and {len(new_lens)}")
+    spans = tuple(ReqSpan(r, c, n) for r, c, n in zip(rows, cached_lens, new_lens))
+    return BatchLayout(spans, is_decode=is_decode)

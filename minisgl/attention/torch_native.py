@@ -1,0 +1,153 @@
+"""Paged attention in plain PyTorch: runs anywhere, and is the reference for the fused kernels.
+
+The backend reads the pool the simplest way: it *gathers* each request's keys and values out of
+the pages into a contiguous tensor (one indexing operation, chapter 5's ``gather_kv``) and then
+computes ordinary attention on that copy. A fused kernel such as FlashInfer's reads the pages
+in place instead and never makes the copy; the result is the same, which is exactly what the
+tests check.
+
+Two shapes of batch get two code paths:
+
+* a **prefill** (or mixed) batch has requests with many new tokens each, of different lengths.
+  Each request is attended separately, its queries over its cached and new keys with a causal
+  mask shifted by the cached length (:func:`causal_attention`);
+* a **decode** batch has one query per request. Looping over requests would launch a few tiny
+  operations per request per layer, so the keys are gathered into one padded
+  ``[B, max_len]`` block, the padding is masked, and the whole batch is one computation
+  (:func:`paged_decode_attention`).
+
+Scores and softmax are in float32 whatever the cache dtype, and grouped-query attention reads
+each KV head for its whole group of query heads through a reshape rather than a copy.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout
+from minisgl.attention.utils import indptr_of, padded_index
+
+
+@dataclass
+class TorchNativeMetadata(AttnMetadata):
+    """Where each request's keys are, as token slots.
+
+    Attributes:
+        kv_slots: ``[sum(total_len)]`` int64, the slots of every request's tokens
+            ``0 .. total_len - 1``, requests concatenated.
+        kv_indptr: request ``i``'s slots are ``kv_slots[kv_indptr[i]:kv_indptr[i + 1]]``.
+        qo_indptr: request ``i``'s new tokens are rows ``qo_indptr[i]:qo_indptr[i + 1]`` of q.
+        slot_table: decode batches only: ``[B, max_len]`` slots, padded.
+        slot_valid: decode batches only: ``[B, max_len]``, False on padding.
+    """
+
+    kv_slots: torch.Tensor
+    kv_indptr: list[int]
+    qo_indptr: list[int]
+    slot_table: torch.Tensor | None = None
+    slot_valid: torch.Tensor | None = None
+
+
+class TorchNativeBackend(BaseAttnBackend):
+    """Gather the pages, then attend: paged attention for the CPU, and a reference on the GPU."""
+
+    name = "torch"
+
+    def _plan(self, layout: BatchLayout) -> TorchNativeMetadata:
+        # Every key a request attends over: positions 0 .. total_len - 1 of its row.
+        kv_slots = self.page_table.batch_token_slots(layout.rows, [0] * layout.num_reqs,
+                                                     layout.total_lens)
+        meta = TorchNativeMetadata(**self._new_token_fields(layout), kv_slots=kv_slots,
+                                   kv_indptr=indptr_of(layout.total_lens),
+                                   qo_indptr=indptr_of(layout.new_lens))
+        if layout.is_decode:
+            index, valid = padded_index(layout.total_lens)
+            meta.slot_table = kv_slots[index.to(self.device)]
+            meta.slot_valid = valid.to(self.device)
+        return meta
+
+    def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
+        assert isinstance(meta, TorchNativeMetadata)
+        k_cache, v_cache = self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id)
+        if meta.slot_table is not None:
+            return paged_decode_attention(q, k_cache, v_cache, meta.slot_table, meta.slot_valid)
+        return self._ragged_prefill(q, k_cache, v_cache, meta)
+
+    # --8<-- [start:ragged_prefill]
+    @staticmethod
+    def _ragged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                        meta: TorchNativeMetadata) -> torch.Tensor:
+        """Each request's new queries over its whole sequence, one request at a time."""
+        assert meta.layout is not None
+        # One gather for the whole batch: the pages of every request, copied out in order.
+        keys, values = k_cache[meta.kv_slots], v_cache[meta.kv_slots]
+        qo, kv = meta.qo_indptr, meta.kv_indptr
+        outputs = [
+            causal_attention(q[qo[i]:qo[i + 1]], keys[kv[i]:kv[i + 1]],
+                             values[kv[i]:kv[i + 1]], num_cached=span.cached_len)
+            for i, span in enumerate(meta.layout.spans)
+        ]
+        return torch.cat(outputs)
+    # --8<-- [end:ragged_prefill]
+
+
+# --8<-- [start:causal_attention]
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     num_cached: int) -> torch.Tensor:
+    """One request: ``T`` new queries over ``S = num_cached + T`` keys, causally.
+
+    Args:
+        q: ``[T, Hq, D]`` queries of the new tokens, at positions ``num_cached .. S - 1``.
+        k: ``[S, Hkv, D]`` keys of the whole sequence, cached ones first.
+        v: ``[S, Hkv, D]`` values, likewise.
+        num_cached: how many of the ``S`` keys precede the new tokens.
+
+    Returns:
+        ``[T, Hq, D]`` in the dtype of ``q``.
+    """
+    num_new, num_qo_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    # GQA without copying: split the query heads into [Hkv, group]; every query head of group
+    # h then meets KV head h through broadcasting.
+    qg = q.float().view(num_new, num_kv_heads, num_qo_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("thgd,shd->hgts", qg, k.float()) * head_dim**-0.5
+    # The causal mask, shifted: new token t sits at position num_cached + t and sees keys
+    # 0 .. num_cached + t. With nothing cached this is the usual lower triangle.
+    query_pos = num_cached + torch.arange(num_new, device=q.device)
+    key_pos = torch.arange(k.shape[0], device=q.device)
+    scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
+    out = torch.einsum("hgts,shd->thgd", scores.softmax(dim=-1), v.float())
+    return out.reshape(num_new, num_qo_heads, head_dim).to(q.dtype)
+# --8<-- [end:causal_attention]
+
+
+# --8<-- [start:decode]
+def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_table: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
+    """One query per request over that request's keys, the whole batch in one computation.
+
+    Args:
+        q: ``[B, Hq, D]``, the one new query of each request.
+        k_cache: ``[num_slots, Hkv, D]``, the layer's keys in the pool (new ones stored).
+        v_cache: ``[num_slots, Hkv, D]``, its values.
+        slot_table: ``[B, L]`` int64, the slots of request ``i``'s tokens in ``slot_table[i]``,
+            padded to the longest request ``L``.
+        slot_valid: ``[B, L]`` bool, False where ``slot_table`` is padding.
+
+    Returns:
+        ``[B, Hq, D]`` in the dtype of ``q``.
+    """
+    batch, num_qo_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[1]
+    keys = k_cache[slot_table].float()  # [B, L, Hkv, D]: each request's pages, side by side
+    values = v_cache[slot_table].float()
+    qg = q.float().view(batch, num_kv_heads, num_qo_heads // num_kv_heads, head_dim)
+    scores = torch.einsum("bhgd,blhd->bhgl", qg, keys) * head_dim**-0.5
+    # The newest token is the last valid key, so there is no future to hide: the only mask
+    # is the padding of the shorter requests.
+    scores.masked_fill_(~slot_valid[:, None, None, :], float("-inf"))
+    out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(dim=-1), values)
+    return out.reshape(batch, num_qo_heads, head_dim).to(q.dtype)
+# --8<-- [end:decode]

@@ -1,0 +1,83 @@
+"""Small helpers that describe a ragged batch as flat arrays.
+
+A batch of requests of different lengths is stored *packed*: the tokens of request 0, then
+those of request 1, and so on, with no padding between them. What tells the requests apart is
+an *indptr* ("index pointer") array of ``B + 1`` offsets: request ``i`` owns the entries
+``indptr[i] .. indptr[i + 1] - 1``. Every attention kernel that takes ragged batches speaks
+this language, FlashInfer's included, so the backends build their per-batch metadata out of
+these few functions.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from minisgl.scheduler.table import PageTable
+
+
+# --8<-- [start:indptr]
+def indptr_of(lengths: Sequence[int]) -> list[int]:
+    """Offsets of a packed ragged array: ``[0, l0, l0 + l1, ...]`` (``len(lengths) + 1`` items).
+
+    >>> indptr_of([3, 1, 4])
+    [0, 3, 4, 8]
+    """
+    offsets = [0]
+    for length in lengths:
+        offsets.append(offsets[-1] + length)
+    return offsets
+
+
+def indptr_tensor(lengths: Sequence[int]) -> torch.Tensor:
+    """:func:`indptr_of` as an int32 tensor on the host, the form FlashInfer's ``plan`` reads."""
+    return torch.tensor(indptr_of(lengths), dtype=torch.int32)
+# --8<-- [end:indptr]
+
+
+# --8<-- [start:page_counts]
+def pages_for(num_tokens: int, page_size: int) -> int:
+    """Pages that ``num_tokens`` tokens occupy (the last one may be partly filled)."""
+    return -(-num_tokens // page_size)  # ceiling division
+
+
+def last_page_len(num_tokens: int, page_size: int) -> int:
+    """Tokens in the last of those pages: between 1 and ``page_size`` for a non-empty sequence."""
+    return num_tokens - (pages_for(num_tokens, page_size) - 1) * page_size
+# --8<-- [end:page_counts]
+
+
+# --8<-- [start:gather_page_ids]
+def gather_page_ids(page_table: PageTable, rows: Sequence[int],
+                    num_pages: Sequence[int]) -> torch.Tensor:
+    """The first ``num_pages[i]`` page ids of row ``rows[i]``, requests concatenated.
+
+    This is the ``indices`` array of a paged-attention kernel: with the page indptr built from
+    ``num_pages`` it says, for each request, which pages of the pool hold its tokens, in order.
+    The (row, column) of every wanted entry is computed on the host, then one lookup in the
+    device table reads them all: a single small copy and a single gather, however many requests.
+    """
+    width = page_table.max_pages_per_req
+    flat = torch.cat([torch.arange(n, dtype=torch.int64) + row * width
+                      for row, n in zip(rows, num_pages)])
+    return page_table.page_ids.view(-1)[flat.to(page_table.device)]
+# --8<-- [end:gather_page_ids]
+
+
+# --8<-- [start:padded_index]
+def padded_index(lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Turn a packed ragged array into a padded ``[B, max_len]`` view of it.
+
+    Returns ``(index, valid)``: ``index[i, j]`` is the packed position of element ``j`` of
+    request ``i``, and ``valid[i, j]`` says whether that element exists (``j < lengths[i]``).
+    Padding entries repeat the request's first element, so ``index`` is always a legal index
+    and the padding only needs to be masked, never special-cased.
+    """
+    starts = torch.tensor(indptr_of(lengths)[:-1], dtype=torch.int64)
+    lens = torch.tensor(list(lengths), dtype=torch.int64)
+    columns = torch.arange(int(lens.max()), dtype=torch.int64)
+    valid = columns[None, :] < lens[:, None]
+    index = starts[:, None] + torch.where(valid, columns[None, :], 0)
+    return index, valid
+# --8<-- [end:padded_index]

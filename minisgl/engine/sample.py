@@ -1,0 +1,319 @@
+"""From logits to tokens: batched sampling with per-row parameters.
+
+Every step of generation ends here. The model hands over one row of logits per sequence and
+each row carries its own :class:`~minisgl.core.SamplingParams`. This module turns the rows into
+token ids in a few tensor operations over the whole batch:
+
+1. greedy rows take the argmax of their logits and stop there (no softmax at all);
+2. the other rows are divided by their temperature and pushed through a softmax;
+3. top-k, top-p and min-p become boolean masks computed from per-row thresholds, and the
+   surviving probabilities are renormalised (:func:`compute_probs`);
+4. one token per row is drawn with an *exponential race*, each seeded row using its own
+   ``torch.Generator`` so its draws never depend on which other rows share the batch.
+
+No Python loop runs over tokens; the only loop is over the seeded rows of a batch, one
+random-number call each.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from minisgl.core import SamplingParams
+
+
+# --8<-- [start:sampling_tensors]
+@dataclass
+class SamplingTensors:
+    """The sampling parameters of a batch's rows, one tensor per parameter.
+
+    Turning a list of dataclasses into tensors once per batch is what lets every filter below
+    be a single masked tensor operation instead of a loop over rows.
+    """
+
+    temperatures: torch.Tensor  # [B, 1] float32 (a column, to broadcast over the vocabulary)
+    top_k: torch.Tensor  # [B] int64; "off" is stored as the vocabulary size
+    top_p: torch.Tensor  # [B] float32; "off" is 1.0
+    min_p: torch.Tensor  # [B] float32; "off" is 0.0
+
+    @classmethod
+    def from_params(
+        cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device
+    ) -> SamplingTensors:
+        """Gather the per-row parameters into tensors on ``device``."""
+        return cls(
+            temperatures=torch.tensor(
+                [[p.temperature] for p in params], dtype=torch.float32, device=device
+            ),
+            top_k=torch.tensor(
+                [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params],
+                dtype=torch.int64,
+                device=device,
+            ),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+        )
+
+
+# --8<-- [end:sampling_tensors]
+
+
+# --8<-- [start:temperature]
+def temperature_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
+    """Softmax of ``logits / temperature`` row by row, in float32.
+
+    Args:
+        logits: ``[B, V]`` logits of rows that are *not* greedy (every temperature > 0).
+        temperatures: ``[B, 1]`` temperatures.
+
+    Returns:
+        ``[B, V]`` float32 probabilities, each row summing to 1.
+    """
+    # float32 whatever the model's dtype: in bf16 the small probabilities that top-p adds up
+    # would be rounded away, and exp() of a large scaled logit would overflow in fp16.
+    return torch.softmax(logits.float() / temperatures, dim=-1)
+
+
+# --8<-- [end:temperature]
+
+
+# --8<-- [start:top_k]
+def top_k_mask(sorted_probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Which entries of each sorted row fall among that row's ``k`` largest.
+
+    Args:
+        sorted_probs: ``[B, V]`` probabilities, each row sorted in descending order.
+        top_k: ``[B]`` the ``k`` of each row (the vocabulary size when the filter is off).
+
+    Returns:
+        ``[B, V]`` bool mask in sorted order: True for ranks ``0 .. k-1``.
+    """
+    # Once a row is sorted, "the k best" is "rank < k": one comparison against a per-row
+    # threshold broadcast along the vocabulary, whatever k each row asked for.
+    ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
+    return ranks[None, :] < top_k[:, None]
+
+
+# --8<-- [end:top_k]
+
+
+# --8<-- [start:top_p]
+def top_p_mask(sorted_probs: torch.Tensor, keep: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """The nucleus of each sorted row, computed over the entries ``keep`` still allows.
+
+    The nucleus is the smallest prefix of the sorted row whose probability mass reaches
+    ``top_p``. Token ``i`` belongs to it exactly when the mass of the tokens ranked before it
+    is still below ``top_p``: then the prefix without ``i`` would not be enough. The top
+    token has nothing before it, so it is always kept.
+
+    Args:
+        sorted_probs: ``[B, V]`` probabilities, each row sorted in descending order.
+        keep: ``[B, V]`` bool mask (sorted order) of what earlier filters kept.
+        top_p: ``[B]`` nucleus mass of each row (1.0 when the filter is off).
+
+    Returns:
+        ``[B, V]`` bool mask in sorted order: ``keep`` narrowed to the nucleus.
+    """
+    kept = sorted_probs.masked_fill(~keep, 0.0)
+    cumulative = kept.cumsum(dim=-1)
+    # Renormalise by what the earlier filters left, so that top_p=0.9 after top_k=50 means
+    # 90% of the top-50 mass (the order transformers and FlashInfer use too).
+    mass_before = (cumulative - kept) / cumulative[:, -1:]
+    in_nucleus = mass_before < top_p[:, None]
+    # top_p == 1 must keep everything: without this a tail token whose probability is lost
+    # in float32 rounding would see mass_before == 1.0 and be dropped.
+    in_nucleus |= (top_p >= 1.0)[:, None]
+    return keep & in_nucleus
+
+
+# --8<-- [end:top_p]
+
+
+# --8<-- [start:min_p]
+def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Keep the tokens at least ``min_p`` times as likely as the row's most likely token.
+
+    Args:
+        probs: ``[B, V]`` probabilities (any order; no sort needed).
+        min_p: ``[B]`` relative threshold of each row (0.0 keeps everything).
+
+    Returns:
+        ``[B, V]`` bool mask in the same order as ``probs``.
+    """
+    # The threshold moves with the model's confidence: a peaked row (max 0.9) cuts hard,
+    # a flat row (max 0.05) lets many candidates through. The most likely token always
+    # passes because min_p <= 1.
+    threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
+    return probs >= threshold
+
+
+# --8<-- [end:min_p]
+
+
+# --8<-- [start:filter_probs]
+def filter_probs(probs: torch.Tensor, args: SamplingTensors) -> torch.Tensor:
+    """Apply top-k, then top-p, then min-p to a batch of rows and renormalise.
+
+    Args:
+        probs: ``[B, V]`` float32 probabilities after temperature.
+        args: the rows' parameters.
+
+    Returns:
+        ``[B, V]`` float32 probabilities with filtered tokens at exactly 0, rows summing to 1.
+    """
+    vocab_size = probs.shape[-1]
+    keep = torch.ones_like(probs, dtype=torch.bool)
+    # Sorting a row of a 150k vocabulary is the expensive part: skip it when no row asks
+    # for top-k or top-p.
+    if bool((args.top_k < vocab_size).any()) or bool((args.top_p < 1.0).any()):
+        # stable=True: among equal probabilities the lower token id ranks first, the same
+        # tie-break as argmax, so top_k=1 picks exactly the greedy token.
+        sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+        keep_sorted = top_k_mask(sorted_probs, args.top_k)
+        keep_sorted = top_p_mask(sorted_probs, keep_sorted, args.top_p)
+        # Send each decision back from sorted position to its token id.
+        keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
+    if bool((args.min_p > 0.0).any()):
+        keep &= min_p_mask(probs, args.min_p)
+    filtered = probs.masked_fill(~keep, 0.0)
+    return filtered / filtered.sum(dim=-1, keepdim=True)
+
+
+# --8<-- [end:filter_probs]
+
+
+def compute_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    """The distribution each row's next token is drawn from.
+
+    Sampling rows get temperature, top-k, top-p and min-p applied; greedy rows get a one-hot
+    row at their argmax (the distribution greedy decoding "samples" from). Useful to inspect
+    and test the filters; :func:`sample_batch` never builds the greedy rows' one-hots.
+
+    Args:
+        logits: ``[B, V]`` logits, one row per sequence.
+        params: one :class:`SamplingParams` per row.
+
+    Returns:
+        ``[B, V]`` float32 probabilities, each row summing to 1.
+    """
+    _check_batch(logits, params)
+    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
+    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    if greedy:
+        rows = torch.tensor(greedy, device=logits.device)
+        probs[rows, logits[rows].argmax(dim=-1)] = 1.0
+    if sampled:
+        rows = torch.tensor(sampled, device=logits.device)
+        probs[rows] = _sampled_rows_probs(logits[rows], [params[i] for i in sampled])
+    return probs
+
+
+def _sampled_rows_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
+    args = SamplingTensors.from_params(params, logits.shape[-1], logits.device)
+    return filter_probs(temperature_softmax(logits, args.temperatures), args)
+
+
+# --8<-- [start:seeded_generators]
+def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
+    """A random generator on ``device`` seeded with ``seed``, owned by one request.
+
+    A generation loop makes one per seeded request and passes it to every step, so the
+    request walks through its own random stream. (Re-seeding at every step would replay the
+    same noise each time.) The same seed reproduces the same tokens on the same device type;
+    CPU and CUDA generators produce different streams.
+    """
+    generator = torch.Generator(device=device)
+    generator.manual_seed(seed)
+    return generator
+
+
+def sample_from_probs(
+    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
+) -> torch.Tensor:
+    """Draw one token per row with an exponential race.
+
+    Give every token an independent ``E ~ Exponential(1)`` and pick ``argmax(p / E)``.
+    ``E / p`` is exponential with rate ``p``, and the smallest of independent exponentials is
+    token ``i`` with probability ``p_i / sum(p)`` — so this samples exactly from ``probs``
+    (the Gumbel-max trick in another guise). Unlike ``torch.multinomial`` it needs only one
+    noise tensor and one argmax for the whole batch, and each row's noise can come from that
+    row's own generator.
+
+    Args:
+        probs: ``[B, V]`` non-negative weights (need not sum to 1).
+        generators: one entry per row: that row's generator, or None for the global one.
+
+    Returns:
+        ``[B]`` int64 token ids.
+    """
+    noise = torch.empty_like(probs)
+    noise.exponential_()  # rows without a generator share the global random stream
+    for row, generator in enumerate(generators):
+        if generator is not None:
+            if generator.device.type != probs.device.type:
+                raise ValueError(
+                    f"generator for row {row} is on {generator.device}, "
+                    f"but the logits are on {probs.device}"
+                )
+            # The row's noise depends only on its own generator and the vocabulary size:
+            # the same seed draws the same tokens whoever else is in the batch.
+            noise[row].exponential_(generator=generator)
+    # An exponential draw can be exactly 0; dividing by it would give inf (or 0/0 = NaN for a
+    # filtered token). Clamping keeps every filtered token at exactly 0.
+    noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+    return (probs / noise).argmax(dim=-1)
+
+
+# --8<-- [end:seeded_generators]
+
+
+# --8<-- [start:greedy_fast_path]
+def sample_batch(
+    logits: torch.Tensor,
+    params: Sequence[SamplingParams],
+    generators: Sequence[torch.Generator | None] | None = None,
+) -> torch.Tensor:
+    """Pick the next token of every row of a batch.
+
+    Args:
+        logits: ``[B, V]`` logits, one row per sequence (any float dtype).
+        params: one :class:`SamplingParams` per row.
+        generators: one entry per row, the row's own generator or None. When omitted, a
+            fresh generator is made for each seeded row: fine for a single call, but a loop
+            should keep each request's generator across steps (see :func:`make_generator`).
+
+    Returns:
+        ``[B]`` int64 token ids on the logits' device.
+    """
+    _check_batch(logits, params)
+    if generators is None:
+        generators = [
+            None if p.seed is None else make_generator(p.seed, logits.device) for p in params
+        ]
+    if len(generators) != len(params):
+        raise ValueError(f"got {len(generators)} generators for {len(params)} rows")
+
+    # argmax is cheap and exact: greedy rows need nothing else, not even a softmax.
+    tokens = logits.argmax(dim=-1)
+    sampled = [i for i, p in enumerate(params) if not p.is_greedy]
+    if not sampled:
+        return tokens
+
+    rows = torch.tensor(sampled, device=logits.device)
+    probs = _sampled_rows_probs(logits[rows], [params[i] for i in sampled])
+    tokens[rows] = sample_from_probs(probs, [generators[i] for i in sampled])
+    return tokens
+
+
+# --8<-- [end:greedy_fast_path]
+
+
+def _check_batch(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:
+    if logits.dim() != 2:
+        raise ValueError(f"logits must be [batch, vocab], got shape {tuple(logits.shape)}")
+    if len(params) != logits.shape[0]:
+        raise ValueError(f"got {len(params)} SamplingParams for {logits.shape[0]} rows of logits")

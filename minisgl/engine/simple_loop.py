@@ -1,0 +1,288 @@
+"""The simplest complete generation loop: one sequence, one token per step.
+
+Generation is a loop around the model: run the tokens so far, take the logits of the last
+position, pick a token, append it, repeat until a stop condition fires. Done naively, step
+``n`` re-runs all ``n`` tokens through every layer although only the last one is new. A *KV
+cache* removes that waste: each layer's keys and values for past tokens never change, so they
+are kept, and each decode step computes K/V for the one new token only and attends over the
+stored ones.
+
+:class:`ContiguousKVCache` is the cache in its plainest form, one contiguous
+``[max_len, num_kv_heads, head_dim]`` buffer per layer for a single sequence. It plugs into the
+model through the attention-backend seam of ``minisgl.layers.attention``, so the model code does
+not change at all. :func:`generate` runs the loop with the cache (prefill once, then decode) or
+without it (re-run everything at each step), which lets the example measure the difference.
+Chapter 5 replaces the one-sequence buffer by a paged pool shared by many requests.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+
+from minisgl.core import SamplingParams
+from minisgl.distributed import get_tp_info
+from minisgl.engine.sample import make_generator, sample_batch
+from minisgl.layers.attention import use_attention_backend
+from minisgl.layers.base import local_kv_heads
+from minisgl.models.base import BaseLLMModel
+
+FinishReason = Literal["stop", "length"]
+
+
+# --8<-- [start:contiguous_cache]
+class ContiguousKVCache:
+    """An attention backend that keeps one sequence's keys and values between steps.
+
+    Buffers ``k_cache`` and ``v_cache`` are ``[num_layers, max_len, num_kv_heads, head_dim]``.
+    During one forward pass of the model, every layer calls :meth:`forward` with the K/V of
+    the step's new tokens; they are written at positions ``length .. length + T - 1`` and the
+    queries attend to everything stored up to there. After the pass the caller moves
+    ``length`` forward with :meth:`advance`, which makes the new tokens part of the past.
+    """
+
+    def __init__(
+        self,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        max_len: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        if max_len < 1:
+            raise ValueError(f"max_len must be >= 1, got {max_len}")
+        shape = (num_layers, max_len, num_kv_heads, head_dim)
+        # Allocated once, up front, at the longest length this sequence may reach: no
+        # reallocation or copying while generating (chapter 5 asks what this wastes).
+        self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
+        self.max_len = max_len
+        self.length = 0  # tokens whose K/V are stored in every layer
+
+    def forward(
+        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
+    ) -> torch.Tensor:
+        """Store this step's ``k``/``v`` for ``layer_id`` and attend over the whole prefix.
+
+        Args:
+            q: ``[T, num_qo_heads, head_dim]`` queries of the step's new tokens.
+            k: ``[T, num_kv_heads, head_dim]`` their keys (rotary already applied).
+            v: ``[T, num_kv_heads, head_dim]`` their values.
+            layer_id: which layer is calling.
+
+        Returns:
+            ``[T, num_qo_heads, head_dim]`` attention output.
+        """
+        start, end = self.length, self.length + q.shape[0]
+        if end > self.max_len:
+            raise ValueError(
+                f"the KV cache holds {self.max_len} tokens; this step would need {end}"
+            )
+        self.k_cache[layer_id, start:end] = k
+        self.v_cache[layer_id, start:end] = v
+        return causal_attention_with_prefix(
+            q, self.k_cache[layer_id, :end], self.v_cache[layer_id, :end], num_cached=start
+        )
+
+    def advance(self, num_tokens: int) -> None:
+        """Commit the last step's ``num_tokens`` tokens, after every layer has stored them."""
+        assert self.length + num_tokens <= self.max_len, "advanced past the cache's end"
+        self.length += num_tokens
+
+    @classmethod
+    def for_model(cls, model: BaseLLMModel, max_len: int) -> ContiguousKVCache:
+        """A cache shaped for ``model``, on its device and in its dtype."""
+        config = model.config
+        weight = next(model.parameters())
+        return cls(
+            num_layers=config.num_layers,
+            # This process's share of the KV heads (all of them without tensor parallelism).
+            num_kv_heads=local_kv_heads(config.num_kv_heads, get_tp_info().size),
+            head_dim=config.head_dim,
+            max_len=max_len,
+            dtype=weight.dtype,
+            device=weight.device,
+        )
+
+
+# --8<-- [end:contiguous_cache]
+
+
+# --8<-- [start:prefix_attention]
+def causal_attention_with_prefix(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int
+) -> torch.Tensor:
+    """Attention of ``T`` new queries over ``num_cached`` stored tokens plus themselves.
+
+    Args:
+        q: ``[T, Hq, D]`` queries of the new tokens, at positions
+            ``num_cached .. num_cached + T - 1``.
+        k: ``[S, Hkv, D]`` keys of every token so far (``S = num_cached + T``).
+        v: ``[S, Hkv, D]`` values, likewise.
+        num_cached: how many of the ``S`` tokens precede this step.
+
+    Returns:
+        ``[T, Hq, D]`` in the dtype of ``q``.
+    """
+    num_new, num_qo_heads, head_dim = q.shape
+    num_kv_heads = k.shape[1]
+    # GQA: query head h reads KV head h // group. Repeating the KV heads makes the shapes
+    # line up; a real kernel reads the shared head instead of copying it.
+    group = num_qo_heads // num_kv_heads
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    # Scores and softmax in float32, whatever the cache dtype, like the dense backend.
+    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * head_dim**-0.5
+    if num_new > 1:
+        # New token i sits at position num_cached + i and may see keys 0 .. num_cached + i.
+        # (A decode step's single token is the newest of all: it sees every key, no mask.)
+        query_pos = num_cached + torch.arange(num_new, device=q.device)
+        key_pos = torch.arange(k.shape[0], device=q.device)
+        future = key_pos[None, :] > query_pos[:, None]
+        scores.masked_fill_(future, float("-inf"))
+    out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v.float())
+    return out.to(q.dtype)
+
+
+# --8<-- [end:prefix_attention]
+
+
+# --8<-- [start:generation_result]
+@dataclass
+class GenerationResult:
+    """What :func:`generate` returns for one prompt."""
+
+    token_ids: list[int]  # the generated tokens (not the prompt), the stopping token included
+    finish_reason: FinishReason  # "stop": EOS or a stop token; "length": max_tokens reached
+
+
+def finish_reason(
+    token_id: int, num_generated: int, params: SamplingParams, eos_token_ids: Sequence[int]
+) -> FinishReason | None:
+    """Why generation ends after ``token_id`` was appended, or None to keep going."""
+    if token_id in params.stop_token_ids:
+        return "stop"
+    if not params.ignore_eos and token_id in eos_token_ids:
+        return "stop"
+    if num_generated >= params.max_tokens:
+        return "length"
+    return None
+
+
+# --8<-- [end:generation_result]
+
+
+# --8<-- [start:generate]
+@torch.inference_mode()
+def generate(
+    model: BaseLLMModel,
+    prompt_ids: Sequence[int] | torch.Tensor,
+    params: SamplingParams,
+    *,
+    use_cache: bool = True,
+    eos_token_ids: Sequence[int] | None = None,
+) -> GenerationResult:
+    """Generate a continuation of one prompt.
+
+    Args:
+        model: a loaded model (its device and dtype are used).
+        prompt_ids: the prompt's token ids, at least one.
+        params: temperature, filters, stop conditions and seed.
+        use_cache: prefill once and then decode one token per step with a
+            :class:`ContiguousKVCache` (True), or re-run the whole sequence at every step
+            (False: slower, kept to measure what the cache saves).
+        eos_token_ids: ids that end generation unless ``params.ignore_eos``; by default the
+            ``eos_token_id`` of the model's ``config.json``.
+
+    Returns:
+        The generated token ids and why generation stopped.
+    """
+    if torch.is_tensor(prompt_ids):
+        prompt_ids = prompt_ids.tolist()
+    prompt = [int(t) for t in prompt_ids]
+    if not prompt:
+        raise ValueError("prompt_ids is empty; generation needs at least one token")
+    longest = len(prompt) + params.max_tokens
+    if longest > model.config.max_position_embeddings:
+        raise ValueError(
+            f"a {len(prompt)}-token prompt plus max_tokens={params.max_tokens} needs "
+            f"{longest} positions; the model has {model.config.max_position_embeddings}"
+        )
+    if eos_token_ids is None:
+        eos_token_ids = model.config.eos_token_ids
+    device = next(model.parameters()).device
+    # One generator per request, created once and advanced step after step, so a seeded
+    # request walks through its own random stream (None: the global generator).
+    generator = None if params.seed is None else make_generator(params.seed, device)
+    loop = _generate_with_cache if use_cache else _generate_without_cache
+    return loop(model, prompt, params, tuple(eos_token_ids), generator)
+
+
+# --8<-- [end:generate]
+
+
+# --8<-- [start:generate_loop]
+def _generate_with_cache(
+    model: BaseLLMModel,
+    prompt: list[int],
+    params: SamplingParams,
+    eos_token_ids: tuple[int, ...],
+    generator: torch.Generator | None,
+) -> GenerationResult:
+    device = next(model.parameters()).device
+    # The last generated token is never fed back, so the cache never holds more than this.
+    cache = ContiguousKVCache.for_model(model, max_len=len(prompt) + params.max_tokens - 1)
+    output: list[int] = []
+    input_ids = torch.tensor(prompt, device=device)  # first step (prefill): the whole prompt
+    with use_attention_backend(cache):
+        while True:
+            num_new = len(input_ids)
+            positions = torch.arange(cache.length, cache.length + num_new, device=device)
+            # Only the last position predicts the next token: the LM head runs on one row.
+            last_row = torch.tensor([num_new - 1], device=device)
+            logits = model(input_ids, positions, logits_indices=last_row)
+            cache.advance(num_new)
+
+            token = int(sample_batch(logits, [params], [generator])[0])
+            output.append(token)
+            reason = finish_reason(token, len(output), params, eos_token_ids)
+            if reason is not None:
+                return GenerationResult(output, reason)
+            input_ids = torch.tensor([token], device=device)  # later steps (decode): one token
+
+
+# --8<-- [end:generate_loop]
+
+
+# --8<-- [start:no_cache_loop]
+def _generate_without_cache(
+    model: BaseLLMModel,
+    prompt: list[int],
+    params: SamplingParams,
+    eos_token_ids: tuple[int, ...],
+    generator: torch.Generator | None,
+) -> GenerationResult:
+    device = next(model.parameters()).device
+    tokens = list(prompt)
+    output: list[int] = []
+    while True:
+        # Every step recomputes every layer for every token so far: the default dense
+        # backend sees the whole sequence each time and remembers nothing.
+        input_ids = torch.tensor(tokens, device=device)
+        positions = torch.arange(len(tokens), device=device)
+        last_row = torch.tensor([len(tokens) - 1], device=device)
+        logits = model(input_ids, positions, logits_indices=last_row)
+
+        token = int(sample_batch(logits, [params], [generator])[0])
+        output.append(token)
+        tokens.append(token)
+        reason = finish_reason(token, len(output), params, eos_token_ids)
+        if reason is not None:
+            return GenerationResult(output, reason)
+
+
+# --8<-- [end:no_cache_loop]
