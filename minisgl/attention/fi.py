@@ -4,8 +4,9 @@ FlashInfer reads the KV pool where it lies. It takes the cache of one layer as p
 (``[num_pages, page_size, num_kv_heads, head_dim]``, the "NHD" layout, which is exactly
 :meth:`MHAKVPool.kv_pages`) and, for the batch, three small arrays in CSR form:
 
-* ``indptr`` (``[B + 1]``): request ``i`` owns entries ``indptr[i] .. indptr[i + 1] - 1`` of
 * ``indices``: the page ids, request after request, in token order;
+* ``indptr`` (``[B + 1]``): request ``i`` owns entries ``indptr[i] .. indptr[i + 1] - 1`` of
+  ``indices``;
 * ``last_page_len`` (``[B]``): how many tokens of each request's last page are in use.
 
 Queries are packed too (``qo_indptr``). Its wrappers work in two steps: ``plan`` looks at the
