@@ -1,17 +1,32 @@
 """The engine's core data types.
 
-For now this module holds one type, :class:`SamplingParams`: the per-request knobs that decide
-how the next token is chosen from the model's logits and when generation stops. Everything that
-turns logits into tokens (``minisgl.engine.sample``) and every loop that generates
-(``minisgl.engine.simple_loop`` and, later, the scheduler) reads its decisions from here.
+- :class:`SamplingParams` (chapter 4): the per-request knobs that decide how the next token is
+  chosen from the model's logits and when generation stops.
+- :class:`Req` (chapter 7): one request as the engine sees it: its tokens, how many of them
+  already have keys and values in the KV pool, its page-table row, its random generator and
+  whether it has finished.
+- :class:`Batch` (chapter 7): the requests of one forward pass, all in the prefill phase or all
+  in the decode phase.
+- :class:`Context` (chapter 7): one forward pass made ready to run: the batch, its attention
+  layout and the input token ids on the device.
+
+These are plain data: nothing here allocates memory, runs a model or decides which request runs
+next. The engine (``minisgl.engine.engine``) runs batches and the scheduler (chapter 9) builds
+them.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
-from dataclasses import dataclass
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
 from numbers import Integral, Real
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # type names only: this module must stay importable without torch
+    import torch
+
+    from minisgl.attention import BatchLayout
 
 # A torch.Generator accepts any seed that fits in an unsigned 64-bit integer.
 _MAX_SEED = 2**64 - 1
@@ -133,3 +148,220 @@ def _check_real(field: str, value: object) -> None:
 
 def _invalid(field: str, value: object, allowed: str) -> None:
     raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Chapter 7: requests, batches and the context of a forward pass
+# --------------------------------------------------------------------------------------------
+
+FinishReason = Literal["stop", "length"]
+Phase = Literal["prefill", "decode"]
+PHASES: tuple[Phase, ...] = ("prefill", "decode")
+
+
+# --8<-- [start:req]
+@dataclass(eq=False)  # identity, not field equality: two requests with equal fields are two
+class Req:
+    """One request on its way through the engine.
+
+    A request's tokens are its prompt followed by what it has generated so far. The KV pool
+    holds keys and values for the first ``cached_len`` of them; the remaining ``new_len``
+    tokens are what the next forward pass must compute. After a prefill that is exactly one
+    token (the last sampled one, whose K/V nobody has computed yet), so every later pass is a
+    one-token decode step.
+
+    Attributes:
+        uid: the caller's id for the request (unique among running requests).
+        prompt_ids: the prompt's token ids (at least one).
+        params: how to sample and when to stop.
+        output_ids: tokens generated so far, in order.
+        table_row: the request's row of the page table while it holds one (set by the engine
+            on admission), else None.
+        cached_len: leading tokens whose K/V are stored in the pool.
+        generator: the request's own random generator when ``params.seed`` is set (made by the
+            engine on the engine's device), else None.
+        finish_reason: None while running; "stop" (EOS or a stop token) or "length"
+            (``max_tokens`` reached) once finished.
+    """
+
+    uid: int
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    output_ids: list[int] = field(default_factory=list)
+    table_row: int | None = None
+    cached_len: int = 0
+    generator: torch.Generator | None = field(default=None, repr=False)
+    finish_reason: FinishReason | None = None
+
+    def __post_init__(self) -> None:
+        # Accept any sequence of ids, or a 1-D tensor; store a plain list of ints.
+        raw = self.prompt_ids
+        ids = raw.tolist() if hasattr(raw, "tolist") else list(raw)
+        if not ids:
+            raise ValueError(f"request {self.uid}: the prompt must hold at least one token")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral) or t < 0]
+        if bad:
+            raise ValueError(f"request {self.uid}: token ids must be integers >= 0, "
+                             f"got {bad[:4]}")
+        self.prompt_ids = [int(t) for t in ids]
+        if not isinstance(self.params, SamplingParams):
+            raise TypeError(f"request {self.uid}: params must be SamplingParams, "
+                            f"got {type(self.params).__name__}")
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt and output, in order: the sequence the model continues."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the sequence so far; the next pass leaves this many in the pool."""
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def new_len(self) -> int:
+        """Tokens the next forward pass computes: those without K/V in the pool yet."""
+        return self.num_tokens - self.cached_len
+
+    def new_token_ids(self) -> list[int]:
+        """The token ids the next forward pass feeds to the model for this request."""
+        return self.token_ids[self.cached_len:]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+    # --8<-- [end:req]
+
+    # --8<-- [start:append_token]
+    def append_token(self, token_id: int,
+                     eos_token_ids: Sequence[int] = ()) -> FinishReason | None:
+        """Record a sampled token and decide whether the request is done.
+
+        The rule is chapter 4's: a stop token always ends the request, an end-of-sequence
+        token ends it unless ``ignore_eos``, and reaching ``max_tokens`` ends it. The stopping
+        token is kept in ``output_ids``. Returns the finish reason, or None to keep going.
+        """
+        if self.is_finished:
+            raise RuntimeError(f"request {self.uid} already finished ({self.finish_reason}); "
+                               "it cannot take another token")
+        self.output_ids.append(int(token_id))
+        if token_id in self.params.stop_token_ids:
+            self.finish_reason = "stop"
+        elif not self.params.ignore_eos and token_id in eos_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason
+    # --8<-- [end:append_token]
+
+    def __repr__(self) -> str:
+        return (f"Req(uid={self.uid}, tokens={self.num_tokens}, cached={self.cached_len}, "
+                f"row={self.table_row}, finished={self.finish_reason})")
+
+
+# --8<-- [start:batch]
+@dataclass
+class Batch:
+    """The requests of one forward pass, and its phase.
+
+    ``"prefill"``: each request brings one or more new tokens (a whole prompt, or what is left
+    of it after a cached prefix). ``"decode"``: each request brings exactly the one token it
+    sampled last, after a cached past. The phase decides which attention kernel runs, and only
+    decode batches can be replayed as CUDA graphs (chapter 8), because their shape depends on
+    the number of requests alone.
+
+    ``chunk_lens`` lets a pass compute only the first ``chunk_lens[i]`` of request ``i``'s
+    uncomputed tokens instead of all of them (chapter 10 splits long prompts this way); None
+    means all of them.
+    """
+
+    reqs: list[Req]
+    phase: Phase
+    chunk_lens: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        self.reqs = list(self.reqs)
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
+        if not self.reqs:
+            raise ValueError("a batch needs at least one request")
+        if len({id(r) for r in self.reqs}) != len(self.reqs):
+            raise ValueError("a request appears twice in one batch")
+        for req in self.reqs:
+            if req.is_finished:
+                raise ValueError(f"request {req.uid} has finished ({req.finish_reason}); "
+                                 "it cannot run again")
+            if req.new_len < 1:
+                raise ValueError(f"request {req.uid} has nothing to compute "
+                                 f"(cached_len {req.cached_len} = num_tokens {req.num_tokens})")
+            if self.phase == "decode" and (req.new_len != 1 or req.cached_len == 0):
+                raise ValueError(f"request {req.uid} cannot decode: a decode step needs exactly "
+                                 f"one new token after a cached past, it has {req.new_len} new "
+                                 f"after {req.cached_len} cached (prefill it first)")
+        if self.chunk_lens is not None:
+            self.chunk_lens = list(self.chunk_lens)
+            if len(self.chunk_lens) != len(self.reqs):
+                raise ValueError(f"chunk_lens has {len(self.chunk_lens)} entries for "
+                                 f"{len(self.reqs)} requests")
+            for req, n in zip(self.reqs, self.chunk_lens):
+                if not 1 <= n <= req.new_len:
+                    raise ValueError(f"request {req.uid}: a chunk of {n} tokens must be "
+                                     f"between 1 and its {req.new_len} uncomputed tokens")
+
+    @property
+    def size(self) -> int:
+        """Requests in the batch."""
+        return len(self.reqs)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase == "prefill"
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase == "decode"
+
+    @property
+    def new_lens(self) -> list[int]:
+        """Tokens each request computes in this pass."""
+        if self.chunk_lens is not None:
+            return list(self.chunk_lens)
+        return [req.new_len for req in self.reqs]
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens of all requests: the length ``T`` of the model's input."""
+        return sum(self.new_lens)
+
+    def new_token_ids(self) -> list[int]:
+        """The tokens this pass feeds, request after request, packed (no padding)."""
+        return [t for req, n in zip(self.reqs, self.new_lens)
+                for t in req.token_ids[req.cached_len:req.cached_len + n]]
+# --8<-- [end:batch]
+
+
+# --8<-- [start:context]
+@dataclass
+class Context:
+    """One forward pass made ready to run.
+
+    The engine builds it from a :class:`Batch` (:meth:`Engine.prepare`) once the requests'
+    page-table rows hold pages for all their tokens. It carries what does not depend on *how*
+    the pass runs: run eagerly, the attention backend then plans for ``layout``; replayed as a
+    CUDA graph (chapter 8), the graph runner pads ``layout`` and ``input_ids`` to a captured
+    size instead.
+
+    The model itself never sees this object: it receives tensors, and the attention layers
+    reach the backend through the seam of chapter 3 (``use_attention_backend``).
+
+    Attributes:
+        batch: the requests.
+        layout: each request's page-table row, cached length and new length, as the attention
+            backends take them.
+        input_ids: ``[T]`` int64 token ids of the new tokens, on the engine's device.
+    """
+
+    batch: Batch
+    layout: BatchLayout
+    input_ids: torch.Tensor
+# --8<-- [end:context]

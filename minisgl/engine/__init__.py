@@ -1,5 +1,13 @@
-"""The engine: from a model's logits to generated tokens.
+"""The engine: from a model's logits to generated tokens, for one request or for a batch.
 
-Chapter 4 starts it with sampling (``sample.py``) and a one-sequence generation loop
-(``simple_loop.py``); later chapters add the batched engine that runs a scheduler's batches.
+- ``sample`` (chapter 4): batched sampling with per-request parameters.
+- ``simple_loop`` (chapter 4): a one-sequence generation loop with a contiguous KV cache.
+- ``config`` (chapter 7): :class:`~minisgl.engine.config.EngineConfig`, the engine's settings.
+- ``engine`` (chapter 7): :class:`~minisgl.engine.engine.Engine`, which loads the model, sizes
+  the paged KV cache and runs one batched forward step at a time.
+- ``graph`` (chapter 8): :class:`~minisgl.engine.graph.GraphRunner`, decode steps captured as
+  CUDA graphs and replayed.
+
+The modules are imported by name (``from minisgl.engine.engine import Engine``): a process that
+only samples or only reads the config does not pay for loading the rest.
 """

@@ -1,0 +1,497 @@
+"""Chapter 7: requests, batches and the engine.
+
+The data types are tested on their own. The engine is tested on the tiny model: prompts of
+different lengths prefilled together and decoded together must give exactly the tokens each
+prompt gives alone, and exactly what ``transformers`` generates greedily (CPU, float32). The KV
+budget must come from the CPU setting (or, on a GPU, from free memory times the fraction), and
+every page must come back when the requests are released.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.engine import Engine, plan_kv_budget
+from minisgl.kvcache import OutOfPagesError
+from minisgl.models.config import ModelConfig
+
+# Prompt lengths: a one-token prompt, short ones, one that spans several 4-token pages.
+PROMPT_LENS = [1, 5, 12, 23]
+DECODE_STEPS = 16
+PAGE_SIZE = 4
+
+
+def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(vocab_size, (n,), generator=generator).tolist() for n in lengths]
+
+
+def greedy(max_tokens: int = DECODE_STEPS + 1) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+
+
+def run_to_completion(engine: Engine, reqs: list[Req]) -> list[list[int]]:
+    """Prefill all requests in one batch, then decode the unfinished ones together; release."""
+    phase = "prefill"
+    while live := [r for r in reqs if not r.is_finished]:
+        for req in live:
+            engine.reserve(req)
+        tokens = engine.forward(Batch(live, phase)).tolist()
+        for req, token in zip(live, tokens, strict=True):
+            req.append_token(token, engine.eos_token_ids)
+        phase = "decode"
+    for req in reqs:
+        engine.release(req)
+    return [r.output_ids for r in reqs]
+
+
+def batched_and_alone(engine: Engine, prompts: list[list[int]],
+                      params: SamplingParams) -> tuple[list[list[int]], list[list[int]]]:
+    batched = run_to_completion(engine, [Req(i, p, params) for i, p in enumerate(prompts)])
+    alone = [run_to_completion(engine, [Req(i, p, params)])[0] for i, p in enumerate(prompts)]
+    return batched, alone
+
+
+def hf_greedy(model_dir: Path, prompts: list[list[int]], new_tokens: int,
+              device: str = "cpu") -> list[list[int]]:
+    """transformers' greedy continuation of each prompt (EOS off), one prompt at a time."""
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device)
+    config = GenerationConfig(max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
+                              pad_token_id=0)
+    outputs = []
+    with torch.inference_mode():
+        for ids in prompts:
+            input_ids = torch.tensor([ids], device=device)
+            out = hf_model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                    generation_config=config)
+            outputs.append(out[0, len(ids):].tolist())
+    return outputs
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_model_dir: Path) -> Engine:
+    """The tiny model on CPU in float32, 4-token pages, a small fixed pool."""
+    return Engine(EngineConfig(tiny_model_dir, device="cpu", page_size=PAGE_SIZE,
+                               num_pages=512, max_running_reqs=8))
+
+
+@pytest.fixture(scope="module")
+def prompts(engine: Engine) -> list[list[int]]:
+    return random_prompts(PROMPT_LENS, engine.model_config.vocab_size)
+
+
+@pytest.fixture(autouse=True)
+def all_pages_return(request: pytest.FixtureRequest) -> Iterator[None]:
+    """Every test that used the shared engine must leave every page and row free."""
+    yield
+    if "engine" in request.fixturenames:
+        engine: Engine = request.getfixturevalue("engine")
+        assert engine.num_free_pages == engine.kv_budget.num_pages, "pages leaked"
+        assert engine.page_table.num_free_rows == engine.config.max_running_reqs, "rows leaked"
+
+
+# --------------------------------------------------------------------------------------------
+# Req and Batch
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_new_request_has_its_whole_prompt_to_compute() -> None:
+    req = Req(7, [5, 6, 7], greedy())
+    assert (req.num_tokens, req.cached_len, req.new_len) == (3, 0, 3)
+    assert req.new_token_ids() == [5, 6, 7] and req.table_row is None
+
+
+def test_after_prefill_only_the_sampled_token_is_new() -> None:
+    req = Req(0, [5, 6, 7], greedy())
+    req.cached_len = 3  # what Engine.forward does after the prefill
+    req.append_token(42)
+    assert req.token_ids == [5, 6, 7, 42]
+    assert (req.new_len, req.new_token_ids()) == (1, [42])
+
+
+@pytest.mark.parametrize(("params", "tokens", "reason"), [
+    (SamplingParams(max_tokens=2), [9, 9], "length"),
+    (SamplingParams(max_tokens=9), [9, 2], "stop"),  # 2 is the EOS below
+    (SamplingParams(max_tokens=3, ignore_eos=True), [2, 2, 2], "length"),
+    (SamplingParams(max_tokens=9, ignore_eos=True, stop_token_ids=[4]), [2, 4], "stop"),
+])
+def test_append_token_finishes_on_length_eos_and_stop_tokens(
+        params: SamplingParams, tokens: list[int], reason: str) -> None:
+    req = Req(0, [1], params)
+    reasons = [req.append_token(t, eos_token_ids=[2]) for t in tokens]
+    assert reasons[:-1] == [None] * (len(tokens) - 1)
+    assert reasons[-1] == reason and req.finish_reason == reason
+    assert req.output_ids == tokens, "the stopping token is kept"
+
+
+def test_a_finished_request_takes_no_more_tokens() -> None:
+    req = Req(0, [1], SamplingParams(max_tokens=1))
+    req.append_token(3)
+    with pytest.raises(RuntimeError, match="already finished"):
+        req.append_token(4)
+
+
+@pytest.mark.parametrize("prompt", [[], [3, -1]])
+def test_request_rejects_empty_or_negative_prompts(prompt: list[int]) -> None:
+    with pytest.raises(ValueError, match="request 3"):
+        Req(3, prompt)
+
+
+def test_batch_counts_and_packs_the_new_tokens() -> None:
+    a, b = Req(0, [1, 2, 3]), Req(1, [4])
+    batch = Batch([a, b], "prefill")
+    assert (batch.size, batch.num_tokens, batch.is_prefill) == (2, 4, True)
+    assert batch.new_token_ids() == [1, 2, 3, 4]
+
+
+def test_decode_batch_rejects_a_request_that_was_not_prefilled() -> None:
+    with pytest.raises(ValueError, match="prefill it first"):
+        Batch([Req(0, [1, 2, 3])], "decode")
+
+
+@pytest.mark.parametrize(("make", "match"), [
+    (lambda r: Batch([], "prefill"), "at least one request"),
+    (lambda r: Batch([r], "extend"), "phase must be one of"),
+    (lambda r: Batch([r, r], "prefill"), "twice"),
+])
+def test_batch_rejects_impossible_batches(make, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        make(Req(0, [1, 2]))
+
+
+def test_chunk_lens_feed_only_the_first_tokens_of_a_request() -> None:
+    a, b = Req(0, [1, 2, 3, 4, 5]), Req(1, [6, 7])
+    batch = Batch([a, b], "prefill", chunk_lens=[3, 2])
+    assert (batch.new_lens, batch.num_tokens, batch.new_token_ids()) == ([3, 2], 5,
+                                                                         [1, 2, 3, 6, 7])
+    with pytest.raises(ValueError, match="between 1 and its 2 uncomputed"):
+        Batch([a, b], "prefill", chunk_lens=[3, 3])
+
+
+def test_batch_rejects_a_finished_request() -> None:
+    req = Req(0, [1], SamplingParams(max_tokens=1))
+    req.append_token(5)
+    with pytest.raises(ValueError, match="has finished"):
+        Batch([req], "prefill")
+
+
+# --------------------------------------------------------------------------------------------
+# EngineConfig
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("field", "value"), [
+    ("device", "gpu"), ("dtype", "fp8"), ("attention_backend", "flash"), ("page_size", 0),
+    ("memory_fraction", 1.5), ("memory_fraction", 0), ("cpu_kv_memory", 0), ("num_pages", -1),
+    ("max_running_reqs", 0), ("max_seq_len", 0), ("cuda_graph", "yes"),
+    ("cuda_graph_max_bs", 0), ("cuda_graph_batch_sizes", ()), ("page_size", True),
+])
+def test_engine_config_rejects_bad_values_naming_the_field(field: str, value: object) -> None:
+    with pytest.raises(ValueError) as info:
+        EngineConfig("models/tiny-qwen3", **{field: value})
+    assert field in str(info.value)
+
+
+def test_cpu_kv_memory_defaults_to_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINISGL_CPU_KV_MEMORY", "3MiB")
+    assert EngineConfig("m").cpu_kv_memory == 3 * 2**20
+    assert EngineConfig("m", cpu_kv_memory=1000).cpu_kv_memory == 1000
+
+
+# --------------------------------------------------------------------------------------------
+# The KV budget
+# --------------------------------------------------------------------------------------------
+
+
+def test_plan_kv_budget_takes_the_whole_pages_that_fit(tiny_model_dir: Path) -> None:
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    per_page = config.kv_bytes_per_token(torch.float32) * 16
+    budget = plan_kv_budget(10 * per_page + per_page - 1, "test", config, torch.float32, 16,
+                            max_useful_pages=1000)
+    assert (budget.num_pages, budget.bytes_per_page) == (10, per_page)
+    assert budget.pool_bytes <= budget.budget_bytes and not budget.capped
+
+
+def test_plan_kv_budget_never_exceeds_what_the_page_table_can_use(tiny_model_dir: Path) -> None:
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    budget = plan_kv_budget(2**30, "test", config, torch.float32, 16, max_useful_pages=33)
+    assert budget.num_pages == 33 and budget.capped
+
+
+def test_a_budget_below_one_page_is_a_clear_error(tiny_model_dir: Path) -> None:
+    config = ModelConfig.from_pretrained(tiny_model_dir)
+    with pytest.raises(ValueError, match="does not hold one page"):
+        plan_kv_budget(100, "test", config, torch.float32, 16, max_useful_pages=33)
+
+
+def test_on_cpu_the_pool_is_sized_from_the_cpu_kv_memory_flag(tiny_model_dir: Path) -> None:
+    budget_bytes = 5 * 2**20
+    engine = Engine(EngineConfig(tiny_model_dir, device="cpu", page_size=16,
+                                 cpu_kv_memory=budget_bytes, max_running_reqs=4))
+    per_token = engine.model_config.kv_bytes_per_token(torch.float32)
+    assert engine.kv_budget.budget_bytes == budget_bytes
+    assert engine.kv_budget.num_pages == budget_bytes // (16 * per_token)  # 80 pages
+    assert engine.kv_pool.num_pages == engine.allocator.num_pages == engine.kv_budget.num_pages
+    assert engine.kv_pool.num_bytes <= budget_bytes
+    assert engine.max_seq_len == min(engine.model_config.max_position_embeddings,
+                                     engine.kv_budget.num_tokens)
+
+
+def test_the_engine_logs_its_kv_budget(tiny_model_dir: Path, caplog: pytest.LogCaptureFixture
+                                       ) -> None:
+    logger = logging.getLogger("minisgl")
+    logger.addHandler(caplog.handler)  # minisgl's loggers do not propagate to the root
+    try:
+        with caplog.at_level(logging.INFO, logger="minisgl"):
+            Engine(EngineConfig(tiny_model_dir, device="cpu", cpu_kv_memory=2**20,
+                                max_running_reqs=2))
+    finally:
+        logger.removeHandler(caplog.handler)
+    assert "KV budget: cpu_kv_memory" in caplog.text
+    assert "256 pages x 1 tokens = 256 tokens x 4096 bytes" in caplog.text
+
+
+# --------------------------------------------------------------------------------------------
+# Pages for requests
+# --------------------------------------------------------------------------------------------
+
+
+def test_reserve_maps_the_prompt_and_a_new_page_every_page_size_steps(engine: Engine) -> None:
+    req = Req(0, list(range(1, 6)), greedy(max_tokens=20))  # 5 tokens: two 4-token pages
+    assert engine.pages_to_reserve(req) == 2
+    assert engine.reserve(req) == 2 and req.table_row is not None
+    grew = []
+    for step in range(8):
+        req.cached_len = req.num_tokens  # as if a forward pass had run
+        req.append_token(1)
+        grew.append(engine.reserve(req))
+    # tokens 6..13: a new page when token 9 and token 13 arrive
+    assert grew == [0, 0, 0, 1, 0, 0, 0, 1]
+    assert engine.release(req) == 4 and req.table_row is None
+
+
+def test_reserve_is_all_or_nothing_when_pages_run_out(tiny_model_dir: Path) -> None:
+    engine = Engine(EngineConfig(tiny_model_dir, device="cpu", page_size=4, num_pages=3,
+                                 max_running_reqs=2))
+    small, large = Req(0, [1] * 8), Req(1, [1] * 8)
+    engine.reserve(small)  # 2 of the 3 pages
+    with pytest.raises(OutOfPagesError):
+        engine.reserve(large)
+    assert large.table_row is None and engine.page_table.num_free_rows == 1
+    assert engine.num_free_pages == 1
+    engine.release(small)
+    engine.reserve(large)  # now it fits
+    engine.release(large)
+    assert engine.num_free_pages == 3
+
+
+def test_a_request_longer_than_max_seq_len_is_refused(tiny_model_dir: Path) -> None:
+    engine = Engine(EngineConfig(tiny_model_dir, device="cpu", num_pages=64, max_seq_len=10,
+                                 max_running_reqs=2))
+    with pytest.raises(ValueError, match="max_seq_len is 10"):
+        engine.reserve(Req(0, [1] * 11))
+
+
+def test_running_a_request_without_pages_is_an_error(engine: Engine) -> None:
+    with pytest.raises(ValueError, match="call engine.reserve"):
+        engine.forward(Batch([Req(0, [1, 2])], "prefill"))
+
+
+def test_forward_moves_cached_len_past_the_tokens_it_fed(engine: Engine) -> None:
+    req = Req(0, [3, 1, 4, 1, 5], greedy())
+    engine.reserve(req)
+    next_token = engine.forward(Batch([req], "prefill"))
+    assert next_token.shape == (1,) and req.cached_len == 5 and req.new_len == 0
+    req.append_token(int(next_token[0]))
+    assert req.new_len == 1
+    engine.release(req)
+
+
+# --------------------------------------------------------------------------------------------
+# The engine against one-at-a-time and against transformers
+# --------------------------------------------------------------------------------------------
+
+
+# --8<-- [start:test_batched]
+def test_batched_equals_one_at_a_time_equals_transformers(
+        engine: Engine, prompts: list[list[int]], tiny_model_dir: Path) -> None:
+    """Four prompts of 1, 5, 12 and 23 tokens, prefilled in one batch, decoded together for
+    16 steps: the same tokens as each prompt alone, and as transformers' greedy search."""
+    batched, alone = batched_and_alone(engine, prompts, greedy())
+    reference = hf_greedy(tiny_model_dir, prompts, DECODE_STEPS + 1)
+    for i, prompt in enumerate(prompts):
+        assert batched[i] == alone[i], f"prompt of {len(prompt)} tokens: batch changed it"
+        assert batched[i] == reference[i], f"prompt of {len(prompt)} tokens: not transformers'"
+    assert len({tuple(t) for t in batched}) == len(prompts), "the prompts should differ"
+# --8<-- [end:test_batched]
+
+
+@pytest.mark.parametrize("page_size", [1, 16])
+def test_batched_equals_one_at_a_time_for_other_page_sizes(tiny_model_dir: Path,
+                                                           page_size: int) -> None:
+    engine = Engine(EngineConfig(tiny_model_dir, device="cpu", page_size=page_size,
+                                 num_pages=2048 // page_size, max_running_reqs=4))
+    prompts = random_prompts([3, 17, 9], engine.model_config.vocab_size, seed=1)
+    batched, alone = batched_and_alone(engine, prompts, greedy(max_tokens=6))
+    assert batched == alone
+    assert engine.num_free_pages == engine.kv_budget.num_pages
+
+
+def test_each_request_samples_with_its_own_params_and_seed(engine: Engine,
+                                                           prompts: list[list[int]]) -> None:
+    """A seeded sampled request gives the same tokens alone and beside a greedy one: its
+    generator belongs to it, not to the batch."""
+    sampled = SamplingParams(temperature=1.0, top_k=50, seed=1234, max_tokens=8)
+    mixed = run_to_completion(engine, [Req(0, prompts[1], greedy(8)),
+                                       Req(1, prompts[2], sampled)])
+    alone_sampled = run_to_completion(engine, [Req(1, prompts[2], sampled)])[0]
+    alone_greedy = run_to_completion(engine, [Req(0, prompts[1], greedy(8))])[0]
+    assert mixed == [alone_greedy, alone_sampled]
+
+
+def test_a_prompt_computed_in_chunks_continues_like_one_computed_at_once(
+        engine: Engine, prompts: list[list[int]]) -> None:
+    """Chapter 10's chunked prefill, by hand: 23 prompt tokens as 8 + 8 + 7, beside a request
+    that decodes meanwhile, give the same tokens as the whole prompt in one pass."""
+    whole = run_to_completion(engine, [Req(0, prompts[3], greedy(6))])[0]
+    chunked, other = Req(0, prompts[3], greedy(6)), Req(1, prompts[1], greedy(6))
+    engine.reserve(chunked)
+    engine.reserve(other)
+    for size in (8, 8):  # the samples of a partial prompt mean nothing: dropped
+        engine.forward(Batch([chunked], "prefill", chunk_lens=[size]))
+    assert (chunked.cached_len, chunked.new_len, chunked.output_ids) == (16, 7, [])
+    tokens = engine.forward(Batch([chunked, other], "prefill")).tolist()  # last chunk + other
+    chunked.append_token(tokens[0])
+    other.append_token(tokens[1])
+    assert run_to_completion(engine, [chunked, other])[0] == whole
+
+
+def test_every_page_and_row_returns_after_release(engine: Engine,
+                                                  prompts: list[list[int]]) -> None:
+    reqs = [Req(i, p, greedy(5)) for i, p in enumerate(prompts)]
+    for req in reqs:
+        engine.reserve(req)
+    assert engine.num_free_pages < engine.kv_budget.num_pages
+    run_to_completion(engine, reqs)
+    assert engine.num_free_pages == engine.kv_budget.num_pages
+    assert engine.page_table.num_free_rows == engine.config.max_running_reqs
+
+
+# --------------------------------------------------------------------------------------------
+# On a GPU
+# --------------------------------------------------------------------------------------------
+
+# bf16 keeps 8 bits of mantissa: two correct implementations round differently, and four
+# layers of that differ by up to a few percent of the largest logit (chapter 4 measured it).
+BF16_RELATIVE_TOLERANCE = 0.04
+
+
+def greedy_with_logits(engine: Engine, prompts: list[list[int]],
+                       steps: int) -> tuple[list[list[int]], list[torch.Tensor]]:
+    """Greedy tokens of each prompt, all in one batch, with the logits each token came from."""
+    reqs = [Req(i, p, greedy(steps)) for i, p in enumerate(prompts)]
+    logits: list[list[torch.Tensor]] = [[] for _ in reqs]
+    phase = "prefill"
+    while live := [r for r in reqs if not r.is_finished]:
+        for req in live:
+            engine.reserve(req)
+        batch = Batch(live, phase)
+        step_logits = engine.run(engine.prepare(batch)).float().cpu()
+        tokens = engine.sample(batch, step_logits).tolist()
+        for req, row, token in zip(live, step_logits, tokens, strict=True):
+            req.cached_len = req.num_tokens
+            req.append_token(token)
+            logits[req.uid].append(row)
+        phase = "decode"
+    for req in reqs:
+        engine.release(req)
+    return [r.output_ids for r in reqs], [torch.stack(rows) for rows in logits]
+
+
+def assert_same_or_near_tie(tokens_a: list[int], tokens_b: list[int], logits_a: torch.Tensor,
+                            tolerance: float, what: str) -> None:
+    """Two greedy runs in bf16 must agree until, at most, a step where the two tokens they
+    chose score within the tolerance of each other (a near tie rounding can flip)."""
+    for step, (a, b) in enumerate(zip(tokens_a, tokens_b, strict=True)):
+        if a != b:
+            gap = float((logits_a[step, a] - logits_a[step, b]).abs())
+            assert gap <= tolerance, f"{what}: step {step} picked {a} vs {b}, {gap:.3f} apart"
+            return
+
+
+@pytest.mark.gpu
+def test_on_cuda_the_pool_fits_the_fraction_of_free_memory(tiny_model_dir: Path) -> None:
+    fraction = 0.05
+    # Many rows, so the page table could use more than the budget buys (no cap).
+    engine = Engine(EngineConfig(tiny_model_dir, device="cuda", page_size=16,
+                                 memory_fraction=fraction, max_running_reqs=4096,
+                                 cuda_graph=False))
+    budget = engine.kv_budget
+    total = torch.cuda.get_device_properties(engine.device).total_memory
+    assert budget.free_bytes is not None and 0 < budget.free_bytes <= total
+    assert budget.budget_bytes == int(fraction * budget.free_bytes)
+    assert not budget.capped
+    assert budget.budget_bytes - budget.bytes_per_page < engine.kv_pool.num_bytes
+    assert engine.kv_pool.num_bytes <= budget.budget_bytes
+    free_now = torch.cuda.mem_get_info(engine.device)[0]
+    # The pool, the page table and the attention workspace came out of the free memory.
+    assert free_now <= budget.free_bytes - engine.kv_pool.num_bytes + 64 * 2**20
+
+
+@pytest.mark.gpu
+def test_on_cuda_float32_batched_equals_one_at_a_time_equals_transformers(
+        tiny_model_dir: Path) -> None:
+    engine = Engine(EngineConfig(tiny_model_dir, device="cuda", dtype="float32", page_size=4,
+                                 num_pages=512, max_running_reqs=8))
+    prompts = random_prompts(PROMPT_LENS, engine.model_config.vocab_size)
+    batched, alone = batched_and_alone(engine, prompts, greedy())
+    reference = hf_greedy(tiny_model_dir, prompts, DECODE_STEPS + 1, device="cuda")
+    assert batched == alone
+    assert batched == reference
+
+
+@pytest.mark.gpu
+def test_on_cuda_bf16_batched_matches_one_at_a_time_and_transformers(
+        tiny_model_dir: Path) -> None:
+    """bf16 with the default attention backend (FlashInfer where installed). Batched and
+    one-at-a-time runs give the same tokens unless a near tie flips one; every token is one
+    that transformers, scoring the same sequence, rates within the tolerance of its best."""
+    from transformers import AutoModelForCausalLM
+
+    engine = Engine(EngineConfig(tiny_model_dir, device="cuda", dtype="bfloat16", page_size=16,
+                                 num_pages=512, max_running_reqs=8, cuda_graph=False))
+    prompts = random_prompts(PROMPT_LENS, engine.model_config.vocab_size)
+    steps = DECODE_STEPS + 1
+    batched, batched_logits = greedy_with_logits(engine, prompts, steps)
+    hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.bfloat16)
+    hf_model = hf_model.to("cuda").eval()
+    identical = 0
+    for i, prompt in enumerate(prompts):
+        alone, alone_logits = greedy_with_logits(engine, [prompt], steps)
+        tolerance = BF16_RELATIVE_TOLERANCE * float(batched_logits[i].abs().max())
+        prefill_gap = float((batched_logits[i][0] - alone_logits[0][0]).abs().max())
+        assert prefill_gap <= tolerance, f"prompt {i}: prefill logits differ by {prefill_gap}"
+        assert_same_or_near_tie(batched[i], alone[0], batched_logits[i], tolerance,
+                                f"prompt {i} batched vs alone")
+        identical += batched[i] == alone[0]
+
+        sequence = torch.tensor([prompt + batched[i]], device="cuda")
+        with torch.inference_mode():
+            reference = hf_model(sequence).logits[0, len(prompt) - 1:-1].float().cpu()
+        error = float((batched_logits[i] - reference).abs().max())
+        assert error <= tolerance, f"prompt {i}: logits {error:.3f} from transformers'"
+        chosen = reference.gather(1, torch.tensor(batched[i])[:, None])[:, 0]
+        gap = float((reference.max(dim=-1).values - chosen).max())
+        assert gap <= tolerance, f"prompt {i}: picked a token {gap:.3f} below transformers' best"
+    print(f"bf16 {engine.attn_backend.name}: {identical}/{len(prompts)} prompts identical "
+          "batched and alone")
+    assert engine.num_free_pages == engine.kv_budget.num_pages
