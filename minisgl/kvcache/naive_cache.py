@@ -1,0 +1,72 @@
+"""The prefix cache that keeps nothing: every request computes its whole prompt.
+
+Chapter 5 defined :class:`~minisgl.kvcache.base.BasePrefixCache`, the policy that decides which
+KV pages outlive their request so that a later request starting with the same tokens can reuse
+them. This is its simplest implementation: nothing is ever matched, nothing is ever kept, so
+every page a finished request held goes straight back to the allocator.
+
+Why have a class that does nothing? Because the scheduler (chapter 9) then talks to a prefix
+cache in every case, through the same four moves (match, lock, insert, evict), and chapter 11's
+radix cache slots in without changing one line of the scheduler's bookkeeping.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from minisgl.kvcache.base import BasePrefixCache, CacheHandle, InsertResult, PrefixMatch
+
+# --8<-- [start:naive_cache]
+# The only prefix this cache ever holds: the empty one.
+EMPTY_HANDLE = CacheHandle(num_tokens=0)
+
+
+class NaivePrefixCache(BasePrefixCache):
+    """A prefix cache that matches nothing and keeps nothing.
+
+    Args:
+        page_size: token slots per KV page (only used to check what callers offer).
+    """
+
+    def __init__(self, page_size: int = 1) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        self.page_size = page_size
+
+    def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
+        """Always the empty prefix: the request computes every token of its prompt."""
+        return PrefixMatch(handle=EMPTY_HANDLE, pages=[])
+
+    def lock(self, handle: CacheHandle) -> None:
+        self._check_handle(handle)  # nothing to protect: the empty prefix owns no pages
+
+    def unlock(self, handle: CacheHandle) -> None:
+        self._check_handle(handle)
+
+    def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> InsertResult:
+        """Keep none of the pages: the caller frees all of them."""
+        if len(token_ids) != len(pages) * self.page_size:
+            raise ValueError(f"insert: {len(pages)} page(s) of {self.page_size} tokens cannot hold "
+                             f"{len(token_ids)} tokens (offer whole pages only)")
+        return InsertResult(num_already_cached=0, handle=EMPTY_HANDLE)
+
+    def evict(self, num_pages: int) -> list[int]:
+        """Nothing to give back: this cache never holds a page."""
+        return []
+
+    @property
+    def num_evictable_pages(self) -> int:
+        return 0
+
+    @property
+    def num_locked_pages(self) -> int:
+        return 0
+    # --8<-- [end:naive_cache]
+
+    def _check_handle(self, handle: CacheHandle) -> None:
+        # A handle from another cache would mean pages this one knows nothing about.
+        if handle.num_tokens != 0:
+            raise ValueError(f"the naive prefix cache only hands out empty handles, got {handle}")
+
+    def __repr__(self) -> str:
+        return f"NaivePrefixCache(page_size={self.page_size})"

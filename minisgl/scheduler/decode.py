@@ -1,0 +1,50 @@
+"""The running requests, and the decode batch they form on every decode step.
+
+A request joins this set after its prefill (unless its very first token already finished it)
+and leaves it the step it finishes or when it is aborted. A decode step takes *all* of them:
+each brings the one token it sampled last and samples one more. Because the set changes between
+steps (new requests join after their prefill, finished ones leave at once, and their pages go
+straight to the next request), the batch is never padded with requests that are already done
+and never waits for the slowest one to finish: that is continuous batching.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from minisgl.core import Batch, Req
+
+
+# --8<-- [start:decode_manager]
+class DecodeManager:
+    """The requests that have been prefilled and have not finished.
+
+    They are kept in the order they joined, so a decode batch lists its requests in a stable,
+    readable order (the results do not depend on it).
+    """
+
+    def __init__(self) -> None:
+        self._running: dict[int, Req] = {}  # uid -> request; dicts keep insertion order
+
+    def add(self, reqs: Iterable[Req]) -> None:
+        """Start decoding requests that have just been prefilled."""
+        for req in reqs:
+            assert not req.is_finished and req.uid not in self._running, req
+            self._running[req.uid] = req
+
+    def remove(self, uid: int) -> Req | None:
+        """Stop decoding request ``uid`` (it finished, or was aborted); None if not running."""
+        return self._running.pop(uid, None)
+
+    @property
+    def running(self) -> list[Req]:
+        return list(self._running.values())
+
+    @property
+    def runnable(self) -> bool:
+        return bool(self._running)
+
+    def schedule(self) -> Batch | None:
+        """Every running request, one new token each; None if none is running."""
+        return Batch(self.running, "decode") if self._running else None
+# --8<-- [end:decode_manager]
