@@ -257,8 +257,8 @@ def test_every_page_and_row_returns_after_the_run(scheduler: Scheduler) -> None:
 # --8<-- [start:test_admission]
 def test_a_pool_too_small_for_everyone_serves_everyone_in_turn(tiny_model_dir: Path,
                                                                scheduler: Scheduler) -> None:
-    """12 pages of 4 tokens; six requests that need 4 or 5 pages each at worst (28 in all).
-    At most two run at once, the others wait; every promise is kept, so no step runs out of
+    """12 pages of 4 tokens; six requests that need 4 or 5 pages each at worst (25 in all).
+    At most three run at once, the others wait; every promise is kept, so no step runs out of
     pages, and every request gets the tokens it gets alone."""
     small = make_scheduler(tiny_model_dir, num_pages=12)
     prompts = random_prompts([9, 4, 12, 7, 10, 5], seed=5)

@@ -21,6 +21,10 @@ A step has four stages, each its own method so that later chapters can change on
 there), :meth:`~Scheduler.prepare_batch` gives them pages, :meth:`~Scheduler.forward_batch` runs
 the engine, and :meth:`~Scheduler.process_batch` appends the sampled tokens and retires finished
 requests (chapter 12 overlaps this with the next step's forward pass).
+
+With ``chunked_prefill`` on (chapter 10, ``chunking.py``), no step computes more than
+``max_prefill_tokens`` tokens: a longer prompt is computed a chunk per prefill step, and the
+running requests decode between two of its chunks.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import torch
 from minisgl.core import Batch, Req
 from minisgl.engine.engine import Engine
 from minisgl.scheduler.cache import CacheManager, make_prefix_cache
+from minisgl.scheduler.chunking import ChunkedPrefillBudget, cut_reqs, is_mid_prefill, unsampled
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.prefill import PrefillBudget, PrefillManager
@@ -73,6 +78,8 @@ class Scheduler:
                                self.cache.num_pages * config.page_size)
         self.num_steps = 0
         self._live_uids: set[int] = set()  # waiting or running
+        # Chapter 10: the last prefill batch cut a prompt, so the running requests go next.
+        self._decode_owed = False
     # --8<-- [end:init]
 
     # ------------------------------------------------------------------ requests in and out
@@ -154,10 +161,11 @@ class Scheduler:
                                    f"with nothing running: {self.prefill_budget()}")
             return self._report(None, 0, [])
         num_tokens = batch.num_tokens  # read before the forward pass moves cached_len
+        new_lens = tuple(batch.new_lens)  # likewise (chapter 10 reports each request's chunk)
         new_pages = self.prepare_batch(batch)
         next_tokens = self.forward_batch(batch)
         finished = self.process_batch(batch, next_tokens)
-        result = self._report(batch, num_tokens, finished, new_pages=new_pages)
+        result = self._report(batch, num_tokens, finished, new_pages=new_pages, new_lens=new_lens)
         self.num_steps += 1
         return result
     # --8<-- [end:step]
@@ -171,9 +179,17 @@ class Scheduler:
         later decode step serve more requests at once; the price is a pause in the running
         requests' output while a prompt is computed (chapter 10 bounds that pause).
         """
+        # --8<-- [start:decode_between_chunks]
+        # Chapter 10: after a prefill batch that cut a prompt, the running requests decode before
+        # its next chunk, so that however long the prompt, they wait one step at a time.
+        owed, self._decode_owed = self._decode_owed, False
+        if owed and self.decode.runnable:
+            return self.decode.schedule()
+        # --8<-- [end:decode_between_chunks]
         if self.prefill.runnable:
             batch = self.prefill.schedule(self.prefill_budget())
             if batch is not None:
+                self._decode_owed = bool(cut_reqs(batch))
                 return batch
         return self.decode.schedule()
 
@@ -185,9 +201,11 @@ class Scheduler:
         """
         promised = sum(lifetime_pages(req, self.config.page_size) - self.cache.pages_held(req)
                        for req in self.admitted_reqs())
-        return PrefillBudget(tokens=self.config.max_prefill_tokens,
-                             pages=self.cache.available_pages - promised,
-                             rows=self.engine.page_table.num_free_rows)
+        # Chapter 10: with chunked prefill the token budget is hard, and cuts prompts to fit.
+        budget_class = ChunkedPrefillBudget if self.config.chunked_prefill else PrefillBudget
+        return budget_class(tokens=self.config.max_prefill_tokens,
+                            pages=self.cache.available_pages - promised,
+                            rows=self.engine.page_table.num_free_rows)
     # --8<-- [end:schedule]
 
     def admitted_reqs(self) -> list[Req]:
@@ -203,7 +221,11 @@ class Scheduler:
 
     def forward_batch(self, batch: Batch) -> torch.Tensor:
         """Run the batch on the engine: the ``[B]`` sampled token ids, still on the device."""
-        return self.engine.forward(batch)
+        # --8<-- [start:forward_chunk]
+        # A cut request's sample is thrown away: it must not move its random generator on.
+        with unsampled(cut_reqs(batch)):
+            return self.engine.forward(batch)
+        # --8<-- [end:forward_chunk]
 
     def process_batch(self, batch: Batch, next_tokens: torch.Tensor) -> list[Req]:
         """Append each request's new token; retire the finished ones. Returns them.
@@ -232,7 +254,7 @@ class Scheduler:
 
     # ------------------------------------------------------------------ bookkeeping
     def _report(self, batch: Batch | None, num_tokens: int, finished: list[Req],
-                new_pages: int = 0) -> StepResult:
+                new_pages: int = 0, new_lens: tuple[int, ...] = ()) -> StepResult:
         return StepResult(
             step=self.num_steps,
             phase=None if batch is None else batch.phase,
@@ -244,6 +266,7 @@ class Scheduler:
             waiting=tuple(req.uid for req in self.prefill.waiting),
             running=tuple(req.uid for req in self.decode.running),
             finished=tuple(finished),
+            new_lens=new_lens,
         )
 
     def check_integrity(self) -> None:
@@ -262,6 +285,11 @@ class Scheduler:
         if len(self._live_uids) != self.num_waiting + self.num_running:
             raise RuntimeError(f"{len(self._live_uids)} live uids for {self.num_waiting} "
                                f"waiting and {self.num_running} running requests")
+        # Chapter 10: only the request at the head of the queue may be between two chunks.
+        partial = [req.uid for req in self.prefill.waiting if is_mid_prefill(req)]
+        if partial and (len(partial) > 1 or partial[0] != self.prefill.waiting[0].uid):
+            raise RuntimeError(f"requests {partial} are partly prefilled; only the head of the "
+                               f"queue ({self.prefill.waiting[0].uid}) may be")
 
     def __repr__(self) -> str:
         return (f"Scheduler({self.num_waiting} waiting, {self.num_running} running, "

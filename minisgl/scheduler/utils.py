@@ -48,6 +48,8 @@ class StepResult:
         waiting: uids still in the waiting queue after this step, in arrival order.
         running: uids holding KV pages after this step (they decode in the next decode step).
         finished: requests that finished in this step; each has its ``finish_reason``.
+        new_lens: tokens each request of the batch computed, in batch order (chapter 10: a
+            request whose prompt was cut computed only a chunk of it).
     """
 
     step: int
@@ -60,6 +62,9 @@ class StepResult:
     waiting: tuple[int, ...]
     running: tuple[int, ...]
     finished: tuple[Req, ...]
+    # --8<-- [start:step_new_lens]
+    new_lens: tuple[int, ...] = ()  # chapter 10
+    # --8<-- [end:step_new_lens]
 
     @property
     def idle(self) -> bool:
