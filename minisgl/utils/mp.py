@@ -78,6 +78,7 @@ def _private_ipc_dir() -> str:
     return _ipc_dir
 
 
+# --8<-- [start:open_socket]
 def _open_socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
     if not isinstance(address, str) or not address.startswith(_SCHEMES):
         raise ValueError(f"a queue address must start with one of {_SCHEMES}, got {address!r}")
@@ -92,6 +93,7 @@ def _open_socket(context: zmq.Context, kind: int, address: str, bind: bool) -> z
         verb = "bind" if bind else "connect"
         raise OSError(f"cannot {verb} a queue to {address}: {exc}") from exc
     return socket
+# --8<-- [end:open_socket]
 
 
 def _check_type(message: Any, message_type: type, address: str) -> None:
@@ -131,12 +133,14 @@ class _Queue:
     def closed(self) -> bool:
         return self._socket.closed
 
+    # --8<-- [start:queue_close]
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket. Outgoing messages not yet handed to the peer are kept for at most
         ``linger_s`` seconds: 0 (the default) at shutdown, when the peer may be gone; a second
         or two for a sender that exits right after its last ``put``."""
         if not self._socket.closed:
             self._socket.close(linger=int(linger_s * 1000))
+    # --8<-- [end:queue_close]
 
     def __enter__(self):
         return self
