@@ -58,7 +58,8 @@ class SchedulerConfig(EngineConfig):
             raise ValueError(f"max_prefill_tokens must be an integer >= 1 (prompt tokens per "
                              f"prefill step), got {self.max_prefill_tokens!r}")
         if not isinstance(self.chunked_prefill, bool):
-            raise ValueError(f"chunked_prefill must be True or False, got {self.chunked_prefill!r}")
+            raise TypeError(f"chunked_prefill must be True or False, "
+                            f"got {self.chunked_prefill!r}")
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"prefix_cache must be one of {', '.join(PREFIX_CACHES)}; "
                              f"got {self.prefix_cache!r}")

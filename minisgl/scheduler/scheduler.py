@@ -22,7 +22,7 @@ there), :meth:`~Scheduler.prepare_batch` gives them pages, :meth:`~Scheduler.for
 the engine, and :meth:`~Scheduler.process_batch` appends the sampled tokens and retires finished
 requests (chapter 12 overlaps this with the next step's forward pass).
 
-With ``chunked_prefill`` on (chapter 10, ``chunking.py``), no step computes more than
+With ``chunked_prefill`` on (chapter 10, ``chunking.py``), no prefill step computes more than
 ``max_prefill_tokens`` tokens: a longer prompt is computed a chunk per prefill step, and the
 running requests decode between two of its chunks.
 """

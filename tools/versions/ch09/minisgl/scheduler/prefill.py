@@ -1,0 +1,114 @@
+"""The waiting queue, and the choice of which waiting requests the next prefill batch takes.
+
+A request that arrives waits here until the scheduler can *admit* it: give it a page-table row
+and promise it every KV page it could ever need. Admission happens when a prefill batch is
+formed, first come, first served, under three limits that a :class:`PrefillBudget` tracks:
+
+- **rows**: a page-table row per running request (``max_running_reqs`` in all);
+- **pages**: the request's worst case (prompt plus ``max_tokens``, see
+  :func:`~minisgl.scheduler.utils.lifetime_pages`) must fit in the pages not yet promised to
+  the requests already running;
+- **tokens**: the batch's prompt tokens must fit the per-step budget ``max_prefill_tokens``,
+  except for the batch's first request, which is always taken (a longer prompt would otherwise
+  wait forever; chapter 10 cuts it into chunks instead).
+
+The queue stops at the first request that does not fit. A later, smaller request could have
+fitted, but letting it jump the queue again and again would starve the large one.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from minisgl.core import Batch, Req
+from minisgl.scheduler.cache import CacheManager
+from minisgl.scheduler.utils import lifetime_pages
+
+
+# --8<-- [start:prefill_budget]
+@dataclass
+class PrefillBudget:
+    """What the prefill batch being formed may still take.
+
+    Attributes:
+        tokens: prompt tokens it may still compute (starts at ``max_prefill_tokens``).
+        pages: KV pages not yet promised to any request (free ones, plus those the prefix
+            cache could evict, minus what running requests may still need).
+        rows: free page-table rows.
+    """
+
+    tokens: int
+    pages: int
+    rows: int
+
+    def admits(self, new_tokens: int, pages: int, is_first: bool) -> bool:
+        """Whether a request that computes ``new_tokens`` and needs ``pages`` fits.
+
+        Rows and pages are hard limits: break them and a running request would one day find
+        no page to write to. The token budget only shapes the batch, so the first request of a
+        batch may go over it.
+        """
+        if self.rows < 1 or pages > self.pages:
+            return False
+        return is_first or new_tokens <= self.tokens
+
+    def take(self, new_tokens: int, pages: int) -> None:
+        """Account for a request just admitted."""
+        self.tokens -= new_tokens
+        self.pages -= pages
+        self.rows -= 1
+# --8<-- [end:prefill_budget]
+
+
+class PrefillManager:
+    """The queue of waiting requests, and the prefill batches formed from it.
+
+    Args:
+        cache: where admitted requests get their row and pages.
+    """
+
+    def __init__(self, cache: CacheManager) -> None:
+        self.cache = cache
+        self.waiting: deque[Req] = deque()
+
+    def add(self, req: Req) -> None:
+        """Queue a new request behind those already waiting."""
+        self.waiting.append(req)
+
+    def remove(self, uid: int) -> Req | None:
+        """Take request ``uid`` out of the queue (it was aborted); None if it is not waiting."""
+        for req in self.waiting:
+            if req.uid == uid:
+                self.waiting.remove(req)
+                return req
+        return None
+
+    @property
+    def runnable(self) -> bool:
+        """Whether any request is waiting (it may still not fit this step)."""
+        return bool(self.waiting)
+
+    # --8<-- [start:schedule_prefill]
+    def schedule(self, budget: PrefillBudget) -> Batch | None:
+        """Admit waiting requests in arrival order while they fit ``budget``; None if none fits.
+
+        Admitted requests leave the queue holding a page-table row (and any cached prefix);
+        the scheduler reserves their pages before the batch runs.
+        """
+        admitted: list[Req] = []
+        while self.waiting and self._try_admit(self.waiting[0], budget, is_first=not admitted):
+            admitted.append(self.waiting.popleft())
+        return Batch(admitted, "prefill") if admitted else None
+
+    def _try_admit(self, req: Req, budget: PrefillBudget, is_first: bool) -> bool:
+        match = self.cache.match(req)  # always empty with the naive cache
+        new_tokens = req.num_tokens - match.num_tokens
+        # A matched prefix's pages are the cache's already: the request needs only the rest.
+        pages = lifetime_pages(req, self.cache.page_size) - len(match.pages)
+        if not budget.admits(new_tokens, pages, is_first):
+            return False
+        self.cache.admit(req, match)
+        budget.take(new_tokens, pages)
+        return True
+    # --8<-- [end:schedule_prefill]
