@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 from minisgl.core import Req
 from minisgl.kvcache import BasePrefixCache, CacheHandle, PrefixMatch
 from minisgl.kvcache.naive_cache import NaivePrefixCache
+from minisgl.kvcache.radix_cache import RadixCache
 
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
@@ -31,6 +32,9 @@ if TYPE_CHECKING:
 # Each entry builds one from the page size. Chapter 11 adds "radix".
 PREFIX_CACHES: dict[str, Callable[[int], BasePrefixCache]] = {
     "naive": NaivePrefixCache,
+    # --8<-- [start:radix_switch]
+    "radix": RadixCache,  # chapter 11: share the pages of common prefixes
+    # --8<-- [end:radix_switch]
 }
 
 
@@ -92,20 +96,39 @@ class CacheManager:
     def admit(self, req: Req, match: PrefixMatch) -> None:
         """Give ``req`` a page-table row that starts with the pages of its cached prefix.
 
-        The prefix is locked so that no eviction takes its pages while ``req`` reads them, and
-        ``req.cached_len`` jumps past it: the prefill computes only the rest. The pages for the
-        rest are allocated by :meth:`reserve`, step by step.
+        The prefix must be locked already (:meth:`lock`, chapter 11), so that no eviction takes
+        its pages while ``req`` reads them; ``req.cached_len`` jumps past it: the prefill
+        computes only the rest. The pages for the rest are allocated by :meth:`reserve`, step by
+        step.
         """
         if req.table_row is not None or req in self._handles:
             raise ValueError(f"request {req.uid} was admitted already")
         row = self.page_table.alloc_row()  # first: if no row is free, nothing has changed
-        self.prefix_cache.lock(match.handle)
         if match.pages:
             self.page_table.append_pages(row, match.pages)
         req.table_row = row
         req.cached_len = match.num_tokens
         self._handles[req] = match.handle
     # --8<-- [end:admit]
+
+    # --8<-- [start:lock_matched_prefix]
+    def lock(self, match: PrefixMatch) -> int:
+        """Lock ``match``'s prefix at once, before anything can evict it or insert around it.
+
+        Returns how many pages the lock took out of :attr:`available_pages`: a matched page
+        nobody had locked counted as evictable, so as room for anyone; locked, it is this
+        request's alone. The admission budget must charge the request for those pages too, or
+        it would promise them twice. Pages some running request had locked already were not
+        counted as available, and cost nothing. With the naive cache this is always 0.
+        """
+        evictable = self.prefix_cache.num_evictable_pages
+        self.prefix_cache.lock(match.handle)
+        return evictable - self.prefix_cache.num_evictable_pages
+
+    def unlock(self, match: PrefixMatch) -> None:
+        """Undo :meth:`lock` for a request that was not admitted after all."""
+        self.prefix_cache.unlock(match.handle)
+    # --8<-- [end:lock_matched_prefix]
 
     # --8<-- [start:reserve]
     def reserve(self, req: Req) -> int:
@@ -136,6 +159,8 @@ class CacheManager:
         - ``[kept, end)``: what the cache did not keep (and a last, partly filled page): freed.
 
         With the naive cache ``prefix``, ``already`` and ``kept`` are all 0: every page is freed.
+        This is the only moment the prefix cache learns of a request's pages (chapter 11): a
+        request that arrives while another with the same prefix still runs computes it again.
         """
         handle = self._handles.pop(req, None)
         if handle is None or req.table_row is None:

@@ -146,11 +146,17 @@ class PrefillManager:
             assert is_first, f"request {req.uid} holds a row but is not at the head of the queue"
             return budget.resume(req)
         match = self.cache.match(req)  # always empty with the naive cache
+        # --8<-- [start:admit_with_lock]
+        # Chapter 11: lock the match straight away. Its pages that were evictable counted in
+        # the budget as room for anyone; now they are this request's, so they are charged.
+        drop = self.cache.lock(match)
         new_tokens = req.num_tokens - match.num_tokens
         # A matched prefix's pages are the cache's already: the request needs only the rest.
-        pages = lifetime_pages(req, self.cache.page_size) - len(match.pages)
+        pages = lifetime_pages(req, self.cache.page_size) - len(match.pages) + drop
         if not budget.admits(new_tokens, pages, is_first):
+            self.cache.unlock(match)
             return 0
+        # --8<-- [end:admit_with_lock]
         self.cache.admit(req, match)
         chunk = budget.chunk(new_tokens)
         budget.take(chunk, pages)

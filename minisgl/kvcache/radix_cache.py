@@ -1,0 +1,469 @@
+"""The radix cache: one copy of the KV pages of every prefix that requests share.
+
+Requests to a chat model often start alike: the same system prompt, the same few-shot
+examples, the same conversation so far with one more turn appended. The keys and values of a
+token depend only on the tokens before it, so two requests that share their first ``n`` tokens
+would compute the same K/V for those ``n`` tokens. This cache keeps the pages of finished
+requests in a *radix tree* keyed by token ids, so that a new request finds the longest prefix
+already computed, borrows its pages, and computes only the rest.
+
+The tree:
+
+- Each edge (stored in its child node) holds a run of tokens and the pages holding their K/V,
+  in *whole pages*: ``len(tokens) == len(pages) * page_size``. The path from the root to a node
+  spells a prefix; the pages along that path hold its K/V, in order.
+- The children of a node are keyed by the first page of their run. Two children never start
+  with the same page, so a walk down the tree follows at most one child per step.
+- Every node counts the running requests that read it (``lock_count``) and remembers when it
+  was last used (``last_used``, a logical clock). When the allocator runs short, the least
+  recently used leaves that nobody has locked are cut off and their pages given back.
+
+The cache talks to the scheduler through :class:`~minisgl.kvcache.base.BasePrefixCache`, the
+seam chapter 5 laid down and chapter 9's naive cache implements by keeping nothing. The
+scheduler's bookkeeping is the same for both; this module changes only what is kept.
+"""
+
+from __future__ import annotations
+
+import heapq
+import operator
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from minisgl.kvcache.base import BasePrefixCache, CacheHandle, InsertResult, PrefixMatch
+from minisgl.utils.logger import get_logger
+
+logger = get_logger(__name__)
+
+Tokens = tuple[int, ...]
+
+
+# --8<-- [start:radix_node]
+@dataclass(eq=False)  # nodes are compared by identity: two runs of equal tokens are two nodes
+class RadixNode:
+    """One edge of the tree and the node it leads to.
+
+    Attributes:
+        tokens: the run of token ids on the edge from the parent, a whole number of pages.
+        pages: the page ids holding those tokens' K/V, one per ``page_size`` tokens.
+        parent: the node above (None for the root, and for a node that has been evicted).
+        children: the nodes below, keyed by the first page of their run.
+        depth: tokens on the path from the root to the end of this edge: the length of the
+            prefix this node completes.
+        lock_count: running requests whose prefix passes through this node. A locked node is
+            never evicted; since a lock covers the whole path, its ancestors are locked too.
+        last_used: the cache's clock when a match or an insert last walked through this node.
+    """
+
+    tokens: Tokens
+    pages: list[int]
+    parent: RadixNode | None = field(default=None, repr=False)
+    children: dict[Tokens, RadixNode] = field(default_factory=dict, repr=False)
+    depth: int = 0
+    lock_count: int = 0
+    last_used: int = 0
+
+    @property
+    def is_leaf(self) -> bool:
+        return not self.children
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+
+@dataclass(frozen=True)
+class RadixHandle(CacheHandle):
+    """A cached prefix: the node where it ends. ``num_tokens`` is that node's depth."""
+
+    node: RadixNode = field(repr=False)
+# --8<-- [end:radix_node]
+
+
+class RadixCache(BasePrefixCache):
+    """A prefix cache that shares the KV pages of common prefixes through a radix tree.
+
+    The tree owns the pages it holds: they are not free in the allocator, and no request frees
+    them. A request borrows the pages of its matched prefix (and locks them) for as long as it
+    runs; when it is done, :meth:`insert` takes over the pages of whatever the tree lacked.
+    Pages leave the tree only through :meth:`evict`, which hands them back to the caller for
+    the allocator.
+
+    Args:
+        page_size: token slots per KV page: the unit of matching, sharing and eviction.
+    """
+
+    def __init__(self, page_size: int = 1) -> None:
+        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
+            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        self.page_size = page_size
+        self.root = RadixNode(tokens=(), pages=[])
+        # A logical clock rather than wall time: the order of events is all LRU needs, and a
+        # counter makes eviction (and every test of it) deterministic.
+        self._clock = 0
+        # Every page the tree holds. The sizes below are kept in step with the tree by each
+        # operation, so the scheduler reads them in O(1); check_invariants recounts them.
+        self._pages: set[int] = set()
+        self._num_evictable = 0
+        self._num_locked = 0
+
+    # ---------------------------------------------------------------------------------------
+    # Sizes
+
+    @property
+    def num_cached_pages(self) -> int:
+        """Pages the tree holds, locked or not."""
+        return len(self._pages)
+
+    @property
+    def num_evictable_pages(self) -> int:
+        """Pages the tree holds that no running request has locked."""
+        return self._num_evictable
+
+    @property
+    def num_locked_pages(self) -> int:
+        """Pages the tree holds that some running request reads."""
+        return self._num_locked
+
+    # ---------------------------------------------------------------------------------------
+    # Matching
+
+    # --8<-- [start:match_prefix]
+    def match_prefix(self, token_ids: Sequence[int] | torch.Tensor) -> PrefixMatch:
+        """The longest cached prefix of ``token_ids``, in whole pages, and its pages.
+
+        What the cache holds does not change, but its shape may: when the match ends inside
+        an edge, that edge is split there, so that the handle can name a node. The nodes on
+        the matched path count as used now for LRU eviction.
+        """
+        node = self._walk(_as_tokens(token_ids, "match_prefix"))
+        return PrefixMatch(handle=RadixHandle(num_tokens=node.depth, node=node),
+                           pages=self._path_pages(node))
+
+    def _walk(self, tokens: Tokens) -> RadixNode:
+        """Follow ``tokens`` down the tree as far as whole pages agree; return the last node.
+
+        Every node on the way is stamped with a new tick of the clock. A page is shared or
+        not at all: a request keeps writing into its last, partly filled page as it decodes,
+        so a part page is never the cache's to give away. Tokens past the last whole page of
+        ``tokens`` are not looked at.
+        """
+        self._clock += 1
+        page = self.page_size
+        end = len(tokens) - len(tokens) % page
+        node, pos = self.root, 0
+        while pos < end:
+            child = node.children.get(tokens[pos : pos + page])
+            if child is None:
+                break  # no cached run starts with our next page
+            # The child's first page agrees (it is the key); count how many more do.
+            num_pages = _pages_in_common(child.tokens, tokens[pos:end], page)
+            if num_pages < child.num_pages:
+                child = self._split(child, num_pages)  # the match ends inside this edge
+            child.last_used = self._clock
+            node, pos = child, pos + num_pages * page
+        return node
+
+    def _path_pages(self, node: RadixNode) -> list[int]:
+        """The pages on the path from the root to ``node``, in token order."""
+        runs: list[list[int]] = []
+        while node.parent is not None:
+            runs.append(node.pages)
+            node = node.parent
+        return [p for run in reversed(runs) for p in run]
+    # --8<-- [end:match_prefix]
+
+    # --8<-- [start:split_node]
+    def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
+        """Cut ``node``'s edge after its first ``num_pages`` pages; return the new upper node.
+
+        ``node`` keeps the *lower* part of its run. It still ends where it ended, at the same
+        depth, so every handle that points at it still names the same prefix. The new upper
+        node takes over ``node``'s place under the parent (its run starts with the same page,
+        so it lands under the same key) and its lock count: every lock that passes through
+        ``node`` passes through its upper part too. Nothing is added to the cache or removed
+        from it, so the page counts do not change.
+        """
+        assert 0 < num_pages < node.num_pages, (num_pages, node.num_pages)
+        assert node.parent is not None, "the root has no edge to split"
+        cut = num_pages * self.page_size
+        upper = RadixNode(tokens=node.tokens[:cut], pages=node.pages[:num_pages],
+                          parent=node.parent, depth=node.depth - len(node.tokens) + cut,
+                          lock_count=node.lock_count, last_used=node.last_used)
+        node.parent.children[upper.tokens[: self.page_size]] = upper
+        node.tokens, node.pages = node.tokens[cut:], node.pages[num_pages:]
+        node.parent = upper
+        upper.children[node.tokens[: self.page_size]] = node
+        return upper
+    # --8<-- [end:split_node]
+
+    # ---------------------------------------------------------------------------------------
+    # Inserting
+
+    # --8<-- [start:insert]
+    def insert(self, token_ids: Sequence[int] | torch.Tensor,
+               pages: Sequence[int] | torch.Tensor) -> InsertResult:
+        """Offer the K/V of ``token_ids``, held in ``pages``; the cache keeps what it lacks.
+
+        The leading tokens the tree already holds keep the tree's pages: for them the caller's
+        pages are duplicates (``num_already_cached`` tells how many tokens), and the caller
+        frees those it owns. The rest becomes one new leaf that owns its pages from now on.
+        The returned handle names the whole of ``token_ids``, which the tree now holds.
+
+        Raises:
+            ValueError: ``pages`` do not hold ``token_ids`` in whole pages, a page id repeats,
+                or a page to be kept is one the cache holds already (somewhere else).
+        """
+        tokens = _as_tokens(token_ids, "insert")
+        new_pages = _as_pages(pages)
+        if len(tokens) != len(new_pages) * self.page_size:
+            raise ValueError(f"insert: {len(new_pages)} page(s) of {self.page_size} tokens cannot "
+                             f"hold {len(tokens)} tokens (offer whole pages only)")
+        if len(set(new_pages)) != len(new_pages):
+            raise ValueError(f"insert: a page id appears twice in {new_pages[:16]}")
+        node = self._walk(tokens)
+        num_cached = node.depth
+        if num_cached < len(tokens):
+            kept = new_pages[num_cached // self.page_size :]
+            if held := self._pages.intersection(kept):
+                # A page in two places of the tree would be freed twice on eviction.
+                raise ValueError(f"insert: page(s) {sorted(held)[:8]} are already in the cache, "
+                                 "at other positions; offer pages the cache does not hold")
+            leaf = RadixNode(tokens=tokens[num_cached:], pages=kept, parent=node,
+                             depth=len(tokens), last_used=self._clock)
+            node.children[leaf.tokens[: self.page_size]] = leaf
+            self._pages.update(kept)
+            self._num_evictable += len(kept)  # nobody has locked the new leaf yet
+            node = leaf
+        return InsertResult(num_already_cached=num_cached,
+                            handle=RadixHandle(num_tokens=node.depth, node=node))
+    # --8<-- [end:insert]
+
+    # ---------------------------------------------------------------------------------------
+    # Locking
+
+    # --8<-- [start:lock_unlock]
+    def lock(self, handle: CacheHandle) -> None:
+        """Protect the prefix behind ``handle`` from eviction while a request reads it.
+
+        A request reads its whole prefix, so the lock covers every node from the handle's up
+        to the root. A node's pages move from the evictable count to the locked count when its
+        first lock arrives.
+        """
+        node = self._node_of(handle, "lock")
+        while node.parent is not None:
+            if node.lock_count == 0:
+                self._num_evictable -= node.num_pages
+                self._num_locked += node.num_pages
+            node.lock_count += 1
+            node = node.parent
+
+    def unlock(self, handle: CacheHandle) -> None:
+        """Undo one :meth:`lock` of ``handle``; the last unlock makes its pages evictable."""
+        node = self._node_of(handle, "unlock")
+        if node.parent is not None and node.lock_count == 0:
+            raise ValueError(f"unlock: the prefix of {handle.num_tokens} tokens is not locked "
+                             "(one unlock per lock)")
+        while node.parent is not None:
+            node.lock_count -= 1
+            if node.lock_count == 0:
+                self._num_locked -= node.num_pages
+                self._num_evictable += node.num_pages
+            node = node.parent
+
+    def _node_of(self, handle: CacheHandle, op: str) -> RadixNode:
+        """The node behind ``handle``, checked to be still in this tree."""
+        if not isinstance(handle, RadixHandle):
+            raise TypeError(f"{op}: expected a handle from RadixCache.match_prefix or insert, "
+                             f"got {handle!r}")
+        node = handle.node
+        top = node
+        while top.parent is not None:
+            top = top.parent
+        if top is not self.root:
+            # An evicted node is cut loose from the tree; so is every node of another cache.
+            raise ValueError(f"{op}: the prefix of {handle.num_tokens} tokens is not in this "
+                             "cache (evicted since it was matched, or another cache's handle); "
+                             "lock a handle right after match_prefix, before anything evicts")
+        assert node.depth == handle.num_tokens, (node.depth, handle.num_tokens)
+        return node
+    # --8<-- [end:lock_unlock]
+
+    # ---------------------------------------------------------------------------------------
+    # Evicting
+
+    # --8<-- [start:evict]
+    def evict(self, num_pages: int) -> list[int]:
+        """Remove least recently used unlocked leaves until ``num_pages`` pages are freed.
+
+        Returns the freed page ids, for the caller to give back to the allocator. Whole nodes
+        go, so a few more pages than asked may come back; fewer only when fewer are
+        evictable. Only leaves are cut: an inner node's pages are the start of its children's
+        prefixes, and a child cut off from the root could never be matched again. When the
+        last child of an unlocked node goes, that node becomes a leaf and joins the
+        candidates.
+        """
+        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
+            raise ValueError(f"evict: num_pages must be an integer >= 0, got {num_pages!r}")
+        if num_pages == 0:
+            return []
+        # A heap of (last used, tie-breaker, node): the least recently used leaf on top.
+        # A parent is never used less recently than its children (a walk stamps the whole
+        # path), so a parent that becomes a leaf never jumps ahead of an older leaf.
+        serial = 0
+        candidates: list[tuple[int, int, RadixNode]] = []
+        for node in self._nodes():
+            if node.is_leaf and node.lock_count == 0 and node.parent is not None:
+                candidates.append((node.last_used, serial, node))
+                serial += 1
+        heapq.heapify(candidates)
+        freed: list[int] = []
+        while len(freed) < num_pages and candidates:
+            _, _, leaf = heapq.heappop(candidates)
+            parent = leaf.parent
+            assert parent is not None and leaf.is_leaf and leaf.lock_count == 0
+            del parent.children[leaf.tokens[: self.page_size]]
+            leaf.parent = None  # cut loose: a stale handle to it is now detected
+            freed.extend(leaf.pages)
+            self._pages.difference_update(leaf.pages)
+            self._num_evictable -= leaf.num_pages
+            if parent.parent is not None and parent.is_leaf and parent.lock_count == 0:
+                heapq.heappush(candidates, (parent.last_used, serial, parent))
+                serial += 1
+        logger.debug("evicted %d page(s) (asked for %d); %d evictable left",
+                     len(freed), num_pages, self._num_evictable)
+        return freed
+    # --8<-- [end:evict]
+
+    # ---------------------------------------------------------------------------------------
+    # Checking and printing
+
+    def _nodes(self) -> Iterator[RadixNode]:
+        """Every node below the root, parents before children."""
+        stack = list(self.root.children.values())
+        while stack:
+            node = stack.pop()
+            yield node
+            stack.extend(node.children.values())
+
+    # --8<-- [start:invariants]
+    def check_invariants(self) -> None:
+        """Recount the tree and check every structural promise the operations above make.
+
+        Raises:
+            RuntimeError: naming the first broken invariant.
+        """
+        def fail(why: str) -> None:
+            raise RuntimeError(f"radix cache invariant broken: {why}")
+
+        if self.root.tokens or self.root.pages or self.root.lock_count or self.root.depth:
+            fail("the root holds no tokens, no pages and no locks")
+        seen: set[int] = set()
+        evictable = locked = 0
+        for node in self._nodes():
+            parent = node.parent
+            if parent is None or parent.children.get(node.tokens[: self.page_size]) is not node:
+                fail(f"node at depth {node.depth} is not its parent's child under its first page")
+            if not node.pages or len(node.tokens) != node.num_pages * self.page_size:
+                fail(f"node at depth {node.depth} holds {len(node.tokens)} tokens in "
+                     f"{node.num_pages} page(s) of {self.page_size}")
+            if node.depth != parent.depth + len(node.tokens):
+                fail(f"node at depth {node.depth} sits under a node at depth {parent.depth} "
+                     f"with {len(node.tokens)} tokens on its edge")
+            if seen.intersection(node.pages) or len(set(node.pages)) != node.num_pages:
+                fail(f"a page appears twice in the tree: {node.pages}")
+            seen.update(node.pages)
+            # Locks cover whole paths: a node is locked at least as often as all its children.
+            if node.lock_count < sum(c.lock_count for c in node.children.values()):
+                fail(f"node at depth {node.depth} has fewer locks than its children")
+            if parent is not self.root and parent.last_used < node.last_used:
+                fail(f"node at depth {node.depth} was used after its parent")
+            if node.lock_count < 0:
+                fail(f"node at depth {node.depth} has {node.lock_count} locks")
+            if node.lock_count:
+                locked += node.num_pages
+            else:
+                evictable += node.num_pages
+        if seen != self._pages:
+            fail(f"the tree holds {len(seen)} pages but the cache counts {len(self._pages)}")
+        if (evictable, locked) != (self._num_evictable, self._num_locked):
+            fail(f"recounted {evictable} evictable / {locked} locked pages, the counters say "
+                 f"{self._num_evictable} / {self._num_locked}")
+    # --8<-- [end:invariants]
+
+    def pretty(self, decode: Callable[[Sequence[int]], str] | None = None,
+               max_tokens: int = 12) -> str:
+        """A drawing of the tree: each edge's tokens, pages, lock count and last use.
+
+        Args:
+            decode: turns a run of token ids into text (a tokenizer's ``decode``); without
+                it the ids are printed, with ``|`` between pages.
+            max_tokens: runs longer than this are cut, with the number of tokens left out.
+        """
+        header = (f"root  ({self.num_cached_pages} pages cached: {self.num_locked_pages} "
+                  f"locked, {self.num_evictable_pages} evictable)")
+        lines = [header]
+
+        def run_text(tokens: Tokens) -> str:
+            shown = tokens[:max_tokens]
+            if decode is not None:
+                text = repr(decode(list(shown)))
+            else:
+                pages = [shown[i : i + self.page_size]
+                         for i in range(0, len(shown), self.page_size)]
+                text = "|".join(" ".join(str(t) for t in page) for page in pages)
+            more = len(tokens) - len(shown)
+            return text + (f" …(+{more})" if more else "")
+
+        def draw(node: RadixNode, indent: str) -> None:
+            children = sorted(node.children.items())  # by first page: a stable drawing
+            for i, (_, child) in enumerate(children):
+                last = i == len(children) - 1
+                lock = f"  locked x{child.lock_count}" if child.lock_count else ""
+                lines.append(f"{indent}{'└── ' if last else '├── '}[{run_text(child.tokens)}]  "
+                             f"pages {_page_list(child.pages)}{lock}  used @{child.last_used}")
+                draw(child, indent + ("    " if last else "│   "))
+
+        draw(self.root, "")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (f"RadixCache(page_size={self.page_size}, cached={self.num_cached_pages}, "
+                f"locked={self.num_locked_pages}, evictable={self.num_evictable_pages})")
+
+
+def _pages_in_common(edge: Tokens, tokens: Tokens, page_size: int) -> int:
+    """Whole pages at the start of ``edge`` and ``tokens`` that agree token for token."""
+    limit = min(len(edge), len(tokens))
+    same = 0
+    while same < limit and edge[same] == tokens[same]:
+        same += 1
+    return same // page_size
+
+
+def _as_tokens(token_ids: Sequence[int] | torch.Tensor, op: str) -> Tokens:
+    """Token ids as a tuple of ints: hashable, so that a page of them can key a child."""
+    ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
+    try:
+        return tuple(operator.index(t) for t in ids)
+    except TypeError:
+        raise ValueError(f"{op}: token ids must be integers, got {list(ids)[:8]}") from None
+
+
+def _as_pages(pages: Sequence[int] | torch.Tensor) -> list[int]:
+    ids = pages.tolist() if isinstance(pages, torch.Tensor) else pages
+    try:
+        out = [operator.index(p) for p in ids]
+    except TypeError:
+        raise ValueError(f"insert: page ids must be integers, got {list(ids)[:8]}") from None
+    if any(p < 0 for p in out):
+        raise ValueError(f"insert: page ids must be >= 0, got {out[:8]}")
+    return out
+
+
+def _page_list(pages: list[int], limit: int = 6) -> str:
+    if len(pages) <= limit:
+        return str(pages)
+    return f"[{', '.join(map(str, pages[:limit]))}, … {len(pages) - limit} more]"
