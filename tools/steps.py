@@ -43,6 +43,13 @@ TINY_MODEL = Path("models/tiny-qwen3")
 SUPPORT = [Path("tests/conftest.py"), Path("tools/make_tiny_model.py"), Path("tools/assets")]
 EXAMPLE_TIMEOUT_S = 900
 TESTS_TIMEOUT_S = 3600
+# Installed in every checkpoint as sitecustomize.py: `pip install -e .` registers an import
+# hook that finds `minisgl.<anything>` in the final tree, which would let an early checkpoint
+# import a later chapter's module without anyone noticing. Python runs sitecustomize at start-up,
+# after that hook is installed, so removing it here keeps each checkpoint honest.
+SITECUSTOMIZE = """import sys
+sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
+"""
 
 
 # --------------------------------------------------------------------------- the manifest
@@ -307,15 +314,6 @@ def checkpoint_env(workdir: Path, gpu: bool) -> dict[str, str]:
     return env
 
 
-# Installed in every checkpoint as sitecustomize.py: `pip install -e .` registers an import
-# hook that finds `minisgl.<anything>` in the final tree, which would let an early checkpoint
-# import a later chapter's module without anyone noticing. Python runs sitecustomize at start-up,
-# after that hook is installed, so removing it here keeps each checkpoint honest.
-SITECUSTOMIZE = """import sys
-sys.meta_path[:] = [f for f in sys.meta_path if "__editable__" not in getattr(f, "__module__", "")]
-"""
-
-
 def import_isolated(manifest: Manifest, chapter_id: str, workdir: Path,
                     env: dict[str, str]) -> str | None:
     """None if the checkpoint sees its own tree and nothing of later chapters."""
@@ -502,8 +500,8 @@ def check(manifest: Manifest, chapter_ids: list[str], gpu: bool, record: bool, t
         if not ch.written:
             print(f"{ch.id} {ch.title}: not written yet (counted as skipped)")
             total.skipped += 1
-            total.skip_reasons[f"chapter not written yet"] = total.skip_reasons.get(
-                "chapter not written yet", 0) + 1
+            reason = "chapter not written yet"
+            total.skip_reasons[reason] = total.skip_reasons.get(reason, 0) + 1
             continue
         total.add(check_chapter(manifest, ch, gpu, record_tag, example_args, keep))
     if not chapter_ids:
