@@ -153,7 +153,11 @@ class BasePrefixCache(ABC):
 
     @abstractmethod
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
-        """The longest cached prefix of ``token_ids`` (whole pages only). Changes nothing."""
+        """The longest cached prefix of ``token_ids`` (whole pages only).
+
+        It does not change which pages are cached; a tree-shaped cache may still reshape itself
+        (split an edge at the match) and note the use for LRU eviction.
+        """
 
     @abstractmethod
     def lock(self, handle: CacheHandle) -> None:

@@ -86,7 +86,7 @@ class CacheManager:
 
     # --8<-- [start:admit]
     def match(self, req: Req) -> PrefixMatch:
-        """The longest cached prefix ``req``'s prompt may reuse. Changes nothing.
+        """The longest cached prefix ``req``'s prompt may reuse. No page changes hands here.
 
         The prompt's last token is left out of the match: a prefill must compute at least one
         token, the one whose logits give the request its first output token.
