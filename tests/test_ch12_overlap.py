@@ -1,0 +1,217 @@
+"""Chapter 12: overlap scheduling changes when the host reads tokens, never which tokens.
+
+Every end-to-end test runs the same workload with overlap on and off and compares the outputs
+token for token, checking the scheduler's bookkeeping after every step. On a CPU nothing runs
+asynchronously, but the overlapped code path (placeholders, device-side gathering of pending
+input ids, results processed one step late, zombies) runs all the same.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+
+from minisgl.core import Req, SamplingParams
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.overlap import PENDING, OverlapScheduler
+from minisgl.scheduler.utils import StepResult
+
+PAGE_SIZE = 4
+BUDGETS = {"small": 7, "large": 48}  # prompt tokens per prefill step
+NUM_REQS = 18
+
+
+@pytest.fixture(autouse=True, scope="module")
+def one_thread() -> Iterator[None]:
+    """One CPU thread: the tiny model's operations are too small for a second one to pay off."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+def make_scheduler(model_dir: Path, overlap: bool, **options: object) -> OverlapScheduler:
+    settings: dict[str, object] = {"device": "cpu", "page_size": PAGE_SIZE, "num_pages": 64,
+                                   "max_running_reqs": 8}
+    return OverlapScheduler(SchedulerConfig(model_dir, **{**settings, **options}),
+                            overlap=overlap)
+
+
+def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
+    generator = torch.Generator().manual_seed(seed)
+    return [torch.randint(2048, (n,), generator=generator).tolist() for n in lengths]
+
+
+def workload() -> tuple[list[Req], list[int]]:
+    """18 requests arriving over 14 steps: greedy and seeded sampling, half sharing a prompt
+    head (for the radix cache), lengths of 1 to 9 new tokens, some with stop tokens."""
+    generator = torch.Generator().manual_seed(5)
+    lengths = torch.randint(2, 30, (NUM_REQS,), generator=generator).tolist()
+    prompts = random_prompts(lengths, seed=5)
+    shared = random_prompts([13], seed=6)[0]
+    for i in range(0, NUM_REQS, 2):
+        prompts[i] = shared + prompts[i]
+    new_tokens = torch.randint(1, 10, (NUM_REQS,), generator=generator).tolist()
+    arrivals = sorted(torch.randint(0, 15, (NUM_REQS,), generator=generator).tolist())
+    reqs = []
+    for i, (prompt, n) in enumerate(zip(prompts, new_tokens)):
+        if i % 3 == 0:
+            params = SamplingParams(max_tokens=n, temperature=0.8, top_k=50, seed=100 + i,
+                                    ignore_eos=True)
+        else:
+            params = SamplingParams(max_tokens=n, ignore_eos=True)
+        reqs.append(Req(i, prompt, params))
+    return reqs, arrivals
+
+
+def run(scheduler: OverlapScheduler, reqs: list[Req], arrivals: list[int]) -> list[StepResult]:
+    """Add ``reqs[i]`` before step ``arrivals[i]``; step until all finish, checking the
+    bookkeeping after every step and that every page is back at the end."""
+    results: list[StepResult] = []
+    step = 0
+    while step <= max(arrivals) or scheduler.has_work:
+        for req, arrival in zip(reqs, arrivals):
+            if arrival == step:
+                scheduler.add(req)
+        results.append(scheduler.step())
+        scheduler.check_integrity()
+        step += 1
+        assert step < 2000, "the run does not end"
+    assert all(req.is_finished for req in reqs), "a request did not finish"
+    assert not any(PENDING in req.output_ids for req in reqs), "a placeholder was left behind"
+    cache = scheduler.cache
+    prefix = cache.prefix_cache
+    assert cache.allocator.num_free + prefix.num_evictable_pages == cache.num_pages, \
+        "a page leaked"
+    assert prefix.num_locked_pages == 0, "a finished request left its prefix locked"
+    assert cache.num_admitted == 0 and scheduler.engine.page_table.num_free_rows == \
+        scheduler.config.max_running_reqs, "a row leaked"
+    return results
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_model_dir: Path) -> list[tuple[list[int], str | None]]:
+    """The workload's outputs without overlap, naive cache, no chunking."""
+    reqs, arrivals = workload()
+    run(make_scheduler(tiny_model_dir, overlap=False), reqs, arrivals)
+    return [(req.output_ids, req.finish_reason) for req in reqs]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+@pytest.mark.parametrize("chunked", [False, True], ids=["unchunked", "chunked"])
+@pytest.mark.parametrize("budget", sorted(BUDGETS), ids=str)
+@pytest.mark.parametrize("cache", ["naive", "radix"])
+def test_overlap_changes_no_token(tiny_model_dir: Path, cache: str, budget: str, chunked: bool,
+                                  overlap: bool,
+                                  reference: list[tuple[list[int], str | None]]) -> None:
+    scheduler = make_scheduler(tiny_model_dir, overlap=overlap, prefix_cache=cache,
+                               chunked_prefill=chunked, max_prefill_tokens=BUDGETS[budget])
+    reqs, arrivals = workload()
+    run(scheduler, reqs, arrivals)
+    for req, (tokens, reason) in zip(reqs, reference):
+        assert req.output_ids == tokens, f"request {req.uid}: other tokens"
+        assert req.finish_reason == reason, f"request {req.uid}: other finish reason"
+
+
+def stop_workload(reference: list[list[int]]) -> list[Req]:
+    """Requests that stop on a token they sample mid-answer (so they are already in the next
+    batch when the host learns it), on EOS, and on ``max_tokens``."""
+    reqs = []
+    prompts = random_prompts([9, 14, 5, 20, 11, 7], seed=21)
+    for i, prompt in enumerate(prompts):
+        stop_at = reference[i][2 + i % 3]
+        if i % 3 == 0:
+            params = SamplingParams(max_tokens=12, stop_token_ids=(stop_at,))
+        elif i % 3 == 1:
+            params = SamplingParams(max_tokens=12)  # EOS, patched below
+        else:
+            params = SamplingParams(max_tokens=3 + i, ignore_eos=True)
+        reqs.append(Req(i, prompt, params))
+    return reqs
+
+
+@pytest.mark.parametrize("cache", ["naive", "radix"])
+def test_requests_finishing_while_in_the_next_batch(tiny_model_dir: Path, cache: str) -> None:
+    """A stop token or EOS sampled in step N is read only after step N+1 ran the request once
+    more: that token is dropped, and its pages come back once step N+1 is processed."""
+    prompts = random_prompts([9, 14, 5, 20, 11, 7], seed=21)
+    probe = make_scheduler(tiny_model_dir, overlap=False)
+    free_run = [Req(i, p, SamplingParams(max_tokens=12, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+    run(probe, free_run, [0] * len(free_run))
+    free_tokens = [req.output_ids for req in free_run]
+
+    outputs = {}
+    for overlap in (False, True):
+        scheduler = make_scheduler(tiny_model_dir, overlap=overlap, prefix_cache=cache)
+        reqs = stop_workload(free_tokens)
+        # The EOS case: declare a token the request samples mid-answer to be the model's EOS.
+        eos = free_tokens[1][4]
+        scheduler.eos_token_ids = (eos,)
+        run(scheduler, reqs, [0, 0, 1, 1, 2, 2])
+        outputs[overlap] = [(req.output_ids, req.finish_reason) for req in reqs]
+    assert outputs[True] == outputs[False]
+    stopped = [reason for _, reason in outputs[True]]
+    assert "stop" in stopped and "length" in stopped, "the workload must stop both ways"
+    # Each stopping request ends exactly at its first stop token.
+    for (tokens, reason), req in zip(outputs[True], stop_workload(free_tokens)):
+        if reason == "stop":
+            assert tokens[:-1] == free_tokens[req.uid][:len(tokens) - 1]
+
+
+def test_a_stopped_request_was_run_once_more_and_its_token_dropped(tiny_model_dir: Path) -> None:
+    """Watch the zombie: it is in the batch launched after the step it stopped in, holds its
+    pages until that batch is processed, and its output ends at the stop token."""
+    prompt = random_prompts([10], seed=3)[0]
+    probe = make_scheduler(tiny_model_dir, overlap=False)
+    free = Req(0, prompt, SamplingParams(max_tokens=8, ignore_eos=True))
+    run(probe, [free], [0])
+    stop = free.output_ids[2]
+    first = free.output_ids.index(stop)
+    scheduler = make_scheduler(tiny_model_dir, overlap=True)
+    req = Req(0, prompt, SamplingParams(max_tokens=8, stop_token_ids=(stop,)))
+    results = run(scheduler, [req], [0])
+    assert req.output_ids == free.output_ids[:first + 1]
+    assert req.finish_reason == "stop"
+    # Prefill + first+1 decode steps sample the tokens; one more ran for nothing.
+    launched = [r for r in results if r.phase is not None]
+    assert len(launched) == first + 2, [r.phase for r in results]
+    # The host learns of the stop in the step that launched the extra run: the request is in
+    # that step's batch and in its finished list at once; the last step only drains it.
+    reporting = [r for r in results if r.finished]
+    assert len(reporting) == 1 and reporting[0].finished == (req,)
+    assert reporting[0].uids == (0,) and reporting[0].phase == "decode"
+    assert results[-1].phase is None and results[-1].finished == ()
+
+
+def test_the_switch(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("MINISGL_DISABLE_OVERLAP", "1")
+    assert make_scheduler(tiny_model_dir, overlap=None).overlap is False
+    monkeypatch.delenv("MINISGL_DISABLE_OVERLAP")
+    assert make_scheduler(tiny_model_dir, overlap=None).overlap is True
+    with pytest.raises(TypeError, match="overlap"):
+        make_scheduler(tiny_model_dir, overlap="yes")  # type: ignore[arg-type]
+
+
+def test_abort_while_in_flight(tiny_model_dir: Path) -> None:
+    """A request aborted while its sample is in flight loses that sample and every page."""
+    scheduler = make_scheduler(tiny_model_dir, overlap=True)
+    reqs = [Req(i, p, SamplingParams(max_tokens=10, ignore_eos=True))
+            for i, p in enumerate(random_prompts([6, 8, 5], seed=9))]
+    for req in reqs:
+        scheduler.add(req)
+    scheduler.step()  # prefill launched
+    scheduler.step()  # decode launched, prefill processed
+    dropped = scheduler.abort(1)
+    assert dropped is reqs[1] and PENDING not in dropped.output_ids
+    scheduler.check_integrity()
+    kept = len(dropped.output_ids)
+    while scheduler.has_work:
+        scheduler.step()
+        scheduler.check_integrity()
+    assert len(dropped.output_ids) == kept and not dropped.is_finished
+    assert all(len(reqs[i].output_ids) == 10 for i in (0, 2))
+    assert scheduler.cache.allocator.num_free == scheduler.cache.num_pages
