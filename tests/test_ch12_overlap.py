@@ -162,6 +162,7 @@ def test_requests_finishing_while_in_the_next_batch(tiny_model_dir: Path, cache:
             assert tokens[:-1] == free_tokens[req.uid][:len(tokens) - 1]
 
 
+# --8<-- [start:zombie]
 def test_a_stopped_request_was_run_once_more_and_its_token_dropped(tiny_model_dir: Path) -> None:
     """Watch the zombie: it is in the batch launched after the step it stopped in, holds its
     pages until that batch is processed, and its output ends at the stop token."""
@@ -185,6 +186,7 @@ def test_a_stopped_request_was_run_once_more_and_its_token_dropped(tiny_model_di
     assert len(reporting) == 1 and reporting[0].finished == (req,)
     assert reporting[0].uids == (0,) and reporting[0].phase == "decode"
     assert results[-1].phase is None and results[-1].finished == ()
+# --8<-- [end:zombie]
 
 
 def test_the_switch(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
