@@ -143,6 +143,11 @@ class Scheduler:
         return len(self.decode.running)
 
     @property
+    def num_live(self) -> int:
+        """Requests that still own their uid: waiting or running (chapter 12 adds retiring)."""
+        return self.num_waiting + self.num_running
+
+    @property
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
         return self.prefill.runnable or self.decode.runnable
@@ -282,9 +287,9 @@ class Scheduler:
             raise RuntimeError(f"{admitted} request(s) should hold rows, the cache manager "
                                f"tracks {self.cache.num_admitted}, the page table has "
                                f"{rows_used} in use")
-        if len(self._live_uids) != self.num_waiting + self.num_running:
-            raise RuntimeError(f"{len(self._live_uids)} live uids for {self.num_waiting} "
-                               f"waiting and {self.num_running} running requests")
+        if len(self._live_uids) != self.num_live:
+            raise RuntimeError(f"{len(self._live_uids)} live uids for {self.num_live} live "
+                               f"requests ({self.num_waiting} waiting, {self.num_running} running)")
         # Chapter 10: only the request at the head of the queue may be between two chunks.
         partial = [req.uid for req in self.prefill.waiting if is_mid_prefill(req)]
         if partial and (len(partial) > 1 or partial[0] != self.prefill.waiting[0].uid):
