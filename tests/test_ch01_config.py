@@ -446,3 +446,15 @@ def test_importing_config_code_loads_neither_torch_nor_transformers() -> None:
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          cwd=root, env={**os.environ, "PYTHONPATH": str(root)})
     assert out.stdout.strip() == "[]"
+
+
+def test_generation_config_adds_its_end_of_sequence_ids(tmp_path) -> None:
+    # config.json names one EOS id; generation_config.json (what transformers.generate stops
+    # on) names two. The engine must stop on both, config.json's first, with no repeats.
+    (tmp_path / "config.json").write_text(json.dumps(with_(MINIMAL, eos_token_id=7)))
+    assert ModelConfig.from_pretrained(tmp_path).eos_token_ids == (7,)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [9, 7, 9]}))
+    assert ModelConfig.from_pretrained(tmp_path).eos_token_ids == (7, 9)
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": "x"}))
+    with pytest.raises(ConfigError, match="generation_config.json"):
+        ModelConfig.from_pretrained(tmp_path)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -214,9 +215,23 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, path: str | os.PathLike[str]) -> ModelConfig:
-        """Read ``config.json`` from a local checkpoint directory (resolve hub ids first)."""
+        """Read ``config.json`` from a local checkpoint directory (resolve hub ids first).
+
+        A checkpoint may list more end-of-sequence ids in ``generation_config.json`` than in
+        ``config.json`` (Qwen3 stops on ``<|im_end|>`` and ``<|endoftext|>``, but its
+        config.json names one of them). ``transformers.generate`` stops on the ids of
+        generation_config.json, so they are added here: the engine stops where it does.
+        """
         config_file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
-        return cls.from_dict(load_hf_config(path), source=config_file)
+        config = cls.from_dict(load_hf_config(path), source=config_file)
+        generation_file = os.path.join(os.path.dirname(config_file), "generation_config.json")
+        if os.path.isfile(generation_file):
+            extra = _Reader(load_hf_config(generation_file), generation_file).items(
+                "eos_token_id", int)
+            merged = config.eos_token_ids + tuple(
+                i for i in dict.fromkeys(extra) if i not in config.eos_token_ids)
+            config = dataclasses.replace(config, eos_token_ids=merged)
+        return config
     # --8<-- [end:from_dict]
 
 
