@@ -75,7 +75,8 @@ def compare_norms(x: torch.Tensor) -> list[tuple[str, str, float]]:
     ours = RMSNorm(HIDDEN, eps=EPS)
     ours.load_weight(ref.weight)
     residual = torch.randn_like(x)
-    normed, summed = ours(x, residual)
+    # Clones: on CUDA in bf16/fp16 the residual form overwrites its inputs (one fused kernel).
+    normed, summed = ours(x.clone(), residual.clone())
     return [
         ("RMSNorm", "Qwen3RMSNorm", max_diff(ours(x), ref(x))),
         ("RMSNorm(x, residual)", "Qwen3RMSNorm(x + residual)",
@@ -95,7 +96,7 @@ def compare_rope(device: torch.device, dtype: torch.dtype) -> list[tuple[str, st
         cos, sin = ref_rope(q, positions[None])
         q_ref, k_ref = apply_rotary_pos_emb(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
                                             cos, sin)
-        q_ours, k_ours = ours(positions, q, k)
+        q_ours, k_ours = ours(positions, q.clone(), k.clone())  # rotated in place on CUDA
         rows.append((f"RotaryEmbedding ({name})", f"apply_rotary_pos_emb, {name} init",
                      max(max_diff(q_ours, q_ref[0].transpose(0, 1)),
                          max_diff(k_ours, k_ref[0].transpose(0, 1)))))

@@ -22,7 +22,7 @@ import argparse
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TypeVar
 
@@ -73,7 +73,7 @@ def run(config: SchedulerConfig, overlap: bool, stop_token: int | None,
     """The workload on a fresh scheduler; ``timing`` gets the host's planning time per step
     (schedule + page reservation) and its time processing tokens, which includes waiting for
     the device to produce them."""
-    scheduler = OverlapScheduler(config, overlap=overlap)
+    scheduler = OverlapScheduler(replace(config, overlap=overlap))
     scheduler.schedule_next_batch = timed(timing.plan, scheduler.schedule_next_batch)
     scheduler.prepare_batch = timed(timing.plan, scheduler.prepare_batch, add=True)
     if overlap:

@@ -57,6 +57,10 @@ class SamplingParams:
             but applied even when ``ignore_eos`` is set.
         seed: Seed for this request's own random generator, so that its samples are
             reproducible whatever else shares the batch; ``None`` uses the global generator.
+        stop: Text that ends generation (chapter 14): when the output text contains one of
+            these strings, the answer is the text before it. The engine works on tokens and
+            ignores them; the server's detokenizer applies them. A single string is one stop
+            string.
     """
 
     temperature: float = 0.0
@@ -67,6 +71,9 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
+    # --8<-- [start:stop_field]
+    stop: tuple[str, ...] = ()  # chapter 14: stop strings, applied by the detokenizer
+    # --8<-- [end:stop_field]
 
     def __post_init__(self) -> None:
         self._validate()
@@ -131,6 +138,18 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not 0 <= self.seed <= _MAX_SEED:
                 _invalid("seed", self.seed, f"None or an integer in [0, {_MAX_SEED}]")
+
+        # --8<-- [start:validate_stop]
+        # Chapter 14. An empty stop string would match at once, before any text: a bug.
+        stop = (self.stop,) if isinstance(self.stop, str) else self.stop
+        if isinstance(stop, bytes) or not isinstance(stop, Iterable):
+            raise TypeError(f"stop must be a string or a sequence of strings, got {self.stop!r}")
+        stop = tuple(stop)
+        for text in stop:
+            if not isinstance(text, str) or not text:
+                _invalid("stop", self.stop, f"a sequence of non-empty strings ({text!r} is not)")
+        object.__setattr__(self, "stop", stop)
+        # --8<-- [end:validate_stop]
 
     # --8<-- [end:validate]
 
@@ -225,7 +244,21 @@ class Req:
 
     def new_token_ids(self) -> list[int]:
         """The token ids the next forward pass feeds to the model for this request."""
-        return self.token_ids[self.cached_len:]
+        return self.token_range(self.cached_len, self.num_tokens)
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """``token_ids[start:end]``, without building the whole sequence first.
+
+        A decode step feeds one token of a sequence that may be thousands long; copying the
+        prompt and the output into one list to read it would cost the host that much per
+        request per step.
+        """
+        num_prompt = len(self.prompt_ids)
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt:end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[:end - num_prompt]
 
     @property
     def is_finished(self) -> bool:
@@ -335,8 +368,10 @@ class Batch:
 
     def new_token_ids(self) -> list[int]:
         """The tokens this pass feeds, request after request, packed (no padding)."""
-        return [t for req, n in zip(self.reqs, self.new_lens)
-                for t in req.token_ids[req.cached_len:req.cached_len + n]]
+        ids: list[int] = []
+        for req, n in zip(self.reqs, self.new_lens):
+            ids += req.token_range(req.cached_len, req.cached_len + n)
+        return ids
 # --8<-- [end:batch]
 
 

@@ -35,9 +35,11 @@ from minisgl.layers import (
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    fused,
     get_rope,
     silu_and_mul,
 )
+from minisgl.layers.rotary import default_inv_freq
 from minisgl.utils.torch_utils import default_dtype, resolve_device, resolve_dtype
 
 ATOL = 1e-5
@@ -195,6 +197,31 @@ def test_partial_rotary_rotates_only_the_first_rotary_dim_features() -> None:
     q_head, _ = full(positions, q[..., :half].contiguous(), k[..., :half].contiguous())
     assert torch.equal(q_rot[..., half:], q[..., half:]), "features past rotary_dim pass through"
     assert max_err(q_rot[..., :half], q_head) <= ATOL
+
+
+def test_the_rope_table_holds_cos_then_sin_per_position_as_flashinfer_reads_it() -> None:
+    scaling = ROPE_SCALINGS["yarn"]
+    rope = get_rope(HEAD_DIM, HEAD_DIM, MAX_POSITION, THETA, scaling)
+    inv_freq, attention_factor = ROPE_INIT_FUNCTIONS["yarn"](hf_config(scaling))
+    row = rope.cos_sin_cache[7]  # position 7: [cos(7 * inv_freq) | sin(7 * inv_freq)] * factor
+    assert rope.cos_sin_cache.shape == (MAX_POSITION, HEAD_DIM)
+    assert rope.cos_sin_cache.dtype == torch.float32 and rope.cos_sin_cache.is_contiguous()
+    assert max_err(row, torch.cat([(7 * inv_freq).cos(), (7 * inv_freq).sin()])
+                   * attention_factor) <= ATOL
+    assert torch.equal(rope.cos_cache, rope.cos_sin_cache[:, : HEAD_DIM // 2])
+    assert "cos_sin_cache" not in rope.state_dict(), "the table is rebuilt, never loaded"
+    partial = get_rope(HEAD_DIM, HEAD_DIM // 2, MAX_POSITION, THETA)
+    assert partial.cos_sin_cache.shape == (MAX_POSITION, HEAD_DIM // 2)
+    assert torch.equal(partial.sin_cache[3], (3 * default_inv_freq(HEAD_DIM // 2, THETA)).sin())
+
+
+def test_fused_kernels_are_never_used_for_cpu_tensors() -> None:
+    x = torch.randn(T, HIDDEN)
+    norm = RMSNorm(HIDDEN, eps=EPS)
+    norm.load_weight(torch.ones(HIDDEN))
+    assert not fused.available(x) and not fused.available(x.bfloat16())
+    assert not fused.can_rmsnorm(x, norm.weight, x.clone())
+    assert not fused.can_silu_and_mul(torch.randn(T, 2 * INTERMEDIATE))
 
 
 def test_get_rope_rejects_an_unknown_type_naming_the_supported_ones() -> None:
@@ -470,12 +497,14 @@ def test_layers_match_transformers_in_bfloat16_on_cuda() -> None:
         norm.load_weight(norm_ref.weight)
         errors["rmsnorm"] = rel(norm(x), norm_ref(x))
         residual = torch.randn(T, HIDDEN)
-        errors["rmsnorm+residual"] = rel(norm(x, residual)[0], norm_ref(x + residual))
+        # Clones: on CUDA the residual form overwrites its inputs (FlashInfer's fused kernel).
+        normed = norm(x.clone(), residual.clone())[0]
+        errors["rmsnorm+residual"] = rel(normed, norm_ref(x + residual))
         positions = torch.randint(0, MAX_POSITION, (T,))
         q, k = torch.randn(T, NUM_QO_HEADS, HEAD_DIM), torch.randn(T, NUM_KV_HEADS, HEAD_DIM)
         for name, scaling in ROPE_SCALINGS.items():
             rope = get_rope(HEAD_DIM, HEAD_DIM, MAX_POSITION, THETA, scaling)
-            q_ours, k_ours = rope(positions, q, k)
+            q_ours, k_ours = rope(positions, q.clone(), k.clone())  # rotated in place on CUDA
             q_ref, k_ref = hf_rope(q, k, positions, scaling)
             errors[f"rope-{name}"] = max(rel(q_ours, q_ref), rel(k_ours, k_ref))
         mlp_ref = randomize(Qwen3MLP(hf_config()))
@@ -494,3 +523,193 @@ def test_layers_match_transformers_in_bfloat16_on_cuda() -> None:
     print("bf16 max abs error / max |reference|:", {k: f"{v:.2e}" for k, v in errors.items()})
     too_large = {k: v for k, v in errors.items() if v > BF16_REL_TOL}
     assert not too_large, f"bf16 relative errors above {BF16_REL_TOL}: {too_large}"
+
+
+# ---------------------------------------------------------------- fused kernels on CUDA
+
+# On CUDA in bfloat16 the norms, RoPE and SiLU-and-multiply run as FlashInfer kernels
+# (minisgl/layers/fused.py); fused.use_fused(False) runs the PyTorch code on the same GPU, the
+# reference. Shapes are Qwen3-0.6B's, token counts those of a decode step (1 and 138 requests)
+# and of a prefill (2,048 tokens). Both paths round differently (the kernels once, PyTorch after
+# each operation), so an element may differ by |d| <= 1e-2 + 2e-2 |reference|.
+BIG_HIDDEN, BIG_INTERMEDIATE, BIG_QO_HEADS, BIG_KV_HEADS, BIG_HEAD_DIM = 1024, 3072, 16, 8, 128
+FUSED_TOKENS = [1, 138, 2048]
+
+
+def assert_close_bf16(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    assert ours.shape == ref.shape, f"{what}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    diff = (ours.float() - ref.float()).abs()
+    excess = diff - (1e-2 + 2e-2 * ref.float().abs())
+    assert excess.max().item() <= 0, (f"{what}: max |diff| {diff.max().item():.3e} "
+                                      "above 1e-2 + 2e-2 |reference|")
+
+
+def random_norm(size: int) -> RMSNorm:
+    norm = RMSNorm(size, eps=EPS)
+    norm.load_weight(1 + 0.1 * torch.randn(size))
+    return norm
+
+
+def split_qkv(qkv: torch.Tensor, num_qo: int, num_kv: int,
+              head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q and k as the attention layer cuts them from the qkv output: strided per-head views."""
+    q, k, _ = qkv.split([num_qo * head_dim, num_kv * head_dim, num_kv * head_dim], dim=-1)
+    return q.view(-1, num_qo, head_dim), k.view(-1, num_kv, head_dim)
+
+
+@pytest.fixture
+def cuda_bf16() -> Iterator[None]:
+    pytest.importorskip("flashinfer", reason="flashinfer-python is not installed")
+    with torch.device("cuda"), default_dtype(torch.bfloat16), torch.inference_mode():
+        yield
+
+
+@pytest.mark.gpu
+def test_fused_kernels_are_on_for_bfloat16_cuda_tensors(cuda_bf16: None) -> None:
+    x = torch.randn(4, BIG_HIDDEN)
+    norm = random_norm(BIG_HIDDEN)
+    rope = get_rope(BIG_HEAD_DIM, BIG_HEAD_DIM, MAX_POSITION, THETA)
+    q, k = torch.randn(4, BIG_QO_HEADS * BIG_HEAD_DIM), torch.randn(4, BIG_HEAD_DIM)
+    positions = torch.arange(4)
+    assert fused.available(x), fused.kernel_status()
+    assert fused.can_rmsnorm(x, norm.weight), fused.kernel_status()
+    assert fused.can_rmsnorm(x, norm.weight, x.clone()), fused.kernel_status()
+    assert fused.can_rope(positions, q, k, rope.cos_sin_cache, BIG_HEAD_DIM), fused.kernel_status()
+    assert fused.can_silu_and_mul(torch.randn(4, 2 * BIG_INTERMEDIATE)), fused.kernel_status()
+    assert set(fused.kernel_status().values()) == {"on"}, fused.kernel_status()
+    assert not fused.available(x.float()), "float32 has no FlashInfer kernel: PyTorch code"
+    with fused.use_fused(False):
+        assert not fused.can_rmsnorm(x, norm.weight)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", FUSED_TOKENS)
+def test_fused_rmsnorm_equals_the_pytorch_path_on_cuda(cuda_bf16: None, tokens: int) -> None:
+    norm, q_norm = random_norm(BIG_HIDDEN), random_norm(BIG_HEAD_DIM)
+    x = torch.randn(tokens, BIG_HIDDEN) * 3
+    x_before = x.clone()
+    assert fused.can_rmsnorm(x, norm.weight), fused.kernel_status()
+    out = norm(x)
+    with fused.use_fused(False):
+        ref = norm(x)
+    assert torch.equal(x, x_before), "the plain form returns a new tensor, its input untouched"
+    assert_close_bf16(out, ref, f"rmsnorm, {tokens} tokens")
+    # qk-norm: one scale per head_dim feature, on the q slice of a qkv output, not copied first.
+    qkv = torch.randn(tokens, (BIG_QO_HEADS + 2 * BIG_KV_HEADS) * BIG_HEAD_DIM) * 3
+    q, _ = split_qkv(qkv, BIG_QO_HEADS, BIG_KV_HEADS, BIG_HEAD_DIM)
+    assert fused.can_rmsnorm(q, q_norm.weight), fused.kernel_status()
+    out = q_norm(q)
+    with fused.use_fused(False):
+        ref = q_norm(q)
+    assert_close_bf16(out, ref, f"qk-norm, {tokens} tokens")
+
+
+# --8<-- [start:test_fused_add_rmsnorm]
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", FUSED_TOKENS)
+def test_fused_add_rmsnorm_equals_the_pytorch_path_in_place(cuda_bf16: None, tokens: int) -> None:
+    norm = random_norm(BIG_HIDDEN)
+    x, residual = torch.randn(tokens, BIG_HIDDEN) * 3, torch.randn(tokens, BIG_HIDDEN) * 3
+    with fused.use_fused(False):
+        ref_normed, ref_sum = norm(x, residual)  # the PyTorch code leaves its inputs alone
+    x_in, residual_in = x.clone(), residual.clone()
+    assert fused.can_rmsnorm(x_in, norm.weight, residual_in), fused.kernel_status()
+    normed, new_residual = norm(x_in, residual_in)
+    # One kernel, in place: the residual becomes the sum, x its normalised value.
+    assert normed is x_in and new_residual is residual_in
+    assert_close_bf16(new_residual, ref_sum, f"residual (x + residual), {tokens} tokens")
+    assert_close_bf16(normed, ref_normed, f"norm(x + residual), {tokens} tokens")
+# --8<-- [end:test_fused_add_rmsnorm]
+
+
+ROPE_CASES = {  # name: (head_dim, rotary_dim, rope_scaling)
+    **{name: (BIG_HEAD_DIM, BIG_HEAD_DIM, scaling) for name, scaling in ROPE_SCALINGS.items()},
+    "partial-64-of-128": (BIG_HEAD_DIM, BIG_HEAD_DIM // 2, None),
+    "tiny-head-64": (HEAD_DIM, HEAD_DIM, None),
+}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", list(ROPE_CASES))
+def test_fused_rope_equals_the_pytorch_path_in_place(cuda_bf16: None, case: str) -> None:
+    head_dim, rotary_dim, scaling = ROPE_CASES[case]
+    rope = get_rope(head_dim, rotary_dim, MAX_POSITION, THETA, scaling)
+    for tokens in FUSED_TOKENS:
+        # int64 positions as the engine passes them; int32 works too.
+        dtype = torch.int32 if tokens == 138 else torch.int64
+        positions = torch.randint(0, MAX_POSITION, (tokens,), dtype=dtype)
+        qkv = torch.randn(tokens, (BIG_QO_HEADS + 2 * BIG_KV_HEADS) * head_dim)
+        qkv_before = qkv.clone()
+        q, k = split_qkv(qkv, BIG_QO_HEADS, BIG_KV_HEADS, head_dim)
+        with fused.use_fused(False):
+            q_ref, k_ref = rope(positions, q, k)
+        assert torch.equal(qkv, qkv_before), "the PyTorch code leaves q and k alone"
+        assert fused.can_rope(positions, q, k, rope.cos_sin_cache, head_dim), (
+            case, fused.kernel_status())
+        q_out, k_out = rope(positions, q, k)
+        assert q_out is q and k_out is k, "the kernel rotates q and k in place"
+        assert_close_bf16(q_out, q_ref, f"{case}: q, {tokens} tokens")
+        assert_close_bf16(k_out, k_ref, f"{case}: k, {tokens} tokens")
+        v_start = (BIG_QO_HEADS + BIG_KV_HEADS) * head_dim
+        assert torch.equal(qkv[:, v_start:], qkv_before[:, v_start:]), "v must be untouched"
+        if rotary_dim < head_dim:  # the features past rotary_dim pass through unchanged
+            q_before, _ = split_qkv(qkv_before, BIG_QO_HEADS, BIG_KV_HEADS, head_dim)
+            assert torch.equal(q_out[..., rotary_dim:], q_before[..., rotary_dim:])
+    # The flat [T, H * D] layout (no qk-norm) goes through the same kernel.
+    q_flat, k_flat = torch.randn(8, 2 * head_dim), torch.randn(8, head_dim)
+    positions = torch.arange(8)
+    with fused.use_fused(False):
+        q_ref, k_ref = rope(positions, q_flat, k_flat)
+    q_out, k_out = rope(positions, q_flat, k_flat)
+    assert q_out.shape == (8, 2 * head_dim) and q_out is q_flat
+    assert_close_bf16(q_out, q_ref, f"{case}: flat q")
+    assert_close_bf16(k_out, k_ref, f"{case}: flat k")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", FUSED_TOKENS)
+def test_fused_silu_and_mul_equals_the_pytorch_path_on_cuda(cuda_bf16: None, tokens: int) -> None:
+    for width in (BIG_INTERMEDIATE, INTERMEDIATE):
+        x = torch.randn(tokens, 2 * width) * 3
+        x_before = x.clone()
+        assert fused.can_silu_and_mul(x), fused.kernel_status()
+        out = silu_and_mul(x)
+        with fused.use_fused(False):
+            ref = silu_and_mul(x)
+        assert torch.equal(x, x_before), "silu_and_mul returns a new tensor"
+        assert_close_bf16(out, ref, f"silu_and_mul, {tokens} x {2 * width}")
+
+
+@pytest.mark.gpu
+def test_fused_kernels_replay_in_a_cuda_graph(cuda_bf16: None) -> None:
+    """A CUDA graph captures the fused kernels and replays them on new inputs, bit for bit."""
+    norm, q_norm, k_norm = random_norm(HIDDEN), random_norm(HEAD_DIM), random_norm(HEAD_DIM)
+    rope = get_rope(HEAD_DIM, HEAD_DIM, MAX_POSITION, THETA)
+    x, residual = torch.zeros(T, HIDDEN), torch.zeros(T, HIDDEN)
+    qkv = torch.zeros(T, (NUM_QO_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM)
+    gate_up = torch.zeros(T, 2 * INTERMEDIATE)
+    positions = torch.zeros(T, dtype=torch.int64)
+
+    def step() -> list[torch.Tensor]:
+        # Clones first: the in-place kernels must not overwrite the graph's input buffers.
+        normed, summed = norm(x.clone(), residual.clone())
+        q, k = split_qkv(qkv, NUM_QO_HEADS, NUM_KV_HEADS, HEAD_DIM)
+        q, k = rope(positions, q_norm(q), k_norm(k))
+        return [normed, summed, q, k, silu_and_mul(gate_up)]
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        step()  # warm up: the kernels' first trial and any compilation happen here
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph, stream=stream):
+        captured = step()
+    for seed in (1, 2):
+        torch.manual_seed(seed)
+        for buffer in (x, residual, qkv, gate_up):
+            buffer.copy_(torch.randn(buffer.shape) * 3)
+        positions.copy_(torch.randint(0, MAX_POSITION, (T,)))
+        graph.replay()
+        for replayed, eager in zip(captured, step()):
+            assert torch.equal(replayed, eager), "a replay must equal the eager fused kernels"

@@ -176,6 +176,25 @@ def test_top_k_1_is_greedy_even_at_high_temperature() -> None:
     assert torch.equal(probs, torch.nn.functional.one_hot(logits.argmax(-1), VOCAB).float())
 
 
+def test_the_filters_to_run_are_chosen_from_the_parameters() -> None:
+    """Which filters run is read off the SamplingParams on the host (asking the tensors would
+    make a GPU host wait); skipping the ones no row asked for changes nothing."""
+    def tensors(*params: SamplingParams) -> SamplingTensors:
+        return SamplingTensors.from_params(params, VOCAB, torch.device("cpu"))
+
+    plain = tensors(SamplingParams(temperature=1.0), SamplingParams(temperature=0.5))
+    assert (plain.needs_sort, plain.needs_min_p) == (False, False)
+    assert tensors(SamplingParams(temperature=1.0, top_k=VOCAB + 5)).needs_sort is False, \
+        "a top_k of the whole vocabulary keeps everything: no sort"
+    assert tensors(SamplingParams(temperature=1.0, top_k=5)).needs_sort
+    assert tensors(SamplingParams(temperature=1.0, top_p=0.9)).needs_sort
+    assert tensors(SamplingParams(temperature=1.0, min_p=0.1)).needs_min_p
+    probs = torch.softmax(random_logits(2), dim=-1)
+    forced = SamplingTensors(plain.temperatures, plain.top_k, plain.top_p, plain.min_p)
+    assert forced.needs_sort and forced.needs_min_p, "built by hand, every filter runs"
+    assert torch.equal(filter_probs(probs, plain), filter_probs(probs, forced))
+
+
 def test_temperature_alone_gives_the_scaled_softmax() -> None:
     logits = random_logits(3)
     params = [SamplingParams(temperature=t) for t in (0.5, 1.0, 2.0)]

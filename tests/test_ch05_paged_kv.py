@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from minisgl.kvcache import MHAKVPool, OutOfPagesError, PageAllocator
 from minisgl.models.config import ModelConfig
-from minisgl.scheduler.table import NO_PAGE, PageTable
+from minisgl.scheduler.table import NO_PAGE, PageTable, expand_ranges
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -160,6 +160,28 @@ def test_pages_needed_asks_for_one_page_every_page_size_tokens() -> None:
     assert table.pages_needed(row, 3) == 0, "shrinking never asks for pages"
     with pytest.raises(ValueError, match="exceed the 64 that one request can hold"):
         table.pages_needed(row, 65)
+
+
+def test_appended_pages_reach_the_device_table_when_it_is_read() -> None:
+    """Rows grow on the host; the device table gets every appended page, in one write, the
+    next time it is read, and a freed row reads as NO_PAGE again."""
+    table = PageTable(max_reqs=3, max_pages_per_req=4, page_size=2)
+    a, b = table.alloc_row(), table.alloc_row()
+    table.append_pages(a, [7])
+    table.append_pages(b, [3, 4])
+    table.append_pages(a, [1])
+    assert table.page_ids.tolist() == [[7, 1, -1, -1], [3, 4, -1, -1], [-1, -1, -1, -1]]
+    table.append_pages(b, [9])
+    assert table.free_row(a) == [7, 1], "free_row returns the row's pages from the host copy"
+    assert table.page_ids[a].tolist() == [NO_PAGE] * 4
+    assert table.row_pages(b).tolist() == [3, 4, 9]
+
+
+def test_expand_ranges_matches_a_loop() -> None:
+    starts, counts = [5, 0, 9, 3], [3, 0, 2, 4]
+    values, owner = expand_ranges(torch.tensor(starts), torch.tensor(counts), total=9)
+    assert values.tolist() == [s + k for s, n in zip(starts, counts) for k in range(n)]
+    assert owner.tolist() == [i for i, n in enumerate(counts) for _ in range(n)]
 
 
 def test_append_pages_refuses_to_overflow_a_row() -> None:

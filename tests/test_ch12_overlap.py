@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from minisgl.core import Req, SamplingParams
+from minisgl.llm import LLM
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import PENDING, OverlapScheduler
 from minisgl.scheduler.utils import StepResult
@@ -33,11 +34,11 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def make_scheduler(model_dir: Path, overlap: bool, **options: object) -> OverlapScheduler:
+def make_scheduler(model_dir: Path, overlap: bool | None, **options: object) -> OverlapScheduler:
     settings: dict[str, object] = {"device": "cpu", "page_size": PAGE_SIZE, "num_pages": 64,
                                    "max_running_reqs": 8}
-    return OverlapScheduler(SchedulerConfig(model_dir, **{**settings, **options}),
-                            overlap=overlap)
+    return OverlapScheduler(SchedulerConfig(model_dir, overlap=overlap,
+                                            **{**settings, **options}))
 
 
 def random_prompts(lengths: list[int], seed: int) -> list[list[int]]:
@@ -190,12 +191,68 @@ def test_a_stopped_request_was_run_once_more_and_its_token_dropped(tiny_model_di
 
 
 def test_the_switch(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``overlap`` is a config field: None means on unless MINISGL_DISABLE_OVERLAP is set, and
+    the config holds the resolved value; anything but a bool or None is refused."""
     monkeypatch.setenv("MINISGL_DISABLE_OVERLAP", "1")
+    assert SchedulerConfig(tiny_model_dir).overlap is False
     assert make_scheduler(tiny_model_dir, overlap=None).overlap is False
+    assert make_scheduler(tiny_model_dir, overlap=True).overlap is True
     monkeypatch.delenv("MINISGL_DISABLE_OVERLAP")
+    assert SchedulerConfig(tiny_model_dir).overlap is True
     assert make_scheduler(tiny_model_dir, overlap=None).overlap is True
+    assert make_scheduler(tiny_model_dir, overlap=False).overlap is False
     with pytest.raises(TypeError, match="overlap"):
-        make_scheduler(tiny_model_dir, overlap="yes")  # type: ignore[arg-type]
+        SchedulerConfig(tiny_model_dir, overlap="yes")  # type: ignore[arg-type]
+
+
+def test_llm_runs_overlapped_and_the_switch_changes_no_token(tiny_model_dir: Path) -> None:
+    """``LLM`` runs on the overlap scheduler; ``overlap=False`` is the ablation, and an idle
+    scheduler's ``overlap`` may be switched between two runs on one engine."""
+    prompts = random_prompts([9, 14, 5, 20], seed=11)
+    params = [SamplingParams(max_tokens=6 + i, ignore_eos=True) for i in range(4)]
+    settings = {"device": "cpu", "page_size": PAGE_SIZE, "num_pages": 64, "max_running_reqs": 8}
+    llm = LLM(tiny_model_dir, overlap=True, **settings)
+    assert isinstance(llm.scheduler, OverlapScheduler) and llm.scheduler.overlap
+    overlapped = [out["token_ids"] for out in llm.generate(prompts, params)]
+    assert not llm.scheduler.has_work
+    llm.scheduler.overlap = False
+    assert [out["token_ids"] for out in llm.generate(prompts, params)] == overlapped
+    sync = LLM(tiny_model_dir, overlap=False, **settings)
+    assert sync.scheduler.overlap is False
+    assert [out["token_ids"] for out in sync.generate(prompts, params)] == overlapped
+    assert [len(tokens) for tokens in overlapped] == [6, 7, 8, 9]
+
+
+# --8<-- [start:no_sync]
+@pytest.mark.gpu
+def test_an_overlapped_decode_step_never_waits_for_the_device(tiny_model_dir: Path) -> None:
+    """On CUDA the host plans and launches batch N+1 without a single synchronising call
+    (PyTorch's sync debug mode turns one into an error): it blocks only on the event recorded
+    after batch N's tokens were copied. The tokens are those of the synchronous loop."""
+    def run_all(overlap: bool, check_steps: int) -> list[list[int]]:
+        config = SchedulerConfig(tiny_model_dir, device="cuda", overlap=overlap, num_pages=512,
+                                 max_running_reqs=8)
+        scheduler = OverlapScheduler(config)
+        reqs = [Req(i, prompt, SamplingParams(max_tokens=20, ignore_eos=True,
+                                              **({"temperature": 0.8, "top_k": 20, "seed": i}
+                                                 if i % 2 else {})))
+                for i, prompt in enumerate(random_prompts([9, 14, 5, 20, 11, 7], seed=4))]
+        for req in reqs:
+            scheduler.add(req)
+        while scheduler.step().phase != "decode":  # the prefill, then a first decode batch
+            pass
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(check_steps):
+                assert scheduler.step().phase == "decode"
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        while scheduler.has_work:
+            scheduler.step()
+        return [req.output_ids for req in reqs]
+
+    assert run_all(overlap=True, check_steps=8) == run_all(overlap=False, check_steps=0)
+# --8<-- [end:no_sync]
 
 
 def test_abort_while_in_flight(tiny_model_dir: Path) -> None:

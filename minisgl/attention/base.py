@@ -29,9 +29,8 @@ from typing import Any, ClassVar
 
 import torch
 
-from minisgl.attention.utils import indptr_of
 from minisgl.kvcache.mha_pool import MHAKVPool
-from minisgl.scheduler.table import PageTable
+from minisgl.scheduler.table import PageTable, expand_ranges
 
 
 # --8<-- [start:metadata]
@@ -184,16 +183,17 @@ class BaseAttnBackend(ABC):
 
         The slots come from the page table (chapter 5): the new tokens of request ``i`` are
         its positions ``cached_len .. total_len - 1``, and the table checks that the row holds
-        pages for all of them. Lists are built on the host and cross to the device once.
+        pages for all of them. Two numbers per request cross to the device, in one copy the
+        host does not wait for; the per-token arrays are expanded there.
         """
         out_loc = self.page_table.batch_token_slots(layout.rows, layout.cached_lens,
                                                     layout.total_lens)
-        positions = torch.cat([torch.arange(span.cached_len, span.total_len)
-                               for span in layout.spans])
-        last_indices = torch.tensor(indptr_of(layout.new_lens)[1:]) - 1
-        return {"layout": layout, "out_loc": out_loc,
-                "positions": positions.to(self.device, non_blocking=True),
-                "last_indices": last_indices.to(self.device, non_blocking=True)}
+        lens = torch.tensor([layout.cached_lens, layout.new_lens], dtype=torch.int64)
+        lens = lens.to(self.device, non_blocking=True)
+        positions, _ = expand_ranges(lens[0], lens[1], total=layout.num_tokens)
+        last_indices = torch.cumsum(lens[1], 0) - 1  # each request's last new token
+        return {"layout": layout, "out_loc": out_loc, "positions": positions,
+                "last_indices": last_indices}
 
     @abstractmethod
     def _plan(self, layout: BatchLayout) -> AttnMetadata:

@@ -64,8 +64,8 @@ class TorchNativeBackend(BaseAttnBackend):
                                    qo_indptr=indptr_of(layout.new_lens))
         if layout.is_decode:
             index, valid = padded_index(layout.total_lens)
-            meta.slot_table = kv_slots[index.to(self.device)]
-            meta.slot_valid = valid.to(self.device)
+            meta.slot_table = kv_slots[index.to(self.device, non_blocking=True)]
+            meta.slot_valid = valid.to(self.device, non_blocking=True)
         return meta
 
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:

@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from minisgl.scheduler.table import PageTable
+from minisgl.scheduler.table import PageTable, expand_ranges
 
 
 # --8<-- [start:indptr]
@@ -55,13 +55,18 @@ def gather_page_ids(page_table: PageTable, rows: Sequence[int],
 
     This is the ``indices`` array of a paged-attention kernel: with the page indptr built from
     ``num_pages`` it says, for each request, which pages of the pool hold its tokens, in order.
-    The (row, column) of every wanted entry is computed on the host, then one lookup in the
-    device table reads them all: a single small copy and a single gather, however many requests.
+    Row ``r``'s entries start at ``r * width`` of the flattened table, so request ``i`` wants
+    the ``num_pages[i]`` entries from ``rows[i] * width`` on: two numbers per request cross to
+    the device, the index of every entry is expanded there (:func:`expand_ranges`), and one
+    lookup reads them all, however many requests and pages.
     """
+    if not rows:
+        return torch.empty(0, dtype=torch.int32, device=page_table.device)
     width = page_table.max_pages_per_req
-    flat = torch.cat([torch.arange(n, dtype=torch.int64) + row * width
-                      for row, n in zip(rows, num_pages)])
-    return page_table.page_ids.view(-1)[flat.to(page_table.device)]
+    spans = torch.tensor([[row * width for row in rows], list(num_pages)], dtype=torch.int64)
+    spans = spans.to(page_table.device, non_blocking=True)
+    entries, _ = expand_ranges(spans[0], spans[1], total=sum(num_pages))
+    return page_table.page_ids.view(-1)[entries]
 # --8<-- [end:gather_page_ids]
 
 

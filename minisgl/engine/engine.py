@@ -251,13 +251,15 @@ class Engine:
                              f"max_seq_len is {self.max_seq_len}")
         new_row = req.table_row is None
         row = self.page_table.alloc_row() if new_row else req.table_row
+        needed = self.page_table.pages_needed(row, req.num_tokens)
         try:
-            pages = self.allocator.alloc(self.page_table.pages_needed(row, req.num_tokens))
+            pages = self.allocator.alloc(needed) if needed else []
         except OutOfPagesError:
             if new_row:
                 self.page_table.free_row(row)
             raise
-        self.page_table.append_pages(row, pages)
+        if pages:  # most decode steps need none: a page holds page_size tokens
+            self.page_table.append_pages(row, pages)
         req.table_row = row
         if req.params.seed is not None and req.generator is None:
             req.generator = make_generator(req.params.seed, self.device)

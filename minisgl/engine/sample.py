@@ -31,30 +31,37 @@ class SamplingTensors:
     """The sampling parameters of a batch's rows, one tensor per parameter.
 
     Turning a list of dataclasses into tensors once per batch is what lets every filter below
-    be a single masked tensor operation instead of a loop over rows.
+    be a single masked tensor operation instead of a loop over rows. Which filters any row
+    uses at all is decided here too, on the host, from the parameters themselves: asking the
+    tensors would make the host wait for the device.
     """
 
     temperatures: torch.Tensor  # [B, 1] float32 (a column, to broadcast over the vocabulary)
     top_k: torch.Tensor  # [B] int64; "off" is stored as the vocabulary size
     top_p: torch.Tensor  # [B] float32; "off" is 1.0
     min_p: torch.Tensor  # [B] float32; "off" is 0.0
+    needs_sort: bool = True  # some row asks for top-k or top-p
+    needs_min_p: bool = True  # some row asks for min-p
 
     @classmethod
     def from_params(
         cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device
     ) -> SamplingTensors:
         """Gather the per-row parameters into tensors on ``device``."""
+        top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
+        # One host tensor per dtype, each crossing to the device in one copy that the host
+        # does not wait for.
+        floats = torch.tensor(
+            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+            dtype=torch.float32,
+        ).to(device, non_blocking=True)
         return cls(
-            temperatures=torch.tensor(
-                [[p.temperature] for p in params], dtype=torch.float32, device=device
-            ),
-            top_k=torch.tensor(
-                [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params],
-                dtype=torch.int64,
-                device=device,
-            ),
-            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32, device=device),
-            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32, device=device),
+            temperatures=floats[0].unsqueeze(1),
+            top_k=torch.tensor(top_k, dtype=torch.int64).to(device, non_blocking=True),
+            top_p=floats[1],
+            min_p=floats[2],
+            needs_sort=any(k < vocab_size for k in top_k) or any(p.top_p < 1.0 for p in params),
+            needs_min_p=any(p.min_p > 0.0 for p in params),
         )
 
 
@@ -164,11 +171,10 @@ def filter_probs(probs: torch.Tensor, args: SamplingTensors) -> torch.Tensor:
     Returns:
         ``[B, V]`` float32 probabilities with filtered tokens at exactly 0, rows summing to 1.
     """
-    vocab_size = probs.shape[-1]
     keep = torch.ones_like(probs, dtype=torch.bool)
     # Sorting a row of a 150k vocabulary is the expensive part: skip it when no row asks
     # for top-k or top-p.
-    if bool((args.top_k < vocab_size).any()) or bool((args.top_p < 1.0).any()):
+    if args.needs_sort:
         # stable=True: among equal probabilities the lower token id ranks first, the same
         # tie-break as argmax, so top_k=1 picks exactly the greedy token.
         sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
@@ -176,7 +182,7 @@ def filter_probs(probs: torch.Tensor, args: SamplingTensors) -> torch.Tensor:
         keep_sorted = top_p_mask(sorted_probs, keep_sorted, args.top_p)
         # Send each decision back from sorted position to its token id.
         keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
-    if bool((args.min_p > 0.0).any()):
+    if args.needs_min_p:
         keep &= min_p_mask(probs, args.min_p)
     filtered = probs.masked_fill(~keep, 0.0)
     return filtered / filtered.sum(dim=-1, keepdim=True)
@@ -303,7 +309,7 @@ def sample_batch(
     if not sampled:
         return tokens
 
-    rows = torch.tensor(sampled, device=logits.device)
+    rows = torch.tensor(sampled).to(logits.device, non_blocking=True)
     probs = _sampled_rows_probs(logits[rows], [params[i] for i in sampled])
     tokens[rows] = sample_from_probs(probs, [generators[i] for i in sampled])
     return tokens

@@ -22,6 +22,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import fused
+
 
 # --8<-- [start:inv_freq]
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -63,8 +65,20 @@ class RotaryEmbedding(nn.Module):
         # Always float32, whatever the model's dtype: angles reach thousands of radians, and
         # bfloat16 (8 significant bits) cannot even tell position 4000 from 4001.
         # YaRN's attention_scaling multiplies both cos and sin, i.e. it lengthens q and k.
-        self.register_buffer("cos_cache", angles.cos() * attention_scaling, persistent=False)
-        self.register_buffer("sin_cache", angles.sin() * attention_scaling, persistent=False)
+        # One row per position, cos in its first half and sin in its second: the layout
+        # FlashInfer's RoPE kernel reads (see forward), so both paths share one table.
+        cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1) * attention_scaling
+        self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
+
+    @property
+    def cos_cache(self) -> torch.Tensor:
+        """``cos`` of every angle, [max_position, rotary_dim/2] (a view of the table)."""
+        return self.cos_sin_cache[:, : self.rotary_dim // 2]
+
+    @property
+    def sin_cache(self) -> torch.Tensor:
+        """``sin`` of every angle, [max_position, rotary_dim/2] (a view of the table)."""
+        return self.cos_sin_cache[:, self.rotary_dim // 2 :]
     # --8<-- [end:rope_cache]
 
     # --8<-- [start:rope_apply]
@@ -87,8 +101,13 @@ class RotaryEmbedding(nn.Module):
 
         ``q`` and ``k`` may be [T, H*head_dim] or [T, H, head_dim] (with different H for q and
         k under grouped-query attention); the results have the input shapes. Positions must be
-        below ``max_position``.
+        below ``max_position``. On CUDA in float16/bfloat16 one FlashInfer kernel rotates both
+        IN PLACE and returns ``q`` and ``k`` themselves; elsewhere the inputs are left alone.
+        Either way, use the returned tensors.
         """
+        if fused.can_rope(positions, q, k, self.cos_sin_cache, self.head_dim):
+            fused.rope_inplace(positions, q, k, self.cos_sin_cache, self.head_dim)
+            return q, k
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim/2], shared by heads
         sin = self.sin_cache[positions].unsqueeze(1)
         q_rot = self._rotate(q.view(q.shape[0], -1, self.head_dim), cos, sin)

@@ -8,6 +8,10 @@ of a thousand prompts therefore needs no more memory than the pool it was given.
 
 Chapters 13 to 15 put the same scheduler behind a server, in a process of its own; this class is
 what a script, a notebook or a test uses.
+
+From chapter 12 on the scheduler is the :class:`~minisgl.scheduler.overlap.OverlapScheduler`,
+so the host plans each step while the device runs the one before; ``LLM(path, overlap=False)``
+runs chapter 9's synchronous loop instead, for comparison.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from tqdm import tqdm
 
 from minisgl.core import Req, SamplingParams
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.overlap import OverlapScheduler
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import get_logger
 
@@ -44,7 +48,8 @@ class LLM:
         dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16`` or
             ``float16``.
         **engine_options: any other field of :class:`~minisgl.scheduler.config.SchedulerConfig`
-            (``page_size``, ``num_pages``, ``max_running_reqs``, ``max_prefill_tokens``, ...).
+            (``page_size``, ``num_pages``, ``max_running_reqs``, ``max_prefill_tokens``,
+            ``prefix_cache``, ``overlap``, ...).
 
     Attributes:
         scheduler: the scheduler the requests run on (and through it, ``scheduler.engine``).
@@ -56,8 +61,8 @@ class LLM:
                  **engine_options: Any) -> None:
         _check_engine_options(engine_options)
         path = resolve_model_path(model)
-        self.scheduler = Scheduler(SchedulerConfig(path, device=device, dtype=dtype,
-                                                   **engine_options))
+        self.scheduler = OverlapScheduler(SchedulerConfig(path, device=device, dtype=dtype,
+                                                          **engine_options))
         self.tokenizer = _load_tokenizer(path)
         self._next_uid = 0  # uids stay unique across generate() calls
     # --8<-- [end:llm_init]
@@ -105,7 +110,10 @@ class LLM:
                       disable=not show_progress) as bar:
                 while pending:
                     result = self.scheduler.step()
-                    assert not result.idle, "requests pending, yet the scheduler had no work"
+                    # An overlapped step may launch nothing and only read the last batch's
+                    # tokens: idle, yet some requests finished.
+                    assert not result.idle or result.finished, \
+                        "requests pending, yet the scheduler had no work"
                     for req in result.finished:
                         pending.discard(req.uid)
                     bar.update(len(result.finished))

@@ -11,12 +11,16 @@ One request travels through four processes; each arrow is a ZMQ push/pull queue
 Modules are named for the process that *receives* their messages: ``tokenizer`` (the tokenizer
 and detokenizer workers), ``backend`` (the scheduler), ``frontend`` (the API server). ``utils``
 holds the one serializer they all share (:func:`dumps`, :func:`loads`).
+
+A request that a worker cannot serve ends with a :class:`RequestError` (chapter 16), carried by
+its last message: an :class:`AbortRequest` between the workers, a :class:`UserReply` to the API
+server.
 """
 
 from __future__ import annotations
 
 from minisgl.message.backend import BackendMessage, UserRequest
-from minisgl.message.frontend import FrontendMessage, TokenUsage, UserReply
+from minisgl.message.frontend import FrontendMessage, RequestError, TokenUsage, UserReply
 from minisgl.message.tokenizer import (
     AbortRequest,
     DetokenizeRequest,
@@ -40,6 +44,7 @@ __all__ = [
     "DetokenizerMessage",
     "FrontendMessage",
     "Message",
+    "RequestError",
     "SerializationError",
     "TokenUsage",
     "TokenizeRequest",

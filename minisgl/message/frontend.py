@@ -3,12 +3,16 @@
 The detokenizer sends one :class:`UserReply` per generated token. The API server finds the
 waiting HTTP request by ``uid`` and either streams ``delta`` to the client at once or appends
 it to the full answer.
+
+Chapter 16: a request can also end in an error (a prompt too long for the context, a worker
+that failed while serving it). Its last reply then carries a :class:`RequestError`: what the
+client is told, and with which HTTP status.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Literal
 
 from minisgl.message.utils import Message, register_wire_type
 
@@ -39,6 +43,35 @@ class TokenUsage:
         return self.prompt_tokens + self.completion_tokens
 
 
+# --8<-- [start:request_error]
+@register_wire_type
+@dataclass(frozen=True)
+class RequestError:
+    """Why a request failed, as the client will be told (chapter 16).
+
+    A worker that cannot serve a request does not drop it: it sends this along the request's
+    normal path, as its last message, so that every process on the way forgets the request
+    and the API server answers the client. The fields are OpenAI's error object, plus the
+    HTTP status to answer with.
+
+    Attributes:
+        message: what went wrong, for a person.
+        status: the HTTP status: 400 for a request that can never be served (its prompt is
+            too long), 500 for a failure of the server's own, 503 while it cannot serve.
+        kind: OpenAI's error ``type`` (``"invalid_request_error"``, ``"server_error"`` ...).
+        param: the request field at fault, if one is.
+        code: a machine-readable code, e.g. ``"context_length_exceeded"``.
+    """
+
+    message: str
+    status: int = 400
+    kind: str = "invalid_request_error"
+    param: str | None = None
+    code: str | None = None
+# --8<-- [end:request_error]
+
+
+# --8<-- [start:user_reply]
 @dataclass(frozen=True)
 class UserReply(FrontendMessage):
     """New text for request ``uid``: detokenizer -> API server, one per generated token.
@@ -49,17 +82,26 @@ class UserReply(FrontendMessage):
             the middle of a multi-byte character (the detokenizer holds it back until the
             character is complete).
         finish_reason: None while the request runs; why it ended on its last reply
-            (``"stop"``, ``"length"``).
+            (``"stop"``, ``"length"``; chapter 16: ``"error"``).
         usage: the request's token counts, on the last reply only.
+        error: chapter 16: why the request failed, on the last reply of a request that ended
+            in an error (``finish_reason`` is then ``"error"``).
     """
 
     uid: int
     delta: str = ""
-    finish_reason: FinishReason | None = None
+    finish_reason: FinishReason | Literal["error"] | None = None
     usage: TokenUsage | None = None
+    error: RequestError | None = None
 
     @property
     def finished(self) -> bool:
         """Whether this is the request's last reply."""
         return self.finish_reason is not None
+
+    @classmethod
+    def failure(cls, uid: int, error: RequestError) -> UserReply:
+        """The last reply of request ``uid``, which ended in ``error``."""
+        return cls(uid, finish_reason="error", error=error)
+# --8<-- [end:user_reply]
 # --8<-- [end:message_types_frontend]

@@ -7,6 +7,8 @@ Two workers sit between the API server and the scheduler, one on each side of it
   scheduler;
 - the **detokenizer** receives one :class:`DetokenizeRequest` per generated token from the
   scheduler and sends :class:`~minisgl.message.frontend.UserReply` (new text) to the API server.
+  From chapter 14 the scheduler also passes it every :class:`AbortRequest` it acted on, as the
+  last word on that request, so that the detokenizer can forget it.
 
 Each has its family, so each queue accepts exactly what its process handles.
 """
@@ -18,7 +20,7 @@ from typing import TYPE_CHECKING, Any
 
 from minisgl.core import SamplingParams
 from minisgl.message.backend import BackendMessage
-from minisgl.message.frontend import TokenUsage
+from minisgl.message.frontend import RequestError, TokenUsage
 from minisgl.message.utils import TYPE_KEY, Message
 
 if TYPE_CHECKING:
@@ -69,15 +71,28 @@ class TokenizeRequest(TokenizerMessage):
 
 
 @dataclass(frozen=True)
-class AbortRequest(TokenizerMessage, BackendMessage):
+class AbortRequest(TokenizerMessage, BackendMessage, DetokenizerMessage):
     """Drop request ``uid``: API server -> tokenizer -> scheduler, forwarded unchanged.
 
     The API server sends it when a client goes away. Going through the tokenizer keeps it in
     order behind the request it cancels: sent straight to the scheduler, it could overtake a
     request still being tokenized, find nothing to cancel, and the request would run anyway.
+
+    Chapter 14: the detokenizer also sends one to the scheduler when a stop string ends a
+    request's text, and the scheduler passes on each abort that dropped a request to the
+    detokenizer, after that request's last token: nothing more will come for that uid.
+
+    Chapter 16: a worker that cannot serve a request (the tokenizer: the chat template fails;
+    the scheduler: the prompt is longer than the context, or a step failed) sends an abort
+    that carries the ``error``. It travels the rest of the way like any abort, the scheduler
+    passes it on to the detokenizer even when it had nothing to drop, and the detokenizer
+    turns it into the request's last reply, so the client hears why.
     """
 
     uid: int
+    # --8<-- [start:abort_error]
+    error: RequestError | None = None  # chapter 16: why a worker dropped the request
+    # --8<-- [end:abort_error]
 
 
 @dataclass(frozen=True)
@@ -90,12 +105,22 @@ class DetokenizeRequest(DetokenizerMessage):
         finish_reason: None while the request runs; on its last token, why it ended
             (``"stop"``: end of sequence or a stop token; ``"length"``: ``max_tokens``).
         usage: the request's token counts, on its last token only.
+        stop: chapter 14: the request's stop strings, on its first token only (the
+            detokenizer applies them; the scheduler works on tokens).
+        prompt_tokens: chapter 14: the prompt's length, on its first token only, for the
+            usage of a request that a stop string ends (the scheduler's usage never comes).
     """
 
     uid: int
     next_token: int
     finish_reason: FinishReason | None = None
     usage: TokenUsage | None = None
+    # --8<-- [start:first_token_fields]
+    # Chapter 14. Set on a request's first token only: a field at its default is not sent, so
+    # every later token costs exactly what it did.
+    stop: tuple[str, ...] = ()
+    prompt_tokens: int = 0
+    # --8<-- [end:first_token_fields]
 
     @property
     def finished(self) -> bool:

@@ -6,7 +6,9 @@ builds its engine from it) with a few more fields:
 - ``max_prefill_tokens``: the per-step token budget of a prefill batch;
 - ``prefix_cache``: which prefix cache keeps KV pages after their request finishes;
 - ``chunked_prefill`` (chapter 10): make the token budget a hard limit by cutting long prompts
-  into chunks computed over several steps.
+  into chunks computed over several steps;
+- ``overlap`` (chapter 12): let the host plan the next step while the device runs this one
+  (read by :class:`~minisgl.scheduler.overlap.OverlapScheduler`).
 
 The engine's ``max_running_reqs`` (rows of the page table) is also the scheduler's limit on
 requests running at once: a request needs a row to hold pages.
@@ -18,6 +20,7 @@ from dataclasses import dataclass
 from numbers import Integral
 
 from minisgl.engine.config import EngineConfig
+from minisgl.env import read_env
 from minisgl.scheduler.cache import PREFIX_CACHES
 
 # Upstream mini-sglang's default per-step token budget. A prefill of this many tokens keeps a
@@ -49,6 +52,13 @@ class SchedulerConfig(EngineConfig):
     # scheduler/chunking.py). Off by default, so that a step is chapter 9's unless asked.
     chunked_prefill: bool = False
     # --8<-- [end:chunked_prefill_config]
+    # --8<-- [start:overlap_config]
+    # Chapter 12. Whether OverlapScheduler overlaps the host's work for the next step with the
+    # device's for this one; chapter 9's Scheduler has no other way to run and ignores it.
+    # None (the default) means on, unless MINISGL_DISABLE_OVERLAP is set; the config then
+    # holds the resolved True or False.
+    overlap: bool | None = None
+    # --8<-- [end:overlap_config]
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the engine's fields first
@@ -60,6 +70,11 @@ class SchedulerConfig(EngineConfig):
         if not isinstance(self.chunked_prefill, bool):
             raise TypeError(f"chunked_prefill must be True or False, "
                             f"got {self.chunked_prefill!r}")
+        if self.overlap is None:  # the environment is read once, here, at the edge
+            object.__setattr__(self, "overlap", not read_env().disable_overlap)
+        if not isinstance(self.overlap, bool):
+            raise TypeError(f"overlap must be True, False or None (on unless "
+                            f"MINISGL_DISABLE_OVERLAP is set), got {self.overlap!r}")
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"prefix_cache must be one of {', '.join(PREFIX_CACHES)}; "
                              f"got {self.prefix_cache!r}")

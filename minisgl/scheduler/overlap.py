@@ -34,10 +34,16 @@ The classic subtlety is a request that finishes in step N while it is already in
 Either way a request keeps its pages for at most one step longer than without overlap, and the
 tokens are the same: each request's tokens depend only on its own earlier tokens.
 
-The switch: ``OverlapScheduler(config, overlap=False)`` runs chapter 9's synchronous step, for
-ablation. Left at None, overlap is on unless the environment variable
-``MINISGL_DISABLE_OVERLAP`` is set. It is on for CPU as well: nothing runs asynchronously there,
-but the same code path runs, results one step late, so the CPU tests exercise it.
+The switch is the config's ``overlap`` field: ``SchedulerConfig(..., overlap=False)`` runs
+chapter 9's synchronous step, for ablation (``LLM(path, overlap=False)`` passes it through).
+Left at None, overlap is on unless the environment variable ``MINISGL_DISABLE_OVERLAP`` is set.
+It is on for CPU as well: nothing runs asynchronously there, but the same code path runs,
+results one step late, so the CPU tests exercise it.
+
+Overlap only pays if the host never waits for the device while it plans: one copy to the device
+that waits for the queue to drain (``torch.tensor(..., device="cuda")`` does) and the host is
+back to taking turns with the device. So every copy on this path is issued without waiting
+(``non_blocking=True``), and the tokens come back through a pinned buffer and an event.
 """
 
 from __future__ import annotations
@@ -47,7 +53,6 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Batch, Req
-from minisgl.env import read_env
 from minisgl.scheduler.chunking import cut_reqs, unsampled
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
@@ -69,7 +74,8 @@ class InFlight:
         batch: the batch.
         tokens: its ``[B]`` sampled token ids on the device (input ids of the next batch are
             gathered from it).
-        host_tokens: the same ids being copied to the host (a pinned buffer on CUDA).
+        host_tokens: the same ids being copied to the host (on CUDA, a view of one of the
+            scheduler's two pinned buffers).
         ready: on CUDA, an event recorded after that copy; None on a CPU.
         slots: for each request of the batch, the index in ``output_ids`` of its placeholder,
             or None when it sampled nothing real (a chunk of a prompt that goes on).
@@ -93,9 +99,14 @@ class OverlapScheduler(Scheduler):
     """A :class:`Scheduler` whose host work for one step overlaps the device's previous step.
 
     Args:
-        config: as for :class:`Scheduler`.
-        overlap: True to overlap, False for chapter 9's synchronous step; None (the default):
-            on unless ``MINISGL_DISABLE_OVERLAP`` is set.
+        config: as for :class:`Scheduler`; its ``overlap`` field switches overlap on (True,
+            the default unless ``MINISGL_DISABLE_OVERLAP`` is set) or off (False: chapter 9's
+            synchronous step).
+
+    Attributes:
+        overlap: whether :meth:`step` overlaps (the config's value). It may be switched between
+            two runs, while nothing is waiting, running or in flight (``has_work`` False): a
+            benchmark compares both on one engine that way.
 
     With overlap on, the :class:`StepResult` of a step describes the batch it *launched*, and
     its ``finished`` lists the requests that finished in the batch before it (whose tokens
@@ -104,15 +115,23 @@ class OverlapScheduler(Scheduler):
     """
 
     # --8<-- [start:overlap_init]
-    def __init__(self, config: SchedulerConfig, overlap: bool | None = None) -> None:
-        if overlap is not None and not isinstance(overlap, bool):
-            raise TypeError(f"overlap must be True, False or None, got {overlap!r}")
+    def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
-        self.overlap = (not read_env().disable_overlap) if overlap is None else overlap
+        assert isinstance(config.overlap, bool), "SchedulerConfig resolves overlap"
+        self.overlap = config.overlap
         self._in_flight: InFlight | None = None
         # Out of the running set, still holding pages: they finish (or have finished) in a
         # batch whose tokens are not processed yet. uid -> request.
         self._retiring: dict[int, Req] = {}
+        # CUDA: where the sampled ids land on the host, allocated once (pinned memory is slow
+        # to allocate). Two, used in turn: the batch launched now copies into one while the
+        # host reads the other's. A batch never holds more requests than the table has rows.
+        self._host_buffers: list[tuple[torch.Tensor, torch.cuda.Event]] = []
+        if self.engine.device.type == "cuda":
+            self._host_buffers = [
+                (torch.empty(config.max_running_reqs, dtype=torch.int64, pin_memory=True),
+                 torch.cuda.Event()) for _ in range(2)]
+        self._launches = 0
     # --8<-- [end:overlap_init]
 
     # ------------------------------------------------------------------ bookkeeping
@@ -191,13 +210,7 @@ class OverlapScheduler(Scheduler):
             tokens = engine.sample(batch, logits)
         for req, computed in zip(batch.reqs, batch.new_lens):
             req.cached_len += computed
-        if tokens.device.type == "cuda":
-            host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-            host.copy_(tokens, non_blocking=True)
-            ready: torch.cuda.Event | None = torch.cuda.Event()
-            ready.record()
-        else:
-            host, ready = tokens, None
+        host, ready = self._copy_to_host(tokens)
         slots: list[int | None] = []
         for req in batch.reqs:
             if req.new_len > 0:  # only a chunk of its prompt ran (chapter 10): no real sample
@@ -214,6 +227,24 @@ class OverlapScheduler(Scheduler):
                 self.decode.add([req])
         return InFlight(batch, tokens, host, ready, slots)
     # --8<-- [end:launch]
+
+    # --8<-- [start:copy_to_host]
+    def _copy_to_host(self, tokens: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Start copying ``tokens`` to the host; the host view and the event that says it is
+        there (on a CPU: the tokens themselves and None)."""
+        if tokens.device.type != "cuda":
+            return tokens, None
+        # Buffer k % 2 was last used two launches ago; that batch's tokens were read in the
+        # step that launched the batch after it, so the buffer is free again. Pinned
+        # (page-locked) memory is what lets the copy run without the host waiting for it.
+        buffer, ready = self._host_buffers[self._launches % 2]
+        self._launches += 1
+        host = buffer[: tokens.shape[0]]
+        host.copy_(tokens, non_blocking=True)
+        ready.record()
+        return host, ready
+    # --8<-- [end:copy_to_host]
 
     # --8<-- [start:fill_pending]
     def _fill_pending_inputs(self, batch: Batch, input_ids: torch.Tensor,
@@ -236,9 +267,10 @@ class OverlapScheduler(Scheduler):
                 src.append(source[id(req)])
             offset += n
         if dst:
-            device = input_ids.device
-            input_ids[torch.tensor(dst, device=device)] = previous.tokens[
-                torch.tensor(src, device=device)]
+            # Both index lists in one copy the host does not wait for.
+            index = torch.tensor([dst, src], dtype=torch.int64).to(input_ids.device,
+                                                                   non_blocking=True)
+            input_ids[index[0]] = previous.tokens[index[1]]
     # --8<-- [end:fill_pending]
 
     # --8<-- [start:process]

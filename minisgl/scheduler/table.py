@@ -11,9 +11,13 @@ can be anywhere in the pool and in any order; only the row remembers their seque
 indirection is the whole trick of paged attention, and :func:`slots_of` is the one line that
 resolves it.
 
-The table lives on the same device as the pool, because attention kernels read it there. The
-counts of how many pages each row holds live on the host: the scheduler decides allocations
-there, and checking a range against them costs no device synchronisation.
+The table lives on the same device as the pool, because attention kernels read it there. A copy
+of every row lives on the host as well: the scheduler grows, checks and frees rows there, every
+step, and must never wait for the device to do it. Pages appended to rows reach the device table
+together, in one copy, the next time the table is read (once per forward pass), and a batch's
+slots are computed on the device from a few numbers per request, never from a list per token.
+On a GPU that keeps the host's share of a step small and free of synchronisation, which is what
+lets chapter 12 overlap it with the device's work.
 """
 
 from __future__ import annotations
@@ -47,6 +51,27 @@ def slots_of(page_ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
 # --8<-- [end:token_slots]
 
 
+# --8<-- [start:expand_ranges]
+def expand_ranges(starts: torch.Tensor, counts: torch.Tensor,
+                  total: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every integer of the ranges ``starts[i] .. starts[i] + counts[i] - 1``, concatenated,
+    and for each the index ``i`` of its range.
+
+    A fixed handful of tensor operations, on the device ``starts`` and ``counts`` live on, for
+    any number of ranges: the host sends two numbers per request, not one per token. ``total``
+    (``counts.sum()``, which the host knows) fixes the output's size up front, so the device
+    never has to report it back.
+
+    >>> expand_ranges(torch.tensor([5, 0]), torch.tensor([3, 2]), total=5)
+    (tensor([5, 6, 7, 0, 1]), tensor([0, 0, 0, 1, 1]))
+    """
+    owner = torch.repeat_interleave(counts, output_size=total)  # i, counts[i] times
+    first = torch.cumsum(counts, 0) - counts  # where each range begins in the output
+    values = torch.arange(total, device=counts.device) - first[owner] + starts[owner]
+    return values, owner
+# --8<-- [end:expand_ranges]
+
+
 class PageTable:
     """Rows of page ids, one row per running request, with the rows handed out like pages.
 
@@ -64,12 +89,42 @@ class PageTable:
         _check_positive(max_reqs=max_reqs, max_pages_per_req=max_pages_per_req,
                         page_size=page_size)
         self.page_size = page_size
+        self._shape = (max_reqs, max_pages_per_req)  # plain ints: read for every request
         # int32 is what paged attention kernels take for page ids, and half the size of int64.
-        self.page_ids = torch.full((max_reqs, max_pages_per_req), NO_PAGE, dtype=torch.int32,
-                                   device=device)
-        self._num_pages = [0] * max_reqs  # pages held by each row, on the host
+        self._page_ids = torch.full((max_reqs, max_pages_per_req), NO_PAGE, dtype=torch.int32,
+                                    device=device)
+        self._rows: list[list[int]] = [[] for _ in range(max_reqs)]  # the same pages, on the host
+        # (row, first entry, page ids) appended since the device table was last written.
+        self._unwritten: list[tuple[int, int, list[int]]] = []
         self._in_use = [False] * max_reqs
         self._free_rows = list(range(max_reqs - 1, -1, -1))  # a stack; row 0 is handed out first
+
+    @property
+    def page_ids(self) -> torch.Tensor:
+        """The ``[max_reqs, max_pages_per_req]`` device table, every appended page written in."""
+        if self._unwritten:
+            self._write_appended()
+        return self._page_ids
+
+    def _write_appended(self) -> None:
+        """Write every page appended since the last call into the device table, all at once.
+
+        One host tensor of (entry, page id) pairs, one copy that the host does not wait for,
+        one scatter: on a GPU, a row written as it grows would cost a copy, and a wait, per
+        request per step. Entries are never written twice between two calls (rows only grow,
+        and ``free_row`` writes first), so the scatter has no conflicting duplicates.
+        """
+        width = self.max_pages_per_req
+        entries: list[int] = []
+        pages: list[int] = []
+        for row, first, ids in self._unwritten:
+            start = row * width + first
+            entries.extend(range(start, start + len(ids)))
+            pages.extend(ids)
+        self._unwritten.clear()
+        packed = torch.tensor([entries, pages], dtype=torch.int64).to(self.device,
+                                                                       non_blocking=True)
+        self._page_ids.view(-1)[packed[0]] = packed[1].to(torch.int32)
 
     def alloc_row(self) -> int:
         """Give a new request an empty row; returns its index (the request's ``table_idx``)."""
@@ -87,9 +142,9 @@ class PageTable:
         cache that keeps them) is the caller's decision.
         """
         self._check_row(row)
-        pages = self.row_pages(row).tolist()
-        self.page_ids[row].fill_(NO_PAGE)
-        self._num_pages[row] = 0
+        pages, self._rows[row] = self._rows[row], []
+        if pages:  # read from the host copy: the device is never waited for
+            self.page_ids[row, : len(pages)].fill_(NO_PAGE)
         self._in_use[row] = False
         self._free_rows.append(row)
         return pages
@@ -97,20 +152,20 @@ class PageTable:
 
     @property
     def max_reqs(self) -> int:
-        return self.page_ids.shape[0]
+        return self._shape[0]
 
     @property
     def max_pages_per_req(self) -> int:
-        return self.page_ids.shape[1]
+        return self._shape[1]
 
     @property
     def max_tokens_per_req(self) -> int:
         """The longest sequence a row can map."""
-        return self.max_pages_per_req * self.page_size
+        return self._shape[1] * self.page_size
 
     @property
     def device(self) -> torch.device:
-        return self.page_ids.device
+        return self._page_ids.device
 
     @property
     def num_free_rows(self) -> int:
@@ -119,14 +174,14 @@ class PageTable:
     def num_pages(self, row: int) -> int:
         """Pages ``row`` holds."""
         self._check_row(row)
-        return self._num_pages[row]
+        return len(self._rows[row])
 
     def capacity(self, row: int) -> int:
         """Tokens ``row`` can map with the pages it holds (the last page may be part empty)."""
         return self.num_pages(row) * self.page_size
 
     def row_pages(self, row: int) -> torch.Tensor:
-        """The page ids ``row`` holds, in token order (a view into the table)."""
+        """The page ids ``row`` holds, in token order (a view into the device table)."""
         return self.page_ids[row, : self.num_pages(row)]
 
     # --8<-- [start:grow_row]
@@ -152,8 +207,9 @@ class PageTable:
                              f"{self.max_pages_per_req} entries")
         if any(p < 0 for p in ids):
             raise ValueError(f"page ids must be non-negative, got {ids}")
-        self.page_ids[row, held : held + len(ids)] = torch.tensor(ids, dtype=torch.int32)
-        self._num_pages[row] = held + len(ids)
+        if ids:  # the host copy now; the device table at its next read (see page_ids)
+            self._rows[row].extend(ids)
+            self._unwritten.append((row, held, ids))
     # --8<-- [end:grow_row]
 
     # --8<-- [start:batch_token_slots]
@@ -178,18 +234,17 @@ class PageTable:
                                  f"tokens 0..{self.capacity(row)} ({self.num_pages(row)} pages)")
         if not rows:
             return torch.empty(0, dtype=torch.int64, device=self.device)
-        # The (row, position) of every token, built on the host one request at a time (a
-        # batch has far fewer requests than tokens), then sent to the table's device at once.
-        token_rows = torch.cat([torch.full((end - start,), row, dtype=torch.int64)
-                                for row, start, end in zip(rows, starts, ends)])
-        positions = torch.cat([torch.arange(start, end, dtype=torch.int64)
-                               for start, end in zip(starts, ends)])
-        return slots_of(self.page_ids, token_rows.to(self.device), positions.to(self.device),
-                        self.page_size)
+        # Three numbers per request cross to the device in one copy; the (row, position) of
+        # every token is expanded there.
+        counts = [end - start for start, end in zip(starts, ends)]
+        spans = torch.tensor([list(rows), list(starts), counts], dtype=torch.int64)
+        spans = spans.to(self.device, non_blocking=True)
+        positions, owner = expand_ranges(spans[1], spans[2], total=sum(counts))
+        return slots_of(self.page_ids, spans[0][owner], positions, self.page_size)
     # --8<-- [end:batch_token_slots]
 
     def _check_row(self, row: int) -> None:
-        if not 0 <= row < self.max_reqs or not self._in_use[row]:
+        if not 0 <= row < self._shape[0] or not self._in_use[row]:
             raise ValueError(f"row {row} is not a row in use (rows are 0..{self.max_reqs - 1}, "
                              "handed out by alloc_row)")
 

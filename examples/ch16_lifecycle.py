@@ -1,0 +1,211 @@
+"""Chapter 16: requests that do not go well, and what the server holds before and after each.
+
+The script starts ``python -m minisgl`` on a free port with the chapter's limits set low (a
+slow reader is one that leaves 64 replies unread, or stays 2 s behind), then misbehaves as a
+client would: it leaves in the middle of a stream, gives up on a whole answer, sends a prompt
+longer than the context, reads a stream too slowly, and last stops the server with SIGTERM
+while three streams are running. After each, ``/metrics`` shows the state every process holds
+for requests: it must be back to zero.
+
+    python examples/ch16_lifecycle.py [--model models/tiny-qwen3] [--device auto|cpu|cuda]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import select
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+from minisgl.utils.torch_utils import resolve_device
+
+# The state gauges /metrics shows, and a short name for each.
+GAUGES = {"minisgl_frontend_live_requests": "frontend", "minisgl_frontend_buffered_replies":
+          "buffered", "minisgl_detokenizer_live_states": "detokenizer",
+          "minisgl_running_requests": "running", "minisgl_waiting_requests": "waiting",
+          "minisgl_kv_pages_in_use": "KV pages"}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def metrics(url: str) -> dict[str, int]:
+    text = httpx.get(f"{url}/metrics", timeout=10).text
+    return {line.split()[0]: int(line.split()[1]) for line in text.splitlines()
+            if line and not line.startswith("#")}
+
+
+def state(url: str) -> str:
+    """The state gauges, once they have settled at zero (an abort takes a step to land)."""
+    for _ in range(200):
+        m = metrics(url)
+        if not any(m[name] for name in GAUGES):
+            break
+        time.sleep(0.05)
+    return ", ".join(f"{short} {m[name]}" for name, short in GAUGES.items())
+
+
+def wait_until_up(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 300) -> None:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            sys.exit(f"the server exited with code {proc.returncode}:\n{log.read_text()[-2000:]}")
+        try:
+            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    sys.exit(f"the server did not come up within {timeout_s:.0f} s; see {log}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/tiny-qwen3")
+    parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    args = parser.parse_args()
+    if not Path(args.model, "config.json").is_file():
+        sys.exit(f"{args.model} is not a checkpoint directory; build the tiny model first:\n"
+                 "    python tools/make_tiny_model.py")
+    device = resolve_device(args.device).type
+    print("Chapter 16: when things go wrong: the request lifecycle")
+    print(f"model: {args.model}; device: {device}")
+
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = Path(tempfile.mkdtemp(prefix="minisgl-ch16-")) / "server.log"
+    command = [sys.executable, "-m", "minisgl", "--model", args.model, "--port", str(port),
+               "--device", device, "--reply-buffer-size", "64", "--slow-reader-timeout", "2",
+               "--shutdown-timeout", "1"]
+    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
+    with log.open("w") as log_file:
+        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_file, env=env,
+                                  start_new_session=True)
+    try:
+        wait_until_up(server, url, log)
+        print(f"\nidle:                 {state(url)}")
+        leave_a_stream(url)
+        give_up_on_a_whole_answer(url)
+        too_long(url)
+        slow_reader(url, port)
+        stop_while_busy(server, url)
+    finally:
+        if server.poll() is None:
+            server.kill()
+            server.wait()
+
+
+def leave_a_stream(url: str) -> None:
+    with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+            "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True,
+            "stream": True}) as response:
+        for i, _ in enumerate(response.iter_lines()):
+            if i == 10:
+                m = metrics(url)  # a request holds state in every process while it runs
+                held = [short for name, short in GAUGES.items()
+                        if m[name] and name != "minisgl_frontend_buffered_replies"]
+                print("\n1. a client leaves in the middle of a 2000-token stream")
+                print(f"   while it streams, held by: {', '.join(held)}")
+                break
+    print(f"   after it left:      {state(url)}")
+
+
+def give_up_on_a_whole_answer(url: str) -> None:
+    print("\n2. a client gives up after 0.5 s on a whole (not streamed) answer")
+    try:
+        httpx.post(f"{url}/v1/completions", timeout=httpx.Timeout(10, read=0.5), json={
+            "prompt": "Tell me everything.", "max_tokens": 2000, "ignore_eos": True})
+    except httpx.ReadTimeout:
+        pass
+    m = metrics(url)
+    print(f"   after it left:      {state(url)}")
+    print(f"   requests aborted so far: {m['minisgl_frontend_aborted_total']}")
+
+
+def too_long(url: str) -> None:
+    print("\n3. a prompt of 5000 tokens, for a model with a context of 4096")
+    for stream in (False, True):
+        response = httpx.post(f"{url}/v1/completions", timeout=60, json={
+            "prompt": [5] * 5000, "max_tokens": 16, "stream": stream})
+        print(f"   stream={stream!s:<5}  HTTP {response.status_code}")
+    error = response.json()["error"]
+    print(f"   message: {error['message']}")
+    print(f"   type {error['type']}, param {error['param']}, code {error['code']}")
+    print(f"   after:              {state(url)}")
+
+
+def slow_reader(url: str, port: int) -> None:
+    print("\n4. a client on a slow link that stops reading a 3000-token stream")
+    sock = socket.socket()
+    # A small receive window and small segments: the server's buffers fill in seconds.
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_MAXSEG, 536)
+    sock.connect(("127.0.0.1", port))
+    body = json.dumps({"prompt": "Tell me a very long story", "max_tokens": 3000,
+                       "ignore_eos": True, "stream": True}).encode()
+    sock.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: localhost\r\nContent-Type: "
+                 b"application/json\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    most = 0
+    while not metrics(url)["minisgl_frontend_slow_readers_total"]:
+        most = max(most, metrics(url)["minisgl_frontend_buffered_replies"])
+        time.sleep(0.1)
+    data = b""
+    while b"data: [DONE]" not in data and select.select([sock], [], [], 10)[0]:
+        data += sock.recv(1 << 16)
+    sock.close()
+    events = [line.strip() for line in data.split(b"\n") if line.startswith(b"data: ")]
+    error = json.loads(events[-2][len(b"data: "):])["error"]
+    m = metrics(url)
+    print(f"   never more than 64 replies held for it: {most <= 64}")
+    print(f"   its stream ends with an error event ({error['type']}, code {error['code']}) "
+          f"and {events[-1].decode()}")
+    print(f"   after:              {state(url)}")
+    print(f"   slow readers cut off so far: {m['minisgl_frontend_slow_readers_total']}")
+
+
+def stop_while_busy(server: subprocess.Popen, url: str) -> None:
+    print("\n5. SIGTERM while three 3000-token streams run (--shutdown-timeout 1)")
+    family = psutil.Process(server.pid).children(recursive=True)
+    ends: dict[int, str] = {}
+
+    def read(i: int) -> None:
+        with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                "prompt": f"Story {i}", "max_tokens": 3000, "ignore_eos": True,
+                "stream": True}) as response:
+            lines = [line for line in response.iter_lines() if line]
+        ends[i] = json.loads(lines[-2][len("data: "):]).get("error", {}).get("code", "-")
+        ends[i] += " then " + lines[-1]
+
+    threads = [threading.Thread(target=read, args=(i,)) for i in range(3)]
+    for thread in threads:
+        thread.start()
+    while metrics(url)["minisgl_running_requests"] < 3:
+        time.sleep(0.05)
+    start = time.monotonic()
+    server.send_signal(signal.SIGTERM)
+    for thread in threads:
+        thread.join()
+    ended = time.monotonic() - start
+    code = server.wait(60)
+    _, alive = psutil.wait_procs(family, timeout=15)
+    print(f"   each stream ended with: {sorted(set(ends.values()))}")
+    print(f"   within the shutdown timeout and a second: {ended < 2.0}")
+    print(f"   the server exited with code {code}; processes left behind: {len(alive)}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,12 @@
+"""The served engine's front door: the command line, the HTTP API and the launcher.
+
+- ``args``: ``python -m minisgl``'s options (:func:`~minisgl.server.args.build_parser`) and the
+  :class:`~minisgl.server.args.ServerArgs` they become;
+- ``api_server``: the OpenAI-compatible HTTP API (FastAPI) and the
+  :class:`~minisgl.server.api_server.FrontendManager` that sends each request to a tokenizer
+  worker and hands every reply to the request it belongs to;
+- ``launch``: starts the worker processes, waits until each is ready, runs the HTTP server (or
+  the interactive shell, ``minisgl/shell.py``) and stops every worker on the way out.
+
+Nothing is imported here, so ``import minisgl.server.args`` stays cheap.
+"""

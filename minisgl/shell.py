@@ -1,0 +1,230 @@
+"""The interactive chat: ``python -m minisgl --model PATH --shell``.
+
+The shell is a client of the same :class:`~minisgl.server.api_server.FrontendManager` the HTTP
+server uses, without HTTP in between: each line you type becomes a chat request (with the
+conversation so far), and the reply is printed as it streams in. The worker processes are the
+server's, started the same way by the launcher.
+
+Commands: ``/reset`` forgets the conversation, ``/exit`` (or Ctrl-D) leaves, ``/help`` lists
+them. The checkpoint's ``generation_config.json`` decides how to sample, as it does for
+``transformers``' ``generate``: greedy unless it says ``do_sample``.
+
+Chapter 16: Ctrl-C while a reply is being written stops that reply (the request is aborted,
+the conversation keeps what was written) and the shell asks for the next line; Ctrl-C at the
+prompt leaves. A request that fails prints its error instead of a reply.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import signal
+import sys
+import threading
+from collections.abc import Awaitable, Callable
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from minisgl.core import SamplingParams
+from minisgl.server.api_server import APIError, FrontendManager
+from minisgl.utils.logger import get_logger
+
+logger = get_logger(__name__)
+
+PROMPT = ">>> "
+COMMANDS = {"/reset": "forget the conversation so far",
+            "/exit": "leave the shell (Ctrl-D does too)",
+            "/help": "list the commands"}
+
+
+def sampling_params_for(model_dir: str | Path, max_tokens: int) -> SamplingParams:
+    """How the checkpoint's ``generation_config.json`` says to sample; greedy if it does not
+    ask for sampling (``do_sample``) or has no such file."""
+    path = Path(model_dir) / "generation_config.json"
+    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    if not config.get("do_sample", False):
+        return SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    top_k = config.get("top_k") or -1  # transformers' 0 means "no top-k", ours is -1
+    return SamplingParams(temperature=float(config.get("temperature", 1.0)),
+                          top_p=float(config.get("top_p", 1.0)), top_k=int(top_k),
+                          min_p=float(config.get("min_p") or 0.0), max_tokens=max_tokens)
+
+
+# --8<-- [start:shell_loop]
+@dataclass
+class Shell:
+    """A conversation in the terminal, over a :class:`FrontendManager`.
+
+    Args:
+        frontend: sends each turn to the workers and streams the reply back.
+        params: how to sample the replies.
+        out: where replies (and the shell's own messages) are written.
+    """
+
+    frontend: FrontendManager
+    params: SamplingParams
+    out: TextIO = field(default_factory=lambda: sys.stdout)
+    history: list[dict[str, str]] = field(default_factory=list)
+    # Chapter 16: what Ctrl-C interrupts, and whether it did.
+    _reading: asyncio.Future[str] | None = field(default=None, init=False, repr=False)
+    _answering: asyncio.Future[str] | None = field(default=None, init=False, repr=False)
+    _stopping_answer: bool = field(default=False, init=False, repr=False)
+    _leaving: bool = field(default=False, init=False, repr=False)
+
+    async def run(self, read_line: Callable[[str], Awaitable[str]]) -> None:
+        """Read a line, answer it, repeat, until ``/exit`` or the end of input.
+
+        Raises:
+            KeyboardInterrupt: Ctrl-C (:meth:`interrupt`) while waiting for a line.
+        """
+        self._write("Chat with the model. /reset forgets the conversation, /exit leaves.\n")
+        while True:
+            self._reading = asyncio.ensure_future(read_line(PROMPT))
+            try:
+                line = (await self._reading).strip()
+            except EOFError:  # Ctrl-D, or the end of a piped input
+                self._write("\n")
+                return
+            except asyncio.CancelledError:
+                if not self._leaving:
+                    raise
+                self._write("\n")
+                raise KeyboardInterrupt from None
+            finally:
+                self._reading = None
+            if not line:
+                continue
+            if line.startswith("/"):
+                if not self.command(line):
+                    return
+                continue
+            self._answering = asyncio.ensure_future(self.answer(line))
+            try:
+                await self._answering
+            finally:
+                self._answering, self._stopping_answer = None, False
+
+    # --8<-- [start:shell_interrupt]
+    def interrupt(self) -> None:
+        """Ctrl-C (chapter 16): stop the reply being written, or, at the prompt, leave.
+
+        Stopping a reply cancels the task writing it; the generator of its replies is closed
+        on the way out, which aborts the request, so the scheduler stops generating it.
+        """
+        if self._answering is not None and not self._answering.done():
+            self._stopping_answer = True
+            self._answering.cancel()
+        elif self._reading is not None and not self._reading.done():
+            self._leaving = True
+            self._reading.cancel()
+    # --8<-- [end:shell_interrupt]
+
+    def command(self, line: str) -> bool:
+        """Carry out a ``/command``; False means leave."""
+        if line == "/exit":
+            return False
+        if line == "/reset":
+            self.history.clear()
+            self._write("(conversation forgotten)\n")
+        elif line == "/help":
+            self._write("".join(f"  {name:<8}{what}\n" for name, what in COMMANDS.items()))
+        else:
+            self._write(f"unknown command {line!r}; the commands are {', '.join(COMMANDS)}\n")
+        return True
+
+    async def answer(self, text: str) -> str:
+        """Send ``text`` with the conversation so far; print the reply as it comes.
+
+        Chapter 16: a reply stopped by Ctrl-C stays in the conversation as far as it got; a
+        request that fails prints its error and leaves the conversation as it was.
+        """
+        turn = {"role": "user", "content": text}
+        parts: list[str] = []
+        error, stopped = None, False
+        try:
+            uid = await self.frontend.submit(self.params, messages=[*self.history, turn])
+            async with aclosing(self.frontend.replies(uid)) as replies:
+                async for reply in replies:
+                    if reply.error is not None:
+                        error = reply.error.message
+                        break
+                    parts.append(reply.delta)
+                    self._write(reply.delta)
+        except APIError as exc:  # the server cannot serve (a worker died)
+            error = exc.message
+        except asyncio.CancelledError:  # Ctrl-C; closing the replies aborted the request
+            if not self._stopping_answer:
+                raise  # the shell itself is being cancelled
+            stopped = True
+        if error is not None:
+            after_text = "\n" if parts else ""  # the error goes on a line of its own
+            self._write(f"{after_text}[error: {error}]\n")
+            return ""
+        self._write(" [interrupted]\n" if stopped else "\n")
+        reply_text = "".join(parts)
+        self.history += [turn, {"role": "assistant", "content": reply_text}]
+        return reply_text
+    # --8<-- [end:shell_loop]
+
+    def _write(self, text: str) -> None:
+        self.out.write(text)
+        self.out.flush()
+
+
+async def read_stdin_line(prompt: str) -> str:
+    """``input(prompt)`` without blocking the event loop.
+
+    ``input`` runs in a daemon thread: a thread of the default executor could not be
+    interrupted, and would keep the process alive after Ctrl-C until Enter is pressed.
+    """
+    loop = asyncio.get_running_loop()
+    future: asyncio.Future[str] = loop.create_future()
+
+    def read() -> None:
+        try:
+            line = input(prompt)
+        except (EOFError, OSError, ValueError) as exc:  # Ctrl-D above all; a closed or
+            # undecodable stdin too: handed to the loop as they are
+            loop.call_soon_threadsafe(_settle, future, None, exc)
+        else:
+            loop.call_soon_threadsafe(_settle, future, line, None)
+
+    threading.Thread(target=read, name="shell-input", daemon=True).start()
+    return await future
+
+
+def _settle(future: asyncio.Future[str], line: str | None, exc: BaseException | None) -> None:
+    if future.done():  # cancelled meanwhile (Ctrl-C)
+        return
+    if exc is not None:
+        future.set_exception(exc)
+    else:
+        future.set_result(line)  # type: ignore[arg-type]
+
+
+# --8<-- [start:run_shell]
+def run_shell(frontend_factory: Callable[[], FrontendManager], params: SamplingParams,
+              read_line: Callable[[str], Awaitable[str]] = read_stdin_line) -> None:
+    """Run the shell on a new event loop until the user leaves."""
+
+    async def main() -> None:
+        frontend = frontend_factory()  # its async queues belong to this loop
+        frontend.start()
+        shell = Shell(frontend, params)
+        loop = asyncio.get_running_loop()
+        # Chapter 16: Ctrl-C is the shell's to interpret (the workers, in process groups of
+        # their own, do not receive it).
+        handled = threading.current_thread() is threading.main_thread()
+        if handled:
+            loop.add_signal_handler(signal.SIGINT, shell.interrupt)
+        try:
+            await shell.run(read_line)
+        finally:
+            if handled:
+                loop.remove_signal_handler(signal.SIGINT)
+            await frontend.close()
+
+    asyncio.run(main())
+# --8<-- [end:run_shell]

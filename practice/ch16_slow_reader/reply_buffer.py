@@ -1,0 +1,57 @@
+"""One request's undelivered replies, bounded, with the clock of a slow reader.
+
+Write the four methods of :class:`ReplyBuffer` (and its check in ``__post_init__``). See
+README.md for the rules; `python practice/judge.py ch16_slow_reader` checks your work.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import deque
+from dataclasses import dataclass, field
+
+from minisgl.message import UserReply
+
+
+@dataclass
+class ReplyBuffer:
+    """One request's replies that its reader has not taken yet: at most ``capacity``.
+
+    Attributes:
+        capacity: the most replies held.
+        replies: the replies not taken yet, oldest first.
+        event: set while there are replies to take.
+        behind_since: when the oldest reply not taken yet arrived; None when there is none.
+        finished: the request's last reply has arrived (or the server ended the request).
+        failed: the server ended the request with an error (:meth:`fail`).
+    """
+
+    capacity: int
+    replies: deque[UserReply] = field(default_factory=deque)
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    behind_since: float | None = None
+    finished: bool = False
+    failed: bool = False
+
+    def __post_init__(self) -> None:
+        raise NotImplementedError("__post_init__: a capacity that is not an int >= 1 (a bool "
+                                  "is not one) is a ValueError naming the value")
+
+    def push(self, reply: UserReply, now: float) -> bool:
+        """Keep ``reply`` and wake the reader; False (nothing kept) when the buffer is full."""
+        raise NotImplementedError("push: refuse when full; start the clock when the buffer "
+                                  "was empty; note a finished reply; set the event")
+
+    def take(self) -> list[UserReply]:
+        """Every reply not taken yet, oldest first; the reader has caught up."""
+        raise NotImplementedError("take: hand over everything, stop the clock, clear the event")
+
+    def lag(self, now: float) -> float:
+        """Seconds the oldest reply not taken yet has waited (0.0 when there is none)."""
+        raise NotImplementedError("lag: now minus when the oldest reply arrived, or 0.0")
+
+    def fail(self, reply: UserReply, now: float) -> None:
+        """End the request with ``reply`` (an error): drop what is buffered, keep the error
+        alone for the reader, and wake it."""
+        raise NotImplementedError("fail: the error alone in the buffer, failed and finished, "
+                                  "the clock restarted, the event set")

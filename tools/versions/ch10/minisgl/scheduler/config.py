@@ -1,0 +1,65 @@
+"""The scheduler's settings: the engine's, plus the few that decide how batches are formed.
+
+A :class:`SchedulerConfig` *is* an :class:`~minisgl.engine.config.EngineConfig` (the scheduler
+builds its engine from it) with a few more fields:
+
+- ``max_prefill_tokens``: the per-step token budget of a prefill batch;
+- ``prefix_cache``: which prefix cache keeps KV pages after their request finishes;
+- ``chunked_prefill`` (chapter 10): make the token budget a hard limit by cutting long prompts
+  into chunks computed over several steps.
+
+The engine's ``max_running_reqs`` (rows of the page table) is also the scheduler's limit on
+requests running at once: a request needs a row to hold pages.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from numbers import Integral
+
+from minisgl.engine.config import EngineConfig
+from minisgl.scheduler.cache import PREFIX_CACHES
+
+# Upstream mini-sglang's default per-step token budget. A prefill of this many tokens keeps a
+# large GPU busy; more only makes the decoding requests that wait behind it wait longer.
+DEFAULT_MAX_PREFILL_TOKENS = 8192
+
+
+# --8<-- [start:scheduler_config]
+@dataclass(frozen=True)
+class SchedulerConfig(EngineConfig):
+    """Everything :class:`~minisgl.scheduler.scheduler.Scheduler` needs to start.
+
+    Attributes (besides the engine's):
+        max_prefill_tokens: the most prompt tokens one prefill step computes, summed over its
+            requests. Requests join a prefill batch first come, first served, until the next
+            would go over. The first request of a batch is always taken, however long its
+            prompt: unless ``chunked_prefill`` is on, a prompt longer than the budget runs in
+            a batch of its own.
+        prefix_cache: the prefix cache: ``"naive"`` keeps nothing (chapter 9); chapter 11 adds
+            ``"radix"``, which shares common prefixes between requests.
+    """
+
+    max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
+    prefix_cache: str = "naive"
+    # --8<-- [end:scheduler_config]
+    # --8<-- [start:chunked_prefill_config]
+    # Chapter 10. When True, no prefill step computes more than max_prefill_tokens tokens: the
+    # prompt that does not fit is cut, and the rest of it runs in the next prefill steps (see
+    # scheduler/chunking.py). Off by default, so that a step is chapter 9's unless asked.
+    chunked_prefill: bool = False
+    # --8<-- [end:chunked_prefill_config]
+
+    def __post_init__(self) -> None:
+        super().__post_init__()  # the engine's fields first
+        if (isinstance(self.max_prefill_tokens, bool)
+                or not isinstance(self.max_prefill_tokens, Integral)
+                or self.max_prefill_tokens < 1):
+            raise ValueError(f"max_prefill_tokens must be an integer >= 1 (prompt tokens per "
+                             f"prefill step), got {self.max_prefill_tokens!r}")
+        if not isinstance(self.chunked_prefill, bool):
+            raise TypeError(f"chunked_prefill must be True or False, "
+                            f"got {self.chunked_prefill!r}")
+        if self.prefix_cache not in PREFIX_CACHES:
+            raise ValueError(f"prefix_cache must be one of {', '.join(PREFIX_CACHES)}; "
+                             f"got {self.prefix_cache!r}")

@@ -1,0 +1,53 @@
+"""The messages the engine's processes send each other, and their serialization.
+
+One request travels through four processes; each arrow is a ZMQ push/pull queue
+(``minisgl.utils.mp``) carrying one family of messages::
+
+    API server --TokenizeRequest, AbortRequest--> tokenizer
+    tokenizer  --UserRequest, AbortRequest------> scheduler
+    scheduler  --DetokenizeRequest--------------> detokenizer
+    detokenizer --UserReply---------------------> API server
+
+Modules are named for the process that *receives* their messages: ``tokenizer`` (the tokenizer
+and detokenizer workers), ``backend`` (the scheduler), ``frontend`` (the API server). ``utils``
+holds the one serializer they all share (:func:`dumps`, :func:`loads`).
+"""
+
+from __future__ import annotations
+
+from minisgl.message.backend import BackendMessage, UserRequest
+from minisgl.message.frontend import FrontendMessage, TokenUsage, UserReply
+from minisgl.message.tokenizer import (
+    AbortRequest,
+    DetokenizeRequest,
+    DetokenizerMessage,
+    TokenizeRequest,
+    TokenizerMessage,
+)
+from minisgl.message.utils import (
+    Message,
+    SerializationError,
+    dumps,
+    loads,
+    register_wire_type,
+    registered_types,
+)
+
+__all__ = [
+    "AbortRequest",
+    "BackendMessage",
+    "DetokenizeRequest",
+    "DetokenizerMessage",
+    "FrontendMessage",
+    "Message",
+    "SerializationError",
+    "TokenUsage",
+    "TokenizeRequest",
+    "TokenizerMessage",
+    "UserReply",
+    "UserRequest",
+    "dumps",
+    "loads",
+    "register_wire_type",
+    "registered_types",
+]

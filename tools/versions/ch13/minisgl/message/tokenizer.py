@@ -1,0 +1,104 @@
+"""Messages the tokenizer workers receive: text to tokenize, and tokens to turn back into text.
+
+Two workers sit between the API server and the scheduler, one on each side of it:
+
+- the **tokenizer** receives :class:`TokenizeRequest` and :class:`AbortRequest` from the API
+  server and sends :class:`~minisgl.message.backend.UserRequest` (and the same abort) on to the
+  scheduler;
+- the **detokenizer** receives one :class:`DetokenizeRequest` per generated token from the
+  scheduler and sends :class:`~minisgl.message.frontend.UserReply` (new text) to the API server.
+
+Each has its family, so each queue accepts exactly what its process handles.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+from minisgl.core import SamplingParams
+from minisgl.message.backend import BackendMessage
+from minisgl.message.frontend import TokenUsage
+from minisgl.message.utils import TYPE_KEY, Message
+
+if TYPE_CHECKING:
+    from minisgl.core import FinishReason
+
+
+class TokenizerMessage(Message, family=True):
+    """Everything the tokenizer worker receives (from the API server)."""
+
+
+class DetokenizerMessage(Message, family=True):
+    """Everything the detokenizer worker receives (from the scheduler)."""
+
+
+# --8<-- [start:message_types]
+@dataclass(frozen=True)
+class TokenizeRequest(TokenizerMessage):
+    """A new request as the API server received it: API server -> tokenizer.
+
+    Exactly one of ``text``, ``input_ids`` and ``messages`` is set: a completion prompt, a
+    prompt already tokenized by the client, or a chat conversation that the tokenizer renders
+    with the model's chat template.
+
+    Attributes:
+        uid: the request's id, unique while the API server runs.
+        sampling_params: how to sample and when to stop (validated by the API server).
+        text: a completion prompt.
+        input_ids: a completion prompt as token ids.
+        messages: a chat conversation, ``[{"role": "user", "content": "..."}, ...]``.
+    """
+
+    uid: int
+    sampling_params: SamplingParams
+    text: str | None = None
+    input_ids: list[int] | None = None
+    messages: list[dict[str, Any]] | None = None
+
+    def __post_init__(self) -> None:
+        given = [name for name in ("text", "input_ids", "messages")
+                 if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError(f"TokenizeRequest {self.uid} needs exactly one of text, input_ids "
+                             f"and messages; got {given or 'none'}")
+        for message in self.messages or ():
+            if not isinstance(message, dict) or TYPE_KEY in message:
+                raise ValueError(f"TokenizeRequest {self.uid}: each chat message must be a dict "
+                                 f"without the reserved key {TYPE_KEY!r}, got {message!r}")
+
+
+@dataclass(frozen=True)
+class AbortRequest(TokenizerMessage, BackendMessage):
+    """Drop request ``uid``: API server -> tokenizer -> scheduler, forwarded unchanged.
+
+    The API server sends it when a client goes away. Going through the tokenizer keeps it in
+    order behind the request it cancels: sent straight to the scheduler, it could overtake a
+    request still being tokenized, find nothing to cancel, and the request would run anyway.
+    """
+
+    uid: int
+
+
+@dataclass(frozen=True)
+class DetokenizeRequest(DetokenizerMessage):
+    """One generated token of request ``uid``: scheduler -> detokenizer.
+
+    Attributes:
+        uid: the request.
+        next_token: the token id the request just generated.
+        finish_reason: None while the request runs; on its last token, why it ended
+            (``"stop"``: end of sequence or a stop token; ``"length"``: ``max_tokens``).
+        usage: the request's token counts, on its last token only.
+    """
+
+    uid: int
+    next_token: int
+    finish_reason: FinishReason | None = None
+    usage: TokenUsage | None = None
+
+    @property
+    def finished(self) -> bool:
+        """Whether this is the request's last token."""
+        return self.finish_reason is not None
+# --8<-- [end:message_types]

@@ -1,0 +1,240 @@
+"""Turning a stream of tokens back into text, a piece per token: the detokenizer's job.
+
+The scheduler sends one token of a request at a time, and the client wants text as soon as it
+exists. Decoding each token alone is wrong twice over:
+
+- a byte-level tokenizer cuts text into bytes, not characters: "你" is three UTF-8 bytes and
+  may come as two or three tokens, and a token that ends halfway through a character decodes
+  to the replacement character U+FFFD ("�"). Sending that would put a "�" in the client's
+  text that the full decode does not have;
+- some tokenizers (SentencePiece's) decode a token differently alone than after its
+  neighbour (a leading space is dropped at the start of a text).
+
+:class:`DecodeStream` fixes both. It decodes a small window that starts a little *before* the
+new token (so the token is decoded in context), and returns the text beyond what was returned
+already, unless that text ends in "�", in which case it holds it back: the character is not
+complete yet. The pieces it returns, concatenated, are always the full decode of the tokens so
+far, up to the last complete character.
+
+Stop strings (``SamplingParams.stop``) are text, so they are applied here too:
+:class:`StopMatcher` finds the first stop string in the text, and holds back text that could
+be the start of one until the next piece says whether it is.
+
+:class:`DetokenizeManager` keeps one :class:`RequestText` per live request and turns each
+:class:`~minisgl.message.DetokenizeRequest` into the :class:`~minisgl.message.UserReply` the
+API server receives.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.message import (
+    AbortRequest,
+    DetokenizeRequest,
+    DetokenizerMessage,
+    TokenUsage,
+    UserReply,
+)
+
+Decode = Callable[[Sequence[int]], str]  # token ids -> text, e.g. a tokenizer's decode
+
+# What a UTF-8 decoder puts in place of bytes that are not (yet) a whole character.
+REPLACEMENT_CHAR = "\ufffd"
+
+
+# --8<-- [start:decode_stream]
+@dataclass
+class DecodeStream:
+    """The text of one request's tokens, a piece at a time, never a broken character.
+
+    Two offsets into ``token_ids`` do the work:
+
+    - ``read_offset``: the tokens whose text has been returned;
+    - ``prefix_offset``: where the decode window starts, one returned piece back: the tokens
+      before ``read_offset`` that give the new ones their context.
+
+    Both offsets only ever sit at a character boundary (the text up to them did not end in
+    U+FFFD), which is what makes the pieces add up to the full decode.
+    """
+
+    decode: Decode
+    token_ids: list[int] = field(default_factory=list)
+    prefix_offset: int = 0
+    read_offset: int = 0
+
+    def push(self, token_id: int) -> str:
+        """Add one token; return the text it completes ("" while a character is unfinished)."""
+        self.token_ids.append(token_id)
+        prefix_text = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self.decode(self.token_ids[self.prefix_offset:])
+        if len(new_text) > len(prefix_text) and not new_text.endswith(REPLACEMENT_CHAR):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.token_ids)
+            return new_text[len(prefix_text):]
+        return ""
+
+    def flush(self) -> str:
+        """The text not returned yet, broken last character and all: the stream has ended."""
+        prefix_text = self.decode(self.token_ids[self.prefix_offset:self.read_offset])
+        new_text = self.decode(self.token_ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.token_ids)
+        return new_text[len(prefix_text):]
+# --8<-- [end:decode_stream]
+
+
+# --8<-- [start:stop_matcher]
+@dataclass
+class StopMatcher:
+    """Cuts a stream of text at the first of its stop strings.
+
+    Text is fed in pieces. A piece may complete a stop string that began pieces ago, so the
+    matcher holds back the end of the text that could still become one (a prefix of a stop
+    string) and releases it once the next piece rules that out. Nothing it has released can
+    then be part of a stop string.
+    """
+
+    stop: tuple[str, ...]
+    held: str = ""
+
+    def feed(self, text: str) -> tuple[str, bool]:
+        """Add ``text``; return what may be sent, and whether a stop string was reached.
+
+        Once a stop string is reached the returned text is everything before it, and the
+        stream is over: what follows it is dropped.
+        """
+        text = self.held + text
+        found = [i for i in (text.find(s) for s in self.stop) if i >= 0]
+        if found:
+            self.held = ""
+            return text[:min(found)], True
+        keep = self._partial_match(text)
+        self.held = text[len(text) - keep:]
+        return text[:len(text) - keep], False
+
+    def flush(self) -> str:
+        """The text held back: the stream has ended without reaching a stop string."""
+        held, self.held = self.held, ""
+        return held
+
+    def _partial_match(self, text: str) -> int:
+        """The length of the longest end of ``text`` that begins some stop string."""
+        longest = 0
+        for s in self.stop:
+            for n in range(min(len(s) - 1, len(text)), longest, -1):
+                if text.endswith(s[:n]):
+                    longest = n
+                    break
+        return longest
+# --8<-- [end:stop_matcher]
+
+
+# --8<-- [start:request_text]
+@dataclass
+class RequestText:
+    """What the detokenizer keeps for one request.
+
+    Attributes:
+        stream: the incremental decoder of its tokens.
+        stop: its stop strings, applied to the decoded text.
+        prompt_tokens: its prompt's length (for the usage when a stop string ends it).
+        num_tokens: tokens received so far.
+        stopped: a stop string has ended its text. The request is a *tombstone* from then on:
+            the tokens the scheduler had generated before it heard of the stop are still on
+            their way, and are dropped, until its last message arrives.
+    """
+
+    stream: DecodeStream
+    stop: StopMatcher
+    prompt_tokens: int = 0
+    num_tokens: int = 0
+    stopped: bool = False
+# --8<-- [end:request_text]
+
+
+class DetokenizeManager:
+    """Every live request's text state; turns tokens into replies for the API server.
+
+    Args:
+        tokenizer: a ``transformers`` tokenizer; its ``decode`` (special tokens kept) is the
+            one ``LLM`` uses, so the server's text equals ``LLM``'s.
+
+    Attributes:
+        states: uid -> :class:`RequestText`, for every request that has sent a token and not
+            ended (tombstones included).
+    """
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.decode: Decode = tokenizer.decode
+        self.states: dict[int, RequestText] = {}
+
+    @property
+    def num_live(self) -> int:
+        """Requests whose state is kept (the ``live_states`` counter)."""
+        return len(self.states)
+
+    # --8<-- [start:detokenize]
+    def detokenize(self, message: DetokenizeRequest) -> UserReply | None:
+        """The reply for one token of a request, or None when the token is to be dropped.
+
+        A reply that finishes the request (``finish_reason`` set) while ``message`` does not
+        means a stop string ended it: the caller must tell the scheduler to stop generating.
+        """
+        state = self.states.get(message.uid)
+        if state is None:  # the request's first token carries what we need to know about it
+            state = RequestText(DecodeStream(self.decode), StopMatcher(message.stop),
+                                prompt_tokens=message.prompt_tokens)
+            self.states[message.uid] = state
+        if state.stopped:  # a tombstone: its text has ended already
+            if message.finished:
+                del self.states[message.uid]
+            return None
+        state.num_tokens += 1
+        # Like LLM: an end-of-sequence or stop token ends the request; it is not text.
+        text = "" if message.finish_reason == "stop" else state.stream.push(message.next_token)
+        if message.finished:
+            text += state.stream.flush()
+        text, reached_stop = state.stop.feed(text)
+        if reached_stop:
+            usage = TokenUsage(state.prompt_tokens, state.num_tokens)
+            if message.finished:
+                del self.states[message.uid]
+            else:
+                state.stopped = True
+                state.stream = DecodeStream(self.decode)  # its tokens are not needed any more
+            return UserReply(message.uid, text, "stop", usage)
+        if message.finished:
+            del self.states[message.uid]
+            return UserReply(message.uid, text + state.stop.flush(), message.finish_reason,
+                             message.usage)
+        return UserReply(message.uid, text)
+    # --8<-- [end:detokenize]
+
+    def abort(self, uid: int) -> None:
+        """Forget request ``uid``: the scheduler dropped it, and will send nothing more."""
+        self.states.pop(uid, None)
+
+    # --8<-- [start:process]
+    def process(self, messages: list[DetokenizerMessage]
+                ) -> tuple[list[UserReply], list[AbortRequest]]:
+        """Handle what the scheduler sent, in order.
+
+        Returns the replies for the API server, and the aborts for the scheduler: one for each
+        request that a stop string has just ended, which the scheduler would otherwise run to
+        its ``max_tokens`` for nothing.
+        """
+        replies: list[UserReply] = []
+        aborts: list[AbortRequest] = []
+        for message in messages:
+            if isinstance(message, AbortRequest):  # the scheduler's last word on a request
+                self.abort(message.uid)
+                continue
+            reply = self.detokenize(message)
+            if reply is None:
+                continue
+            replies.append(reply)
+            if reply.finished and not message.finished:
+                aborts.append(AbortRequest(message.uid))
+        return replies, aborts
+    # --8<-- [end:process]
