@@ -9,11 +9,10 @@ written out below, so the example runs offline and loads no weights.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 from minisgl.env import ENV_VARS, read_env
 from minisgl.models.config import ModelConfig
+from minisgl.utils.hf import example_checkpoint
 
 # Qwen3-0.6B's config.json as published with the model (huggingface.co/Qwen/Qwen3-0.6B,
 # file config.json). Copied here, key for key, so that nothing is downloaded.
@@ -60,10 +59,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="models/tiny-qwen3", help="a checkpoint directory")
     args = parser.parse_args()
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        sys.exit(f"{model_dir} has no config.json. Build the tiny model first:\n"
-                 "    python tools/make_tiny_model.py")
+    model_dir = example_checkpoint(args.model)
 
     env = read_env()  # a bad MINISGL_* value stops the program here, with the variable named
     tiny = ModelConfig.from_pretrained(model_dir)

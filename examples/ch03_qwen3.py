@@ -10,15 +10,14 @@ both, and compares the logits and the five most likely next tokens.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 from transformers.utils import logging as hf_logging
 
 from minisgl.models import load_model
+from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import count_parameters, resolve_device, resolve_dtype
 
 
@@ -37,9 +36,7 @@ def main() -> None:
                         "float32, bfloat16 or float16")
     parser.add_argument("--prompt", default="The capital of France is")
     args = parser.parse_args()
-    if not (Path(args.model) / "config.json").is_file():
-        sys.exit(f"{args.model} has no config.json. Build the tiny model first:\n"
-                 "    python tools/make_tiny_model.py")
+    example_checkpoint(args.model)
     try:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)

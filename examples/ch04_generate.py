@@ -13,7 +13,6 @@ import argparse
 import dataclasses
 import sys
 import time
-from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
@@ -22,6 +21,7 @@ from minisgl.core import SamplingParams
 from minisgl.engine.sample import compute_probs
 from minisgl.engine.simple_loop import generate
 from minisgl.models import load_model
+from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import resolve_device, resolve_dtype
 
 PROMPT = "The capital of France is"
@@ -72,12 +72,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--tokens", type=int, default=256, help="tokens generated when timing")
     args = parser.parse_args()
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        sys.exit(
-            f"{model_dir} has no config.json. Build the tiny model first:\n"
-            "    python tools/make_tiny_model.py"
-        )
+    model_dir = example_checkpoint(args.model)
     if args.tokens < 1:
         sys.exit(f"--tokens must be >= 1, got {args.tokens}")
 

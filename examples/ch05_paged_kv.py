@@ -12,15 +12,14 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
 from minisgl.kvcache import MHAKVPool, PageAllocator
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.table import PageTable
+from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import resolve_device, resolve_dtype
 
 MAX_LEN = 512  # the longest a request may become (prompt + output)
@@ -110,10 +109,7 @@ def main() -> None:
     parser.add_argument("--model", default="models/tiny-qwen3", help="a checkpoint directory")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     args = parser.parse_args()
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        sys.exit(f"{model_dir} has no config.json. Build the tiny model first:\n"
-                 "    python tools/make_tiny_model.py")
+    model_dir = example_checkpoint(args.model)
     config = ModelConfig.from_pretrained(model_dir)
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import sys
 from pathlib import Path
 
 import torch
@@ -25,6 +24,7 @@ from minisgl.layers.attention import DenseCausalAttention, use_attention_backend
 from minisgl.models import load_model
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.table import PageTable
+from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import resolve_device, resolve_dtype
 
 SEED = 0
@@ -147,10 +147,7 @@ def main() -> None:
     parser.add_argument("--model", default="models/tiny-qwen3", help="a checkpoint directory")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     args = parser.parse_args()
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        sys.exit(f"{model_dir} has no config.json. Build the tiny model first:\n"
-                 "    python tools/make_tiny_model.py")
+    model_dir = example_checkpoint(args.model)
     config = ModelConfig.from_pretrained(model_dir)
     device = resolve_device(args.device)
     dtype = resolve_dtype("auto", device)

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 from transformers import AutoTokenizer
@@ -21,6 +20,7 @@ from transformers import AutoTokenizer
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
+from minisgl.utils.hf import example_checkpoint
 
 PROMPTS = [
     "The capital of France is",
@@ -96,10 +96,7 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=4, help="tokens per KV page")
     parser.add_argument("--steps", type=int, default=8, help="decode steps after the prefill")
     args = parser.parse_args()
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        sys.exit(f"{model_dir} has no config.json. Build the tiny model first:\n"
-                 "    python tools/make_tiny_model.py")
+    model_dir = example_checkpoint(args.model)
     if args.steps < 1:
         sys.exit(f"--steps must be >= 1, got {args.steps}")
 

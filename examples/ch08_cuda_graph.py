@@ -16,7 +16,6 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 
@@ -24,6 +23,7 @@ from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.engine.graph import GraphRunner, default_capture_sizes, padded_batch_size
+from minisgl.utils.hf import example_checkpoint
 
 PROMPT_LEN = 16
 WARMUP_STEPS = 3
@@ -141,9 +141,7 @@ def main() -> None:
                         help="decode batch sizes to capture and time (comma-separated)")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per mode")
     args = parser.parse_args()
-    if not (Path(args.model) / "config.json").is_file():
-        sys.exit(f"{args.model} has no config.json. Build the tiny model first:\n"
-                 "    python tools/make_tiny_model.py")
+    example_checkpoint(args.model)
     try:
         sizes = sorted({int(s) for s in args.batch_sizes.split(",")})
     except ValueError:

@@ -15,14 +15,13 @@ from __future__ import annotations
 
 import argparse
 import random
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from minisgl.core import Req, SamplingParams
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.utils import StepResult, lifetime_pages
+from minisgl.utils.hf import example_checkpoint
 
 PAGE_SIZE = 4
 MAX_PREFILL_TOKENS = 24  # a small per-step token budget, so that it shows
@@ -115,10 +114,7 @@ def main() -> None:
     parser.add_argument("--num-pages", type=int, default=16, help="KV pages in the pool")
     parser.add_argument("--seed", type=int, default=0, help="seed of the request schedule")
     args = parser.parse_args()
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        sys.exit(f"{model_dir} has no config.json. Build the tiny model first:\n"
-                 "    python tools/make_tiny_model.py")
+    model_dir = example_checkpoint(args.model)
 
     scheduler = Scheduler(SchedulerConfig(model_dir, device=args.device, page_size=PAGE_SIZE,
                                           num_pages=args.num_pages, max_running_reqs=8,

@@ -15,14 +15,13 @@ next token, and every request's output.
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from minisgl.core import Req, SamplingParams
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.utils import StepResult
+from minisgl.utils.hf import example_checkpoint
 
 PAGE_SIZE = 4
 LONG_UID = 3
@@ -124,10 +123,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--budget", type=int, default=16, help="max_prefill_tokens per step")
     args = parser.parse_args()
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        sys.exit(f"{model_dir} has no config.json. Build the tiny model first:\n"
-                 "    python tools/make_tiny_model.py")
+    model_dir = example_checkpoint(args.model)
 
     def make(chunked_prefill: bool) -> Scheduler:
         return Scheduler(SchedulerConfig(model_dir, device=args.device, page_size=PAGE_SIZE,

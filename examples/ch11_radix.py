@@ -17,8 +17,6 @@ none of them finds another's. The predicted saving is 28 x 7 = 196 tokens.
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
 
 import torch
 
@@ -26,6 +24,7 @@ from minisgl.core import Req, SamplingParams
 from minisgl.kvcache.radix_cache import RadixCache
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.utils.hf import example_checkpoint
 
 PAGE_SIZE = 4
 NUM_REQS = 8
@@ -65,10 +64,7 @@ def main() -> None:
     parser.add_argument("--model", default="models/tiny-qwen3", help="a checkpoint directory")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     args = parser.parse_args()
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        sys.exit(f"{model_dir} has no config.json. Build the tiny model first:\n"
-                 "    python tools/make_tiny_model.py")
+    model_dir = example_checkpoint(args.model)
 
     prompts = workload()
     runs = {}

@@ -19,11 +19,9 @@ waiting time shrinks by about the planning time.
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
-from pathlib import Path
 from typing import TypeVar
 
 import torch
@@ -32,6 +30,7 @@ from minisgl.core import Req, SamplingParams
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import OverlapScheduler
 from minisgl.scheduler.utils import StepResult
+from minisgl.utils.hf import example_checkpoint
 
 T = TypeVar("T")
 PAGE_SIZE = 4
@@ -109,10 +108,7 @@ def main() -> None:
                         help="print host timings (default: on CUDA only; CPU output stays "
                              "deterministic)")
     args = parser.parse_args()
-    model_dir = Path(args.model)
-    if not (model_dir / "config.json").is_file():
-        sys.exit(f"{model_dir} has no config.json. Build the tiny model first:\n"
-                 "    python tools/make_tiny_model.py")
+    model_dir = example_checkpoint(args.model)
     config = SchedulerConfig(model_dir, device=args.device, page_size=PAGE_SIZE, num_pages=64,
                              max_running_reqs=8, max_prefill_tokens=32)
 

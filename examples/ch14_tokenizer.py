@@ -14,9 +14,7 @@ will: three requests (a text prompt, a chat, one with a stop string) whose text 
 from __future__ import annotations
 
 import argparse
-import sys
 import time
-from pathlib import Path
 
 from minisgl.core import SamplingParams
 from minisgl.message import (
@@ -32,6 +30,7 @@ from minisgl.scheduler.io import run_scheduler, scheduler_counters
 from minisgl.tokenizer.detokenize import DecodeStream, DetokenizeManager
 from minisgl.tokenizer.server import detokenizer_counters, run_detokenizer, run_tokenizer
 from minisgl.tokenizer.tokenize import TokenizeManager, load_tokenizer
+from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.mp import (
     SharedCounters,
     ZmqPullQueue,
@@ -190,9 +189,7 @@ def main() -> None:
     parser.add_argument("--model", default="models/tiny-qwen3", help="a checkpoint directory")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (the scheduler's)")
     args = parser.parse_args()
-    if not (Path(args.model) / "config.json").is_file():
-        sys.exit(f"{args.model} has no config.json. Build the tiny model first:\n"
-                 "    python tools/make_tiny_model.py")
+    example_checkpoint(args.model)
     from minisgl.utils.torch_utils import resolve_device
 
     print("Chapter 14: tokenizer and detokenizer workers")

@@ -25,6 +25,7 @@ import httpx
 import psutil
 from openai import OpenAI
 
+from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import resolve_device
 
 
@@ -65,9 +66,7 @@ def main() -> None:
     parser.add_argument("--model", default="models/tiny-qwen3")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     args = parser.parse_args()
-    if not Path(args.model, "config.json").is_file():
-        sys.exit(f"{args.model} is not a checkpoint directory; build the tiny model first:\n"
-                 "    python tools/make_tiny_model.py")
+    example_checkpoint(args.model)
     device = resolve_device(args.device).type
     print("Chapter 15: the API server and the launcher")
     print(f"model: {args.model}; device: {device}")

@@ -28,6 +28,7 @@ from pathlib import Path
 import httpx
 import psutil
 
+from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import resolve_device
 
 # The state gauges /metrics shows, and a short name for each.
@@ -78,9 +79,7 @@ def main() -> None:
     parser.add_argument("--model", default="models/tiny-qwen3")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     args = parser.parse_args()
-    if not Path(args.model, "config.json").is_file():
-        sys.exit(f"{args.model} is not a checkpoint directory; build the tiny model first:\n"
-                 "    python tools/make_tiny_model.py")
+    example_checkpoint(args.model)
     device = resolve_device(args.device).type
     print("Chapter 16: when things go wrong: the request lifecycle")
     print(f"model: {args.model}; device: {device}")

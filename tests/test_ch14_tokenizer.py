@@ -559,3 +559,13 @@ def test_a_stop_string_stops_generation(pipeline: Pipeline, llm: Any) -> None:
     pipeline.wait_for(pipeline.idle, "state left after a stop string")
     spent = pipeline.scheduler_stats["generation_tokens"] - before
     assert spent < max_tokens // 2, f"the scheduler ran on for {spent} tokens after the stop"
+
+
+def test_offline_llm_refuses_stop_strings_it_cannot_apply(tiny_model_dir) -> None:
+    # Stop strings live in the detokenizer; LLM.generate must say so instead of ignoring them.
+    from minisgl.llm import LLM
+
+    llm = LLM(tiny_model_dir, device="cpu", num_pages=64, max_running_reqs=2)
+    with pytest.raises(ValueError, match="stop strings are applied by the server"):
+        llm.generate(["hello"], SamplingParams(max_tokens=2, stop=("###",)))
+    assert llm.generate(["hello"], SamplingParams(max_tokens=2))[0]["finish_reason"] == "length"

@@ -291,8 +291,10 @@ def checked_recording(b: Book, m: re.Match[str], src: str) -> str:
     """Keep a `--8<--` include; a missing recorded output becomes a warning (fatal under
     --strict) naming the command that records it, and a note in the page."""
     target = m.group("target")
-    if not target.startswith(RECORDED) or (b.root / target).exists():
+    path = target.partition(":")[0]  # "file.txt:section" includes one section of the file
+    if not target.startswith(RECORDED) or (b.root / path).exists():
         return m.group(0)
+    target = path
     chapter_id = Path(target).name[:4]
     gpu = " --gpu" if target.endswith("-cuda.txt") else ""
     command = f"python tools/steps.py check {chapter_id} --record{gpu}"

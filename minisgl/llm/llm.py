@@ -95,6 +95,7 @@ class LLM:
             prompts = [prompts]
         prompt_ids = [self._encode(i, prompt) for i, prompt in enumerate(_as_list(prompts))]
         params = _params_per_prompt(sampling_params, len(prompt_ids))
+        _refuse_stop_strings(params)
         reqs = [Req(self._new_uid(), ids, p) for ids, p in zip(prompt_ids, params)]
         show = len(reqs) >= PROGRESS_MIN_PROMPTS if progress is None else progress
         self._run(reqs, show)
@@ -178,6 +179,17 @@ def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
             raise TypeError(f"sampling_params[{i}] must be a SamplingParams, "
                             f"got {type(p).__name__}")
     return params
+
+
+def _refuse_stop_strings(params: Sequence[SamplingParams]) -> None:
+    """Stop strings are matched on text, by the server's detokenizer (chapter 14); ``LLM``
+    decodes only once a request has finished, so it could not stop there. Say so rather than
+    return text that runs past the stop string."""
+    for i, p in enumerate(params):
+        if p.stop:
+            raise ValueError(f"sampling_params[{i}].stop={p.stop!r}: stop strings are applied "
+                             "by the server's detokenizer; LLM.generate supports "
+                             "stop_token_ids (or cut the returned text yourself)")
 
 
 def _check_engine_options(options: dict[str, Any]) -> None:

@@ -88,6 +88,19 @@ def _require_config(path: Path, given: str) -> None:
                              "Hugging Face checkpoint directory")
 
 
+def example_checkpoint(path: str | os.PathLike[str]) -> Path:
+    """The checkpoint directory an example script was given, or exit with how to build one.
+
+    For scripts only: a missing tiny model is the one mistake every first run makes, so the
+    examples stop with the command that fixes it instead of a traceback.
+    """
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise SystemExit(f"{path} has no config.json, so it is not a checkpoint directory. "
+                         "Build the tiny model first:\n    python tools/make_tiny_model.py")
+    return path
+
+
 # --8<-- [start:load_hf_config]
 def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The parsed ``config.json`` of a local checkpoint directory (or of the file itself).

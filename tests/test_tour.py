@@ -1,0 +1,208 @@
+"""The Tour page shows real output: ``tools/tour.py`` still produces it, and it still holds.
+
+One run of ``python tools/tour.py --record`` (into a temporary file, never over the committed
+recording) starts the server on the tiny model, sends one chat request streamed and once more
+through the ``openai`` client, reads ``/v1/models``, ``/metrics`` and the log, and stops the
+server with SIGINT. The tests read that recording the way the page's reader does:
+
+- the SSE stream is well formed and ends with ``data: [DONE]``;
+- the streamed text equals the text of the same request not streamed (and of the offline
+  ``LLM``), and the token counts agree everywhere they are shown;
+- after the requests, every gauge of ``/metrics`` is back to zero (no live request, no KV page
+  held), and the counters say two requests, both finished;
+- the log names each request's uid, the same uid as the response ids;
+- the server stopped on SIGINT with exit code 130 and no process left;
+- and the committed ``docs/recorded/tour-cpu.txt`` says what a fresh run says, line for line
+  (log lines of different processes may interleave in any order, so a block of log lines is
+  compared as a set), so the page cannot drift from the code.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parent.parent
+COMMITTED = ROOT / "docs" / "recorded" / "tour-cpu.txt"
+TOUR_TIMEOUT_S = 600
+MARKER = re.compile(r"^# --8<-- \[(start|end):([a-z_]+)\]$")
+LOG_LINE = "[<time> "
+STALE = ("docs/recorded/tour-cpu.txt is out of date: re-record it with "
+         "`python tools/tour.py --record`")
+
+
+def sections(text: str) -> dict[str, list[str]]:
+    """The recording's named sections (the pieces the page includes), lines without markers."""
+    found: dict[str, list[str]] = {}
+    current: str | None = None
+    for line in text.splitlines():
+        marker = MARKER.match(line)
+        if marker is None:
+            if current is not None:
+                found[current].append(line)
+            continue
+        kind, name = marker.groups()
+        if kind == "start":
+            assert current is None, f"section {name} starts inside section {current}"
+            assert name not in found, f"section {name} appears twice"
+            current, found[name] = name, []
+        else:
+            assert current == name, f"section {name} ends, but {current} was open"
+            current = None
+    assert current is None, f"section {current} never ends"
+    return found
+
+
+@pytest.fixture(scope="module")
+def fresh(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+    """One run of the tour: its recording, its sections and its server's process ids."""
+    tmp = tmp_path_factory.mktemp("tour")
+    out, pids = tmp / "tour-cpu.txt", tmp / "pids.json"
+    proc = subprocess.run([sys.executable, "tools/tour.py", "--record", "--out", str(out),
+                           "--pids-file", str(pids)], cwd=ROOT, capture_output=True,
+                          text=True, timeout=TOUR_TIMEOUT_S, check=False)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    text = out.read_text(encoding="utf-8")
+    return {"text": text, "sections": sections(text), "pids": json.loads(pids.read_text()),
+            "stdout": proc.stdout}
+
+
+def sse_payloads(lines: list[str]) -> list[str]:
+    """The ``data:`` payloads of the curl section's stream, checking its framing on the way:
+    every event is one ``data:`` line followed by one blank line."""
+    start = next(i for i, line in enumerate(lines) if line.startswith("data: "))
+    end = max(i for i, line in enumerate(lines) if line.startswith("data: "))
+    stream = lines[start:end + 2]
+    payloads = []
+    for i in range(0, len(stream), 2):
+        event, blank = stream[i], stream[i + 1]
+        assert event.startswith("data: ") and blank == "", f"a malformed event: {stream[i:i + 2]}"
+        payloads.append(event[len("data: "):])
+    return payloads
+
+
+def openai_body(lines: list[str]) -> dict:
+    start = lines.index("{")
+    end = lines.index("}", start)
+    return json.loads("\n".join(lines[start:end + 1]).replace("<created>", "0"))
+
+
+def metrics_table(lines: list[str]) -> dict[str, tuple[int, int]]:
+    table = {}
+    for line in lines:
+        match = re.fullmatch(r"  (minisgl_\w+)\s+(\d+)\s+(\d+)", line)
+        if match:
+            table[match[1]] = (int(match[2]), int(match[3]))
+    return table
+
+
+def test_the_stream_is_well_formed_and_ends_with_done(fresh: dict) -> None:
+    payloads = sse_payloads(fresh["sections"]["curl"])
+    assert payloads[-1] == "[DONE]", f"the stream ends with {payloads[-1]!r}"
+    chunks = [json.loads(p.replace("<created>", "0")) for p in payloads[:-1]]
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert {c["id"] for c in chunks} == {"chatcmpl-0"}, "one response, one id, for uid 0"
+
+
+def test_streamed_and_whole_answers_are_the_same_text_and_token_counts(fresh: dict) -> None:
+    found = fresh["sections"]
+    chunks = [json.loads(p.replace("<created>", "0")) for p in sse_payloads(found["curl"])[:-1]]
+    streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
+    body = openai_body(found["openai"])
+    assert body["id"] == "chatcmpl-1" and body["object"] == "chat.completion"
+    assert body["choices"][0]["message"]["content"] == streamed
+    assert "the same text as the stream's deltas joined: True" in found["openai"]
+    prompt_ids = re.search(r"(\d+) token ids: \[", "\n".join(found["tokenizer"]))
+    usage = body["usage"]
+    assert prompt_ids and usage["prompt_tokens"] == int(prompt_ids[1]), (
+        "the usage does not count the tokens the chat template makes")
+    assert usage["completion_tokens"] == 8 == len(chunks) - 2, "one chunk per token expected"
+    assert "  the same as the server's text: True" in found["offline_chat"]
+    # The page says each token became one piece of the stream (no character spans two).
+    pieces = re.search(r"each token decoded alone: (\[.*\])$", "\n".join(found["offline_chat"]),
+                       re.MULTILINE)
+    deltas = [c["choices"][0]["delta"]["content"] for c in chunks[1:-1]]
+    assert pieces and ast.literal_eval(pieces[1]) == deltas
+
+
+def test_metrics_are_back_to_zero_after_the_requests(fresh: dict) -> None:
+    table = metrics_table(fresh["sections"]["metrics"])
+    gauges = ["minisgl_running_requests", "minisgl_waiting_requests", "minisgl_kv_pages_in_use",
+              "minisgl_detokenizer_live_states", "minisgl_frontend_live_requests",
+              "minisgl_frontend_buffered_replies"]
+    for name in gauges:
+        assert table[name] == (0, 0), f"{name} before/after: {table[name]}"
+    assert table["minisgl_frontend_requests_total"] == (0, 2)
+    assert table["minisgl_frontend_finished_total"] == (0, 2)
+    assert table["minisgl_generation_tokens_total"] == (0, 16)
+    assert table["minisgl_frontend_aborted_total"] == table["minisgl_frontend_failed_total"] \
+        == (0, 0)
+
+
+def test_the_log_names_each_request_by_the_uid_in_its_response_id(fresh: dict) -> None:
+    lines = [line for line in fresh["sections"]["log"] if line.startswith(LOG_LINE)]
+    assert any("request 0 finished (length) after 8 token(s)" in line for line in lines), lines
+    assert any("request 1 finished (length) after 8 token(s)" in line for line in lines), lines
+
+
+def test_the_server_stopped_on_sigint_and_left_no_process(fresh: dict) -> None:
+    stop = fresh["sections"]["stop"]
+    assert any(line.startswith("the server exited with code 130 ") for line in stop), stop
+    assert "processes left: 0 of 5" in stop, stop
+    assert any(line.endswith("stopped 3 worker process(es)") for line in stop), stop
+    assert not any("Traceback" in line for line in stop)
+    left = []
+    for pid in fresh["pids"]:  # a few seconds later, checked from outside the tour too
+        try:
+            if psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                left.append(pid)
+        except psutil.NoSuchProcess:
+            pass
+    assert not left, f"processes of the server still run: {left}"
+
+
+def test_the_run_is_normalised_and_printed_as_recorded(fresh: dict) -> None:
+    text = fresh["text"]
+    assert text.startswith("# recorded on CPU ") and "\n$ python tools/tour.py\n" in text
+    assert "<pid>" in text and "<port>" in text and "<created>" in text
+    assert not re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d", text), "a clock time was left in"
+    assert not re.search(r"\(pid \d+\)|:\d{4,5}/", text), "a pid or a port was left in"
+    body = [line for line in text.splitlines()[1:] if not MARKER.match(line)]
+    assert fresh["stdout"].splitlines() == body, "stdout and the recording differ"
+
+
+def comparable(text: str) -> list[object]:
+    """The recording's lines without its first (the machine): a run of log lines becomes the
+    sorted list of them, since processes write their lines in whatever order they run."""
+    out: list[object] = []
+    block: list[str] = []
+    for line in text.splitlines()[1:]:
+        if line.startswith(LOG_LINE):
+            block.append(line)
+            continue
+        if block:
+            out.append(sorted(block))
+            block = []
+        out.append(line)
+    if block:
+        out.append(sorted(block))
+    return out
+
+
+def test_the_committed_recording_matches_a_fresh_run(fresh: dict) -> None:
+    assert COMMITTED.exists(), f"{COMMITTED.relative_to(ROOT)} is missing; {STALE}"
+    committed = comparable(COMMITTED.read_text(encoding="utf-8"))
+    now = comparable(fresh["text"])
+    for i, (old, new) in enumerate(zip(committed, now)):
+        assert old == new, f"{STALE}\n  item {i} recorded: {old!r}\n  item {i} now:      {new!r}"
+    assert len(committed) == len(now), f"{STALE} ({len(committed)} items vs {len(now)} now)"
