@@ -1,6 +1,6 @@
 """The interactive chat: ``python -m minisgl --model PATH --shell``.
 
-The shell is a client of the same :class:`~minisgl.server.api_server.FrontendManager` the HTTP
+The shell is a client of the same :class:`~minisgl.server.frontend.FrontendManager` the HTTP
 server uses, without HTTP in between: each line you type becomes a chat request (with the
 conversation so far), and the reply is printed as it streams in. The worker processes are the
 server's, started the same way by the launcher.
@@ -28,7 +28,8 @@ from pathlib import Path
 from typing import TextIO
 
 from minisgl.core import SamplingParams
-from minisgl.server.api_server import APIError, FrontendManager
+from minisgl.server.frontend import FrontendManager
+from minisgl.server.protocol import APIError
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)

@@ -43,16 +43,10 @@ from fastapi.testclient import TestClient
 
 from minisgl.core import SamplingParams
 from minisgl.message import AbortRequest, TokenizeRequest, TokenUsage, UserReply
-from minisgl.server.api_server import (
-    SSE_DONE,
-    FrontendManager,
-    ResponseMeta,
-    abort_on_disconnect,
-    create_app,
-    sse_event,
-    stream_chat,
-)
+from minisgl.server.api_server import abort_on_disconnect, create_app
 from minisgl.server.args import ServerArgs, parse_args
+from minisgl.server.frontend import FrontendManager
+from minisgl.server.protocol import SSE_DONE, ResponseMeta, sse_event, stream_chat
 from minisgl.shell import Shell, sampling_params_for
 
 STARTUP_TIMEOUT_S = 180.0

@@ -62,7 +62,8 @@ from minisgl.message import (
     UserReply,
     UserRequest,
 )
-from minisgl.server.api_server import FrontendManager, create_app
+from minisgl.server.api_server import create_app
+from minisgl.server.frontend import FrontendManager
 from minisgl.shell import Shell
 
 STARTUP_TIMEOUT_S = 180.0
@@ -472,7 +473,7 @@ def test_a_dead_worker_fails_every_waiting_request_and_refuses_new_ones() -> Non
         problem.append("the scheduler process (pid 1) exited with code -9")
         last = [r async for r in frontend.replies(uid)][-1]
         waited = time.monotonic() - start
-        from minisgl.server.api_server import APIError
+        from minisgl.server.protocol import APIError
 
         with pytest.raises(APIError) as refused:
             await frontend.submit(SamplingParams(), text="too late")

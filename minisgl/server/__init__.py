@@ -2,9 +2,12 @@
 
 - ``args``: ``python -m minisgl``'s options (:func:`~minisgl.server.args.build_parser`) and the
   :class:`~minisgl.server.args.ServerArgs` they become;
-- ``api_server``: the OpenAI-compatible HTTP API (FastAPI) and the
-  :class:`~minisgl.server.api_server.FrontendManager` that sends each request to a tokenizer
-  worker and hands every reply to the request it belongs to;
+- ``protocol``: the OpenAI wire format: the request bodies, the errors, the response bodies
+  and the Server-Sent Events stream;
+- ``frontend``: the :class:`~minisgl.server.frontend.FrontendManager` that sends each request
+  to a tokenizer worker and hands every reply to the request it belongs to;
+- ``api_server``: the OpenAI-compatible HTTP API (FastAPI): the routes, built by
+  :func:`~minisgl.server.api_server.create_app`;
 - ``launch``: starts the worker processes, waits until each is ready, runs the HTTP server (or
   the interactive shell, ``minisgl/shell.py``) and stops every worker on the way out.
 

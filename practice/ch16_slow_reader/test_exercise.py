@@ -148,11 +148,11 @@ class EndlessWorkers:
 
 
 def frontend_with_your_buffer(monkeypatch: pytest.MonkeyPatch, **options: Any) -> Any:
-    from minisgl.server import api_server
+    from minisgl.server import frontend
 
-    monkeypatch.setattr(api_server, "ReplyBuffer", ReplyBuffer)
+    monkeypatch.setattr(frontend, "ReplyBuffer", ReplyBuffer)
     workers = EndlessWorkers()
-    return api_server.FrontendManager([workers], workers, **options), workers
+    return frontend.FrontendManager([workers], workers, **options), workers
 
 
 def test_the_frontend_cuts_off_a_reader_that_stays_behind(

@@ -135,7 +135,8 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
 # --8<-- [start:launch]
 def launch(args: ServerArgs) -> int:
     """Run the server (or the shell) described by ``args``; returns the exit status."""
-    from minisgl.server.api_server import FrontendManager, create_app
+    from minisgl.server.api_server import create_app
+    from minisgl.server.frontend import FrontendManager
 
     if args.shell:  # the terminal is for the conversation: by default, warnings and errors only
         os.environ.setdefault("MINISGL_LOG_LEVEL", "WARNING")  # the workers inherit it

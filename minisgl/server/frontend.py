@@ -1,0 +1,373 @@
+"""The frontend: the API server's link to the workers, and the state that ties requests to
+their replies.
+
+The API server is one asyncio event loop and two ZMQ queues: it pushes a
+:class:`~minisgl.message.TokenizeRequest` to a tokenizer worker for every HTTP request, and it
+pulls :class:`~minisgl.message.UserReply` messages (new text) from the detokenizer for all of
+them at once. :class:`FrontendManager` numbers requests (the *uid*), sends each to tokenizer
+``uid % N``, and runs the one *listener* task that reads every reply and hands it to the
+request it belongs to (a :class:`~minisgl.server.lifecycle.ReplyBuffer` per uid).
+
+It knows nothing of HTTP: :mod:`minisgl.server.api_server` turns its replies into responses,
+and the interactive shell (:mod:`minisgl.shell`) uses it directly.
+
+Chapter 16 makes every request end, and free what it holds, however it ends: a reader that
+stops early, a worker that fails or dies, a reader slower than the engine
+(:mod:`minisgl.server.lifecycle`), the server shutting down. :class:`FrontendStats` counts
+what ``/metrics`` shows.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+from minisgl.core import SamplingParams
+from minisgl.message import (
+    AbortRequest,
+    FrontendMessage,
+    RequestError,
+    SerializationError,
+    TokenizeRequest,
+    TokenizerMessage,
+    UserReply,
+)
+from minisgl.server.lifecycle import (
+    DEFAULT_REPLY_BUFFER_SIZE,
+    DEFAULT_SLOW_READER_TIMEOUT_S,
+    SHUTTING_DOWN,
+    ReplyBuffer,
+    slow_reader_error,
+    unavailable_error,
+)
+from minisgl.server.protocol import APIError
+from minisgl.utils.logger import get_logger
+
+logger = get_logger(__name__)
+
+
+# =========================================================================== the frontend
+class _Outbox(Protocol):
+    async def put(self, message: TokenizerMessage) -> None: ...
+
+
+class _Inbox(Protocol):
+    async def get(self) -> FrontendMessage: ...
+
+
+# --8<-- [start:frontend_state]
+@dataclass
+class FrontendStats:
+    """Counters the frontend keeps for ``/metrics`` (totals since start)."""
+
+    submitted: int = 0
+    finished: int = 0
+    aborted: int = 0
+    failed: int = 0  # chapter 16: ended with an error (a worker's, or the frontend's own)
+    slow_readers: int = 0  # chapter 16: cut off for reading too slowly
+
+
+class FrontendManager:
+    """Sends requests to the tokenizer workers and routes every reply to its request.
+
+    Many HTTP requests are in flight at once, but replies come back through a single queue.
+    Each request gets a *uid* and a :class:`~minisgl.server.lifecycle.ReplyBuffer`; one
+    listener task reads the queue and pushes each reply into its uid's buffer, which wakes that
+    request's reader, waiting on its own buffer only.
+
+    Chapter 16 makes sure every request ends, and frees what it holds, however it ends:
+
+    - :meth:`replies` owns a request's state. It frees it when it hands out the last reply,
+      and its ``finally`` frees it, aborting the request, when the reader stops early: it
+      breaks out and closes the generator (every reader in this package does), its task is
+      cancelled, or it raises;
+    - a reader that stays behind longer than ``slow_reader_timeout_s``, or lets
+      ``reply_buffer_size`` replies pile up, has its request ended with an error (which also
+      catches a reader that walked away without closing its generator);
+    - a *watchdog* task checks ``health`` a few times a second: once a worker process has
+      died, every waiting request ends with an error and new ones are refused (HTTP 503),
+      instead of waiting for replies that will never come. So does a listener that stopped.
+
+    Args:
+        tokenizers: one outgoing queue per tokenizer worker; request ``uid`` goes to
+            ``tokenizers[uid % len(tokenizers)]``, and so does its abort, which therefore can
+            never overtake it.
+        inbox: the queue the detokenizer sends every :class:`UserReply` to.
+        reply_buffer_size: the most replies held for one reader.
+        slow_reader_timeout_s: the longest a reader may stay behind.
+        health: returns None while every worker runs, else what is wrong; None: not checked.
+
+    Use it from one event loop. :meth:`start` (or the first :meth:`submit`) starts the listener
+    and the watchdog; it has to run inside the loop, which is why the app builds the manager in
+    its lifespan.
+    """
+
+    def __init__(self, tokenizers: Sequence[_Outbox], inbox: _Inbox, *,
+                 reply_buffer_size: int = DEFAULT_REPLY_BUFFER_SIZE,
+                 slow_reader_timeout_s: float = DEFAULT_SLOW_READER_TIMEOUT_S,
+                 health: Callable[[], str | None] | None = None) -> None:
+        if not tokenizers:
+            raise ValueError("FrontendManager needs at least one tokenizer queue")
+        if isinstance(reply_buffer_size, bool) or not isinstance(reply_buffer_size, int) \
+                or reply_buffer_size < 1:
+            raise ValueError(f"reply_buffer_size must be an integer >= 1, "
+                             f"got {reply_buffer_size!r}")
+        if not (isinstance(slow_reader_timeout_s, (int, float))
+                and math.isfinite(slow_reader_timeout_s) and slow_reader_timeout_s > 0):
+            raise ValueError(f"slow_reader_timeout_s must be a number of seconds > 0, "
+                             f"got {slow_reader_timeout_s!r}")
+        self._tokenizers = list(tokenizers)
+        self._inbox = inbox
+        self.reply_buffer_size = reply_buffer_size
+        self.slow_reader_timeout_s = float(slow_reader_timeout_s)
+        self._health = health
+        self._next_uid = 0
+        self._pending: dict[int, ReplyBuffer] = {}
+        self._listener: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
+        self._background: set[asyncio.Task[None]] = set()  # abort sends still in flight
+        self.unavailable: RequestError | None = None  # set once the frontend cannot serve
+        self.stats = FrontendStats()
+    # --8<-- [end:frontend_state]
+
+    @classmethod
+    def connect(cls, tokenizer_addrs: Sequence[str], inbox_addr: str,
+                **options: Any) -> FrontendManager:
+        """A manager on real ZMQ queues: it binds ``inbox_addr`` and connects to each
+        tokenizer's inbox. ``options`` are the constructor's keyword arguments."""
+        from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqAsyncPushQueue
+
+        inbox = ZmqAsyncPullQueue(inbox_addr, FrontendMessage, bind=True)
+        tokenizers = [ZmqAsyncPushQueue(addr, TokenizerMessage, bind=False)
+                      for addr in tokenizer_addrs]
+        return cls(tokenizers, inbox, **options)
+
+    @property
+    def num_live(self) -> int:
+        """Requests whose replies the frontend still waits for (``/metrics`` shows it)."""
+        return len(self._pending)
+
+    @property
+    def num_buffered(self) -> int:
+        """Replies received and not taken by their readers yet, over all requests."""
+        return sum(len(buffer.replies) for buffer in self._pending.values())
+
+    def start(self) -> None:
+        """Start the listener and the watchdog (once); call from inside the event loop."""
+        if self._listener is None:
+            loop = asyncio.get_running_loop()
+            self._listener = loop.create_task(self._listen())
+            self._listener.add_done_callback(self._on_listener_exit)
+            self._watchdog = loop.create_task(self._watch())
+
+    # ----------------------------------------------------------------- requests out
+    # --8<-- [start:frontend_submit]
+    async def submit(self, params: SamplingParams, *, text: str | None = None,
+                     input_ids: list[int] | None = None,
+                     messages: list[dict[str, Any]] | None = None) -> int:
+        """Number a new request, send it to its tokenizer and return its uid.
+
+        Exactly one of ``text``, ``input_ids`` and ``messages`` is the prompt. Read the replies
+        with :meth:`replies` (or :meth:`collect`).
+
+        Raises:
+            APIError: the server cannot serve (a worker died, it is shutting down: 503), or
+                the request cannot be sent (a value too large for the wire: 400).
+        """
+        if self.unavailable is not None:
+            raise APIError.of(self.unavailable)
+        self.start()
+        uid, self._next_uid = self._next_uid, self._next_uid + 1
+        request = TokenizeRequest(uid, params, text=text, input_ids=input_ids, messages=messages)
+        # The buffer exists before the request leaves, so no reply can find it missing.
+        self._pending[uid] = ReplyBuffer(self.reply_buffer_size)
+        try:
+            await self._tokenizer_of(uid).put(request)
+        except SerializationError as exc:  # e.g. an integer that does not fit in 64 bits
+            self._pending.pop(uid, None)
+            raise APIError(400, f"the request cannot be sent to the workers: {exc}") from None
+        except BaseException:
+            self._pending.pop(uid, None)
+            raise
+        self.stats.submitted += 1
+        return uid
+
+    def abort(self, uid: int) -> None:
+        """Forget request ``uid`` and, unless it has finished, tell the workers to drop it.
+
+        Synchronous on purpose: it is called while a cancelled stream unwinds, where nothing
+        may be awaited. The send runs as a task of its own. Aborting a request that is not
+        waited on any more (finished, aborted already) does nothing.
+        """
+        buffer = self._pending.pop(uid, None)
+        if buffer is None or buffer.finished:
+            return
+        self.stats.aborted += 1
+        logger.info("aborting request %d", uid)
+        self._send_abort(uid)
+
+    def _send_abort(self, uid: int) -> None:
+        task = asyncio.get_running_loop().create_task(
+            self._tokenizer_of(uid).put(AbortRequest(uid)))
+        self._background.add(task)  # a task nobody references may be garbage-collected
+        task.add_done_callback(self._background.discard)
+
+    def _tokenizer_of(self, uid: int) -> _Outbox:
+        return self._tokenizers[uid % len(self._tokenizers)]
+    # --8<-- [end:frontend_submit]
+
+    # ----------------------------------------------------------------- replies in
+    # --8<-- [start:frontend_dispatch]
+    async def _listen(self) -> None:
+        """The one reader of the inbox: hand each reply to its request's buffer."""
+        while True:
+            try:
+                reply = await self._inbox.get()
+            except (SerializationError, TypeError) as exc:  # a bad frame: drop it, go on
+                logger.error("dropping a message the frontend cannot read: %s", exc)
+                continue
+            self._dispatch(reply)
+
+    def _dispatch(self, reply: UserReply) -> None:
+        buffer = self._pending.get(reply.uid)
+        if buffer is None or buffer.failed:  # aborted, failed or finished: nobody waits
+            logger.debug("dropping a reply for request %d, which nobody waits for", reply.uid)
+            return
+        if reply.error is not None:
+            self.stats.failed += 1
+        if not buffer.push(reply, time.monotonic()):  # chapter 16: the reader is too slow
+            self._cut_off(reply.uid, buffer)
+    # --8<-- [end:frontend_dispatch]
+
+    # --8<-- [start:frontend_replies]
+    async def replies(self, uid: int) -> AsyncIterator[UserReply]:
+        """Request ``uid``'s replies, in order, up to and including its last one.
+
+        This generator owns the request's state (chapter 16). The state is freed as soon as
+        the last reply is taken, *before* it is yielded: a caller that stops there (``break``
+        on the finished reply) never resumes the generator, and must leave nothing behind.
+        Any other way out (the caller breaks early and closes it, a cancelled task, an
+        exception) runs the ``finally``, which frees the state and aborts the request.
+        """
+        buffer = self._pending.get(uid)
+        if buffer is None:
+            raise KeyError(f"request {uid} is not waiting for replies (finished, aborted, "
+                           "or never submitted)")
+        try:
+            while True:
+                await buffer.event.wait()
+                for reply in buffer.take():
+                    if reply.finished:
+                        self._pending.pop(uid, None)
+                        if reply.error is None:
+                            self.stats.finished += 1
+                    yield reply
+                    if reply.finished:
+                        return
+        finally:
+            self.abort(uid)  # nothing to do if the last reply was taken
+
+    async def collect(self, uid: int) -> tuple[str, UserReply]:
+        """Wait for the whole of request ``uid``: its text and its last reply (which carries
+        the error, if the request failed)."""
+        parts: list[str] = []
+        last: UserReply | None = None
+        async with aclosing(self.replies(uid)) as replies:
+            async for reply in replies:
+                parts.append(reply.delta)
+                last = reply
+        assert last is not None and last.finished, f"request {uid} ended without a last reply"
+        return "".join(parts), last
+    # --8<-- [end:frontend_replies]
+
+    # ----------------------------------------------------------------- ending requests
+    # --8<-- [start:frontend_failures]
+    def fail(self, uid: int, error: RequestError, *, abort: bool = True) -> None:
+        """End request ``uid`` with ``error``: its reader gets it as the last reply, what was
+        buffered is dropped, later replies are ignored, and (``abort``) the workers are told
+        to drop the request."""
+        buffer = self._pending.get(uid)
+        if buffer is None or buffer.failed:
+            return
+        if abort and not buffer.finished:
+            self._send_abort(uid)
+        buffer.fail(UserReply.failure(uid, error), time.monotonic())
+        self.stats.failed += 1
+
+    def fail_all(self, error: RequestError) -> None:
+        """End every waiting request with ``error``, and refuse new ones with it.
+
+        For when the server cannot serve any more: a worker died (an abort would go nowhere)
+        or the server is shutting down (its workers are stopped next), so no abort is sent.
+        """
+        if self.unavailable is None:
+            self.unavailable = error
+            level = logging.INFO if error is SHUTTING_DOWN else logging.ERROR
+            if self._pending or level == logging.ERROR:
+                logger.log(level, "ending %d waiting request(s): %s", len(self._pending),
+                           error.message)
+        for uid in list(self._pending):
+            self.fail(uid, error, abort=False)
+
+    def _cut_off(self, uid: int, buffer: ReplyBuffer) -> None:
+        lag = buffer.lag(time.monotonic())
+        logger.warning("request %d: its client reads too slowly (%d replies unread, the "
+                       "oldest for %.1f s): aborting it", uid, len(buffer.replies), lag)
+        self.stats.slow_readers += 1
+        self.fail(uid, slow_reader_error(lag, len(buffer.replies)))
+
+    def check(self, now: float) -> None:
+        """What the watchdog does, a few times a second: fail every request if a worker has
+        died; cut off readers that have been behind too long; free requests whose reader
+        has not even come for the error they were ended with."""
+        problem = self._health() if self._health is not None else None
+        if problem is not None:
+            self.fail_all(unavailable_error(problem, "worker_died"))
+        for uid, buffer in list(self._pending.items()):
+            if buffer.lag(now) <= self.slow_reader_timeout_s:
+                continue
+            if buffer.failed:  # abandoned: nobody reads this request any more
+                self._pending.pop(uid, None)
+            else:
+                self._cut_off(uid, buffer)
+
+    async def _watch(self) -> None:
+        interval = min(0.25, self.slow_reader_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.check(time.monotonic())
+            except Exception:  # the watchdog must outlive a bad health check
+                logger.exception("the frontend's watchdog failed")
+
+    def _on_listener_exit(self, task: asyncio.Task[None]) -> None:
+        # Without its listener the frontend is deaf: every request would wait for ever.
+        if task.cancelled():
+            return
+        exc = task.exception()
+        logger.error("the frontend's reply listener died: %r", exc)
+        self.fail_all(unavailable_error(f"the API server's reply listener stopped: {exc!r}",
+                                        "listener_died"))
+    # --8<-- [end:frontend_failures]
+
+    async def close(self) -> None:
+        """End what still waits, stop the listener and the watchdog, let the abort sends
+        finish, close the queues."""
+        self.fail_all(SHUTTING_DOWN)
+        for task in (self._watchdog, self._listener):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._listener = self._watchdog = None
+        if self._background:
+            await asyncio.wait(self._background, timeout=1.0)
+        for queue in (*self._tokenizers, self._inbox):
+            close = getattr(queue, "close", None)
+            if close is not None:
+                close()
