@@ -295,9 +295,14 @@ def checked_recording(b: Book, m: re.Match[str], src: str) -> str:
     if not target.startswith(RECORDED) or (b.root / path).exists():
         return m.group(0)
     target = path
-    chapter_id = Path(target).name[:4]
-    gpu = " --gpu" if target.endswith("-cuda.txt") else ""
-    command = f"python tools/steps.py check {chapter_id} --record{gpu}"
+    name = Path(target).name
+    if name.startswith("tour"):
+        command = "python tools/tour.py --record"
+    elif "_bench" in name:  # benchmark/offline.py or online.py, on a GPU; saved by hand
+        command = f"python benchmark/{name.split('_bench')[0]}.py and save its output"
+    else:
+        gpu = " --gpu" if target.endswith("-cuda.txt") else ""
+        command = f"python tools/steps.py check {name[:4]} --record{gpu}"
     log.warning(f"{src}: {target} has not been recorded; run `{command}`")
     return f"{m.group('indent')}(not recorded yet: run {command})"
 
