@@ -57,10 +57,12 @@ def test_parse_args_defaults_and_engine_options() -> None:
     args = parse_args(["--model", "models/tiny-qwen3", "--page-size", "4", "--no-overlap",
                        "--prefix-cache", "radix", "--cpu-kv-memory", "64MiB"])
     assert (args.host, args.port, args.num_tokenizers, args.tp) == ("127.0.0.1", 1919, 1, 1)
-    assert args.overlap is False and args.shell is False
+    assert args.shell is False
+    # --no-overlap is one more engine option: SchedulerConfig.overlap, as offline (chapter 12).
+    assert args.scheduler_config(args.model).overlap is False
     # Only the options given travel; the engine keeps its own defaults for the rest.
     assert args.engine_options == {"page_size": 4, "prefix_cache": "radix",
-                                   "cpu_kv_memory": 64 * 1024**2}
+                                   "cpu_kv_memory": 64 * 1024**2, "overlap": False}
     config = args.scheduler_config("models/tiny-qwen3")
     assert (config.page_size, config.prefix_cache, config.max_running_reqs) == (4, "radix", 256)
     assert args.model_name == "models/tiny-qwen3" and args.url == "http://127.0.0.1:1919"

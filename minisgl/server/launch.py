@@ -132,9 +132,8 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
         workers.names.append(label)
 
     try:
-        with _overlap_setting(args.overlap):  # read by the scheduler process as it starts
-            start("scheduler", run_scheduler, config, scheduler_addr, detokenizer_addr,
-                  stats=workers.counters[0])
+        start("scheduler", run_scheduler, config, scheduler_addr, detokenizer_addr,
+              stats=workers.counters[0])
         start("detokenizer", run_detokenizer, model_path, detokenizer_addr,
               workers.frontend_addr, stats=workers.counters[1], scheduler_addr=scheduler_addr)
         for k, inbox in enumerate(workers.tokenizer_addrs):
@@ -313,21 +312,3 @@ def _signals_ignored() -> Iterator[None]:
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
-
-
-@contextmanager
-def _overlap_setting(overlap: bool) -> Iterator[None]:
-    """``--no-overlap``: the scheduler reads ``MINISGL_DISABLE_OVERLAP`` when it starts, and a
-    spawned process gets a copy of the environment as it is at that moment."""
-    if overlap:
-        yield
-        return
-    previous = os.environ.get("MINISGL_DISABLE_OVERLAP")
-    os.environ["MINISGL_DISABLE_OVERLAP"] = "1"
-    try:
-        yield
-    finally:
-        if previous is None:
-            del os.environ["MINISGL_DISABLE_OVERLAP"]
-        else:
-            os.environ["MINISGL_DISABLE_OVERLAP"] = previous

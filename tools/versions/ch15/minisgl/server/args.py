@@ -47,6 +47,7 @@ ENGINE_OPTIONS: dict[str, str] = {
     "chunked_prefill": "cut prompts longer than --max-prefill-tokens into chunks",
     "cuda_graph": "capture decode steps as CUDA graphs (CUDA only)",
     "cuda_graph_max_bs": "the largest decode batch replayed as a CUDA graph",
+    "overlap": "overlap scheduling (chapter 12) (default: on unless MINISGL_DISABLE_OVERLAP is set)",
 }
 
 
@@ -62,8 +63,6 @@ class ServerArgs:
         shell: run the interactive chat in the terminal instead of the HTTP server.
         shell_max_tokens: the longest reply the shell asks for.
         num_tokenizers: tokenizer worker processes; request ``uid`` goes to ``uid % N``.
-        overlap: overlap scheduling (chapter 12); False sets ``MINISGL_DISABLE_OVERLAP`` for
-            the scheduler process.
         served_model_name: the model name the API reports; None means ``model`` as given.
         startup_timeout_s: how long the launcher waits for the workers to report ready.
         engine_options: the engine options given on the command line (field -> value); the
@@ -79,7 +78,6 @@ class ServerArgs:
     shell: bool = False
     shell_max_tokens: int = DEFAULT_SHELL_MAX_TOKENS
     num_tokenizers: int = 1
-    overlap: bool = True
     served_model_name: str | None = None
     startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
     engine_options: Mapping[str, Any] = field(default_factory=dict)
@@ -166,8 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
         "engine options", "left out, each keeps the engine's default (shown in brackets)")
     for name, help_text in ENGINE_OPTIONS.items():
         _add_engine_option(engine, name, help_text)
-    engine.add_argument("--overlap", action=argparse.BooleanOptionalAction, default=True,
-                        help="overlap scheduling (chapter 12) [True]")
     return parser
 # --8<-- [end:build_parser]
 
@@ -178,7 +174,8 @@ def _add_engine_option(group: argparse._ArgumentGroup, name: str, help_text: str
     flag = "--" + name.replace("_", "-")
     shown = help_text if default is None else f"{help_text} [{default}]"
     # default=None means "not given": the engine then applies its own default.
-    if isinstance(default, bool):
+    # overlap's default is None (on unless MINISGL_DISABLE_OVERLAP), still a switch.
+    if isinstance(default, bool) or name == "overlap":
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                            help=shown)
     elif name == "cpu_kv_memory":
