@@ -65,6 +65,15 @@ logger = get_logger(__name__)
 PENDING = -1
 
 
+def num_sampled(output_ids: list[int]) -> int:
+    """How many of ``output_ids`` are real tokens. Placeholders only ever trail them (a
+    request's pending sample is its last token), so this looks at the end, not the whole list."""
+    n = len(output_ids)
+    while n and output_ids[n - 1] == PENDING:
+        n -= 1
+    return n
+
+
 # --8<-- [start:in_flight]
 @dataclass
 class InFlight:

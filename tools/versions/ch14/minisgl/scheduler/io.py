@@ -34,7 +34,7 @@ from minisgl.message import (
     UserRequest,
 )
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.overlap import PENDING, OverlapScheduler
+from minisgl.scheduler.overlap import OverlapScheduler, num_sampled
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.utils.logger import get_logger
 from minisgl.utils.mp import (
@@ -139,7 +139,7 @@ class SchedulerIO:
 
     def _new_tokens(self, req: Req, finished: bool) -> list[DetokenizeRequest]:
         out = req.output_ids
-        real = out.index(PENDING) if PENDING in out else len(out)
+        real = num_sampled(out)
         sent = self._sent[req.uid]
         assert real > sent or not finished, f"request {req.uid} finished without a new token"
         messages = []
