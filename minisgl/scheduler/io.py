@@ -28,8 +28,6 @@ from __future__ import annotations
 
 import multiprocessing
 
-import zmq
-
 from minisgl.core import Req
 from minisgl.message import (
     AbortRequest,
@@ -50,6 +48,7 @@ from minisgl.utils.mp import (
     ShutdownSignals,
     ZmqPullQueue,
     ZmqPushQueue,
+    close_queues,
     reporting_readiness,
 )
 
@@ -281,9 +280,6 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
     except ShutdownRequested:
         pass
     finally:
-        for queue in (receive, send):
-            if queue is not None:
-                queue.close()  # linger 0: frames not handed over yet are dropped
-        zmq.Context.instance().term()
+        close_queues(receive, send)
     logger.info("scheduler stopped")
 # --8<-- [end:run_scheduler]

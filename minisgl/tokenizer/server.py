@@ -26,8 +26,6 @@ from __future__ import annotations
 
 import multiprocessing
 
-import zmq
-
 from minisgl.message import (
     AbortRequest,
     BackendMessage,
@@ -47,6 +45,7 @@ from minisgl.utils.mp import (
     ShutdownSignals,
     ZmqPullQueue,
     ZmqPushQueue,
+    close_queues,
     reporting_readiness,
 )
 
@@ -59,14 +58,6 @@ DETOKENIZER_COUNTERS = ("live_states",)
 def detokenizer_counters() -> SharedCounters:
     """Counters for :func:`run_detokenizer`'s ``stats`` argument."""
     return SharedCounters(DETOKENIZER_COUNTERS)
-
-
-def _close(*queues: ZmqPullQueue | ZmqPushQueue | None) -> None:
-    """Close the queues that were opened, then the process's ZMQ context."""
-    for queue in queues:
-        if queue is not None:
-            queue.close()  # linger 0: frames not handed over yet are dropped
-    zmq.Context.instance().term()
 
 
 # --8<-- [start:tokenize_or_fail]
@@ -127,7 +118,7 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
     except ShutdownRequested:
         pass
     finally:
-        _close(receive, send)
+        close_queues(receive, send)
     logger.info("%s stopped", name)
 # --8<-- [end:run_tokenizer]
 
@@ -170,6 +161,6 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
     except ShutdownRequested:
         pass
     finally:
-        _close(receive, send, abort)
+        close_queues(receive, send, abort)
     logger.info("detokenizer stopped")
 # --8<-- [end:run_detokenizer]
