@@ -44,7 +44,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import ctypes
 import itertools
 import json
 import math
@@ -53,10 +52,7 @@ import platform
 import random
 import shlex
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import asdict, dataclass, field
@@ -66,13 +62,14 @@ from typing import Any
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+try:
+    import minisgl  # noqa: F401
+except ImportError:  # run from a checkout that was not pip-installed
+    sys.path.insert(0, str(ROOT))
+from minisgl.server.process import ServerError, ServerProcess, parse_metrics
+
 DEFAULT_MODEL = "models/tiny-qwen3"
 DEFAULT_STARTUP_TIMEOUT_S = 600.0  # a large checkpoint, CUDA graph capture: minutes at worst
-HEALTH_POLL_S = 0.25
-# After SIGINT the server lets requests in flight finish (its --shutdown-timeout, 5 s by
-# default) and stops its workers; past this it is killed.
-STOP_TIMEOUT_S = 30.0
-LOG_TAIL_LINES = 40
 WARMUP_PROMPT_LEN = 32
 WARMUP_OUTPUT_LEN = 8
 PERCENTILES = (50.0, 90.0, 99.0)
@@ -306,146 +303,9 @@ def save(report: Report, path: Path | None) -> None:
 
 
 # ----------------------------------------------------------------------------- the server
-class ServerError(RuntimeError):
-    """The server the benchmark started did not come up (the message holds its log's end)."""
-
-
-def free_port() -> int:
-    """A port nobody listens on now (the server binds it a moment later)."""
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def _die_with_parent() -> None:
-    """In the child, before exec: SIGTERM it when the benchmark dies, even by SIGKILL (Linux's
-    PR_SET_PDEATHSIG), so that not even a killed benchmark leaves a server behind. The
-    launcher treats SIGTERM as an orderly shutdown."""
-    try:
-        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # 1 = PR_SET_PDEATHSIG
-    except (OSError, AttributeError):
-        pass
-
-
-class ServerProcess:
-    """``python -m minisgl`` as a child process: started, waited for, always stopped."""
-
-    def __init__(self, model: str, device: str, extra_args: Sequence[str],
-                 log_path: Path | None = None) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.command = [sys.executable, "-m", "minisgl", "--model", model, "--device", device,
-                        "--host", "127.0.0.1", "--port", str(self.port), *extra_args]
-        self.owns_log = log_path is None  # a temporary log, removed after a successful run
-        if log_path is None:
-            fd, name = tempfile.mkstemp(prefix="minisgl-server-", suffix=".log")
-            os.close(fd)
-            log_path = Path(name)
-        self.log_path = log_path
-        self.proc: subprocess.Popen[bytes] | None = None
-        self.family: dict[int, float] = {}  # pid -> create time, of the launcher and workers
-        self.exit_code: int | None = None
-
-    def start(self) -> None:
-        env = dict(os.environ)
-        # Run from a checkout that was not pip-installed: the child finds minisgl here.
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
-        # No thread runs yet in the benchmark, which is what makes a preexec_fn safe.
-        preexec = _die_with_parent if sys.platform.startswith("linux") else None
-        with self.log_path.open("wb") as log:
-            # A session of its own: a Ctrl-C in the terminal reaches the benchmark only, which
-            # then stops the server in order (and does so on its other ways out as well).
-            self.proc = subprocess.Popen(
-                self.command, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                env=env, start_new_session=True, preexec_fn=preexec)  # noqa: PLW1509
-        self._note_family(self.proc)
-
-    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
-        try:
-            text = self.log_path.read_text(errors="replace")
-        except OSError:
-            return "(no log)"
-        return "\n".join(text.rstrip().splitlines()[-lines:])
-
-    def wait_ready(self, timeout_s: float) -> float:
-        """Poll ``/health`` until it answers 200; returns the seconds that took."""
-        assert self.proc is not None, "start() first"
-        start = time.monotonic()
-        with httpx.Client(trust_env=False, timeout=5.0) as client:
-            while True:
-                code = self.proc.poll()
-                if code is not None:
-                    raise ServerError(
-                        f"the server exited with code {code} before it was ready; the end of "
-                        f"its log ({self.log_path}):\n{self.log_tail()}")
-                try:
-                    if client.get(f"{self.url}/health").status_code == 200:
-                        self._note_family(self.proc)
-                        return time.monotonic() - start
-                except httpx.HTTPError:
-                    pass  # not listening yet
-                if time.monotonic() - start > timeout_s:
-                    raise ServerError(
-                        f"the server was not ready after {timeout_s:g} s (--startup-timeout); "
-                        f"the end of its log ({self.log_path}):\n{self.log_tail()}")
-                time.sleep(HEALTH_POLL_S)
-
-    def _note_family(self, proc: subprocess.Popen[bytes]) -> None:
-        """Remember the launcher and its children: a worker whose launcher died first is
-        no longer a child of anything we could ask about."""
-        import psutil
-
-        try:
-            root = psutil.Process(proc.pid)
-            for p in [root, *root.children(recursive=True)]:
-                self.family[p.pid] = p.create_time()
-        except psutil.Error:
-            pass
-
-    def _alive_family(self) -> list[Any]:
-        import psutil
-
-        alive = []
-        for pid, created in self.family.items():
-            try:
-                p = psutil.Process(pid)
-                if p.create_time() == created and p.status() != psutil.STATUS_ZOMBIE:
-                    alive.append(p)
-            except psutil.Error:
-                pass
-        return alive
-
-    def stop(self) -> None:
-        """SIGINT, wait for the orderly shutdown, then SIGKILL anything of the server left.
-
-        Idempotent. A second Ctrl-C while waiting skips to the killing.
-        """
-        import psutil
-
-        if self.proc is None:
-            return
-        proc, self.proc = self.proc, None
-        if proc.poll() is None:
-            self._note_family(proc)
-            try:
-                proc.send_signal(signal.SIGINT)
-                proc.wait(STOP_TIMEOUT_S)
-            except (subprocess.TimeoutExpired, KeyboardInterrupt):
-                pass
-        leftovers = self._alive_family()
-        for p in leftovers:
-            try:
-                p.kill()
-            except psutil.Error:
-                pass
-        psutil.wait_procs(leftovers, timeout=10)
-        try:
-            self.exit_code = proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.exit_code = None
-
-    def pids(self) -> list[dict[str, float]]:
-        return [{"pid": pid, "create_time": t} for pid, t in self.family.items()]
+def server_pids(server: ServerProcess) -> list[dict[str, float]]:
+    """The started server's processes, each with its start time: a pid alone may be reused."""
+    return [{"pid": p.pid, "create_time": p.create_time()} for p in server.family]
 
 
 # ----------------------------------------------------------------------------- the client
@@ -544,7 +404,7 @@ SERVER_COUNTERS = ("minisgl_generation_tokens_total", "minisgl_prompt_tokens_tot
                    "minisgl_frontend_failed_total", "minisgl_frontend_aborted_total")
 
 
-async def read_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float] | None:
+async def read_metrics(client: httpx.AsyncClient, url: str) -> dict[str, int] | None:
     """``/metrics`` as name -> value; None where the server has none (not a minisgl server)."""
     try:
         response = await client.get(f"{url}/metrics")
@@ -552,15 +412,7 @@ async def read_metrics(client: httpx.AsyncClient, url: str) -> dict[str, float] 
         return None
     if response.status_code != 200:
         return None
-    values = {}
-    for line in response.text.splitlines():
-        parts = line.split()
-        if len(parts) == 2 and not line.startswith("#"):
-            try:
-                values[parts[0]] = float(parts[1])
-            except ValueError:
-                pass
-    return values
+    return parse_metrics(response.text)
 
 
 class MetricsWatch:
@@ -960,7 +812,11 @@ def main(argv: Sequence[str] | None = None) -> Report:
     signal.signal(signal.SIGTERM, _raise_interrupt)
     try:
         if args.url is None:
-            server = ServerProcess(args.model, args.device, args.server_args, args.server_log)
+            # A session of its own: a Ctrl-C in the terminal reaches the benchmark only, which
+            # then stops the server in order (and does so on its other ways out as well).
+            # OMP_NUM_THREADS is left as this environment has it (the header reports it).
+            server = ServerProcess(args.model, device=args.device, args=args.server_args,
+                                   log_path=args.server_log, omp_threads=None, new_session=True)
             server.start()  # it loads while the header is gathered
         report.header.update(header_info(args, spawned=server is not None))
         h = report.header
@@ -973,7 +829,7 @@ def main(argv: Sequence[str] | None = None) -> Report:
                   flush=True)
             ready_s = server.wait_ready(args.startup_timeout)
             h.update({"server": "started", "url": server.url, "server_command": server.command,
-                      "server_ready_s": ready_s, "server_pids": server.pids()})
+                      "server_ready_s": ready_s, "server_pids": server_pids(server)})
             print(f"server: ready in {ready_s:.1f} s at {server.url}", flush=True)
         else:
             h.update({"server": "attached", "url": args.url})
@@ -982,8 +838,8 @@ def main(argv: Sequence[str] | None = None) -> Report:
         asyncio.run(run(args, report, server))
         if server is not None:
             start = time.monotonic()
-            server.stop()
-            h["server_pids"] = server.pids()
+            server.stop()  # SIGINT; past its 30 s, and for any process left, SIGKILL
+            h["server_pids"] = server_pids(server)
             h["server_exit_code"] = server.exit_code
             print(f"\nserver: stopped in {time.monotonic() - start:.1f} s (SIGINT; exit code "
                   f"{server.exit_code})")

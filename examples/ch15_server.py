@@ -11,54 +11,17 @@ middle of a stream. Last it stops the server with SIGTERM and checks that no pro
 from __future__ import annotations
 
 import argparse
-import os
 import signal
-import socket
-import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import httpx
-import psutil
 from openai import OpenAI
 
+from minisgl.server.process import ServerError, ServerProcess
 from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import resolve_device
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until_up(proc: subprocess.Popen, url: str, log: Path, timeout_s: float = 300) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            sys.exit(f"the server exited with code {proc.returncode}:\n{log.read_text()[-2000:]}")
-        try:
-            if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    sys.exit(f"the server did not come up within {timeout_s:.0f} s; see {log}")
-
-
-def metrics(url: str) -> dict[str, int]:
-    text = httpx.get(f"{url}/metrics").text
-    return {line.split()[0]: int(line.split()[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}
-
-
-def workers_of(pid: int) -> list[psutil.Process]:
-    """The server's worker processes (spawned children; not multiprocessing's helper)."""
-    return [p for p in psutil.Process(pid).children(recursive=True)
-            if "multiprocessing.spawn" in " ".join(p.cmdline())]
 
 
 def main() -> None:
@@ -71,28 +34,26 @@ def main() -> None:
     print("Chapter 15: the API server and the launcher")
     print(f"model: {args.model}; device: {device}")
 
-    port = free_port()
-    url = f"http://127.0.0.1:{port}"
-    log = Path(tempfile.mkdtemp(prefix="minisgl-ch15-")) / "server.log"
-    command = [sys.executable, "-m", "minisgl", "--model", args.model, "--port", str(port),
-               "--device", device]
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    with log.open("w") as log_file:
-        server = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=log_file, env=env)
+    # python -m minisgl on a free port, its log in a temporary file; `with` waits until
+    # /health answers 200, and stops the server (and every worker) however the block ends.
     try:
-        wait_until_up(server, url, log)
-        workers = workers_of(server.pid)
-        print(f"\nserver up: the API server and {len(workers)} worker processes "
-              "(scheduler, detokenizer, tokenizer-0)")
-        ready = next(line for line in log.read_text().splitlines() if "minisgl serving" in line)
-        print("  its log says: " + ready.split(": ", 1)[1].replace(str(port), "<port>"))
-        client = OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0)
-        talk(client, url)
-    finally:
-        stop(server, url)
+        with ServerProcess(args.model, device=device) as server:
+            workers = server.workers()
+            print(f"\nserver up: the API server and {len(workers)} worker processes "
+                  "(scheduler, detokenizer, tokenizer-0)")
+            ready = next(line for line in server.log_text().splitlines()
+                         if "minisgl serving" in line)
+            print("  its log says: " + ready.split(": ", 1)[1].replace(str(server.port), "<port>"))
+            client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+            talk(client, server)
+            code = server.stop(signal.SIGTERM, timeout_s=60)
+            print(f"\nSIGTERM: the server exited with code {code}; processes left behind: "
+                  f"{len(server.left_behind)}")
+    except ServerError as exc:
+        sys.exit(str(exc))
 
 
-def talk(client: OpenAI, url: str) -> None:
+def talk(client: OpenAI, server: ServerProcess) -> None:
     question = [{"role": "user", "content": "What is a KV cache?"}]
     reply = client.chat.completions.create(model="tiny", messages=question, max_tokens=16,
                                            temperature=0)
@@ -130,15 +91,15 @@ def talk(client: OpenAI, url: str) -> None:
     for prompt, answer in list(zip(prompts, together))[:3]:
         print(f"  {prompt!r} -> {answer[:32]!r}...")
 
-    before = metrics(url)
-    with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+    before = server.metrics()
+    with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
             "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True,
             "stream": True}) as response:
         for i, _ in enumerate(response.iter_lines()):
             if i == 6:
                 break  # walk away: the connection closes here
     for _ in range(100):
-        after = metrics(url)
+        after = server.metrics()
         if after["minisgl_running_requests"] == 0 and after["minisgl_frontend_aborted_total"]:
             break
         time.sleep(0.05)
@@ -149,20 +110,6 @@ def talk(client: OpenAI, url: str) -> None:
           f"{after['minisgl_running_requests']}; KV pages in use "
           f"{after['minisgl_kv_pages_in_use']}; fewer than 2000 tokens generated: "
           f"{generated < 2000}")
-
-
-def stop(server: subprocess.Popen, url: str) -> None:
-    if server.poll() is not None:
-        return
-    family = psutil.Process(server.pid).children(recursive=True)
-    server.send_signal(signal.SIGTERM)
-    try:
-        code = server.wait(60)
-    except subprocess.TimeoutExpired:
-        server.kill()
-        code = server.wait()
-    _, alive = psutil.wait_procs(family, timeout=15)
-    print(f"\nSIGTERM: the server exited with code {code}; processes left behind: {len(alive)}")
 
 
 if __name__ == "__main__":

@@ -26,13 +26,11 @@ import io
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -46,6 +44,7 @@ from minisgl.message import AbortRequest, TokenizeRequest, TokenUsage, UserReply
 from minisgl.server.api_server import abort_on_disconnect, create_app
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.frontend import FrontendManager
+from minisgl.server.process import ServerProcess, parse_metrics, still_running
 from minisgl.server.protocol import SSE_DONE, ResponseMeta, sse_event, stream_chat
 from minisgl.shell import Shell, sampling_params_for
 
@@ -298,6 +297,13 @@ def test_models_health_and_metrics(fake_client: TestClient) -> None:
         assert line in text.splitlines(), text
 
 
+def test_metrics_text_is_read_back_as_counts(fake_client: TestClient) -> None:
+    metrics = parse_metrics(fake_client.get("/metrics").text)
+    assert metrics["minisgl_running_requests"] == 3 and metrics["minisgl_kv_pages_in_use"] == 7
+    assert not any(name.startswith("#") for name in metrics)  # HELP and TYPE lines skipped
+    assert parse_metrics("# TYPE x counter\nx 3.0\ny NaN\nz\n") == {"x": 3}
+
+
 def test_health_is_503_when_a_worker_is_gone() -> None:
     app = create_app(lambda: fake_frontend()[0], "m",
                      health=lambda: "the scheduler process (pid 1) exited with code -9")
@@ -340,93 +346,36 @@ def test_shell_samples_as_the_generation_config_says(tmp_path: Path) -> None:
 
 
 # =========================================================================== a real server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_server(model_dir: Path, port: int, log: Path, *extra: str) -> subprocess.Popen:
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    return subprocess.Popen(
-        [sys.executable, "-m", "minisgl", "--model", str(model_dir), "--port", str(port),
-         "--device", "cpu", *extra],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env)
-
-
-def wait_healthy(proc: subprocess.Popen, port: int, log: Path) -> None:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            pytest.fail(f"the server exited with {proc.returncode}:\n{log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    pytest.fail(f"the server was not up after {STARTUP_TIMEOUT_S} s:\n{log.read_text()[-3000:]}")
-
-
-def kill_tree(proc: subprocess.Popen, known: list[psutil.Process] = ()) -> None:
-    """The finalizer's last resort: whatever is left of ``proc`` and its children dies
-    (``known``: children seen earlier, which outlive a parent that died first)."""
-    try:
-        family = [psutil.Process(proc.pid), *psutil.Process(proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        family = []
-    for p in [*family, *known]:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    proc.wait(10)
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    port: int
-    log: Path
-    family: list[psutil.Process] = field(default_factory=list)  # its children, once up
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def metrics(self) -> dict[str, int]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {line.split()[0]: int(line.split()[1]) for line in text.splitlines()
-                if line and not line.startswith("#")}
+def cpu_server(model_dir: Path, log: Path) -> ServerProcess:
+    return ServerProcess(model_dir, device="cpu", log_path=log,
+                         startup_timeout_s=STARTUP_TIMEOUT_S)
 
 
 @pytest.fixture(scope="module")
 def server_process(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
-                   request: pytest.FixtureRequest) -> Server:
+                   request: pytest.FixtureRequest) -> ServerProcess:
     """One server for the module, started first so that it loads while ``llm`` does."""
-    port = free_port()
-    log = tmp_path_factory.mktemp("ch15") / "server.log"
-    server = Server(start_server(tiny_model_dir, port, log), port, log)
-    request.addfinalizer(lambda: kill_tree(server.proc, server.family))
+    server = cpu_server(tiny_model_dir, tmp_path_factory.mktemp("ch15") / "server.log")
+    request.addfinalizer(server.stop)
+    server.start()
     return server
 
 
 @pytest.fixture(scope="module")
-def llm(server_process: Server, tiny_model_dir: Path):
+def llm(server_process: ServerProcess, tiny_model_dir: Path):
     from minisgl.llm import LLM
 
     return LLM(tiny_model_dir, device="cpu")
 
 
 @pytest.fixture(scope="module")
-def server(server_process: Server, llm) -> Server:
-    wait_healthy(server_process.proc, server_process.port, server_process.log)
-    server_process.family = descendants(server_process.proc.pid)
+def server(server_process: ServerProcess, llm) -> ServerProcess:
+    server_process.wait_ready()
     return server_process
 
 
 @pytest.fixture(scope="module")
-def client(server: Server):
+def client(server: ServerProcess):
     from openai import OpenAI
 
     return OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
@@ -513,7 +462,7 @@ def test_stop_strings_cut_the_text(client, llm) -> None:
 
 
 # --8<-- [start:disconnect_aborts]
-def test_client_disconnect_aborts_the_request(server: Server, client) -> None:
+def test_client_disconnect_aborts_the_request(server: ServerProcess, client) -> None:
     before = server.metrics()
     with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
             "prompt": "Tell me a long story.", "max_tokens": 2000, "ignore_eos": True,
@@ -536,35 +485,16 @@ def test_client_disconnect_aborts_the_request(server: Server, client) -> None:
     # Far fewer than 2000 tokens were generated for it.
     assert after["minisgl_generation_tokens_total"] - before["minisgl_generation_tokens_total"] \
         < 1000
-    assert "aborting request" in server.log.read_text()
+    assert "aborting request" in server.log_text()
     later = client.completions.create(model="tiny", prompt="1 + 1 =", max_tokens=4,
                                       temperature=0)
     assert later.choices[0].finish_reason in ("stop", "length")
 # --8<-- [end:disconnect_aborts]
 
 
-def descendants(pid: int) -> list[psutil.Process]:
-    try:
-        return psutil.Process(pid).children(recursive=True)
-    except psutil.NoSuchProcess:
-        return []
-
-
-def workers(pid: int) -> list[psutil.Process]:
-    """The worker processes (spawned children; not multiprocessing's resource tracker)."""
-    found = []
-    for p in descendants(pid):
-        try:
-            if "multiprocessing.spawn" in " ".join(p.cmdline()):
-                found.append(p)
-        except psutil.Error:  # it exited meanwhile
-            pass
-    return found
-
-
-def assert_all_gone(processes: list[psutil.Process]) -> None:
-    _, alive = psutil.wait_procs(processes, timeout=15)
-    assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+def assert_all_gone(server: ServerProcess) -> None:
+    """After ``server.stop()``: nothing was still running when the orderly stop was over."""
+    assert not server.left_behind, f"left behind: {[p.pid for p in server.left_behind]}"
 
 
 @pytest.mark.slow
@@ -578,7 +508,12 @@ def test_the_shell_chats_on_the_same_workers(tiny_model_dir: Path, llm) -> None:
     try:
         stdout, stderr = proc.communicate("What is a KV cache?\n/exit\n", STARTUP_TIMEOUT_S)
     finally:
-        kill_tree(proc)
+        if proc.poll() is None:  # it did not finish: it and its workers may not outlive the test
+            family = psutil.Process(proc.pid).children(recursive=True)
+            proc.kill()
+            proc.wait(10)
+            for worker in still_running(family):
+                worker.kill()
     assert proc.returncode == 0, stderr[-3000:]
     # stdout: the greeting, the prompt, the answer and a newline, the prompt for /exit.
     answer = stdout.split(">>> ")[1].removesuffix("\n")
@@ -588,27 +523,23 @@ def test_the_shell_chats_on_the_same_workers(tiny_model_dir: Path, llm) -> None:
 
 
 def test_sigint_while_starting_leaves_no_process(tiny_model_dir: Path, tmp_path: Path) -> None:
-    port, log = free_port(), tmp_path / "server.log"
-    proc = start_server(tiny_model_dir, port, log)
-    family: list[psutil.Process] = []
+    server = cpu_server(tiny_model_dir, tmp_path / "server.log")
+    server.start()
     try:
         deadline = time.monotonic() + 60
-        while len(workers(proc.pid)) < 3 and time.monotonic() < deadline:
+        while len(server.workers()) < 3 and time.monotonic() < deadline:
             time.sleep(0.05)  # until the three workers are spawned (still loading, likely)
-        assert len(workers(proc.pid)) == 3, log.read_text()
-        family = descendants(proc.pid)
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(30) == 128 + signal.SIGINT, log.read_text()[-3000:]
-        assert_all_gone(family)
+        assert len(server.workers()) == 3, server.log_text()
+        assert server.stop(signal.SIGINT, timeout_s=30) == 128 + signal.SIGINT, \
+            server.log_tail()
+        assert_all_gone(server)
     finally:
-        kill_tree(proc, family)
+        server.stop()
 
 
-def test_sigterm_leaves_no_process(server: Server) -> None:
+def test_sigterm_leaves_no_process(server: ServerProcess) -> None:
     """Runs last: it stops the module's server."""
-    family = descendants(server.proc.pid)
-    assert len(workers(server.proc.pid)) == 3
-    server.proc.send_signal(signal.SIGTERM)
-    assert server.proc.wait(30) == 128 + signal.SIGTERM, server.log.read_text()[-3000:]
-    assert_all_gone(family)
-    assert "stopped 3 worker process(es)" in server.log.read_text()
+    assert len(server.workers()) == 3
+    assert server.stop(signal.SIGTERM, timeout_s=30) == 128 + signal.SIGTERM, server.log_tail()
+    assert_all_gone(server)
+    assert "stopped 3 worker process(es)" in server.log_text()

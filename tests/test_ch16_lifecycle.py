@@ -64,6 +64,7 @@ from minisgl.message import (
 )
 from minisgl.server.api_server import create_app
 from minisgl.server.frontend import FrontendManager
+from minisgl.server.process import ServerProcess, still_running
 from minisgl.shell import Shell
 
 STARTUP_TIMEOUT_S = 180.0
@@ -891,27 +892,8 @@ def test_failures_inside_the_workers_are_answered_and_the_workers_serve_on(
 
 
 # =========================================================================== a real server
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-@dataclass
-class Server:
-    proc: subprocess.Popen
-    port: int
-    log: Path
-    family: list[psutil.Process] = field(default_factory=list)
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def metrics(self) -> dict[str, int]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {line.split()[0]: int(line.split()[1]) for line in text.splitlines()
-                if line and not line.startswith("#")}
+class Server(ServerProcess):
+    """``python -m minisgl`` on the CPU, and what these tests read from it."""
 
     def wait_idle(self, timeout_s: float = 20) -> dict[str, int]:
         """The metrics once the server holds nothing (or the last ones seen)."""
@@ -923,7 +905,7 @@ class Server:
             time.sleep(0.05)
 
     def worker_pid(self, name: str) -> int:
-        found = re.search(rf"{name} \(pid (\d+)\)", self.log.read_text())
+        found = re.search(rf"{name} \(pid (\d+)\)", self.log_text())
         assert found, f"no pid for {name} in the log"
         return int(found.group(1))
 
@@ -940,50 +922,15 @@ def idle(metrics: dict[str, int]) -> bool:
 def start_server(model_dir: Path, log: Path, *extra: str) -> Server:
     """``python -m minisgl`` in a session of its own (as a shell runs a command: its process
     group is the terminal's foreground group, which Ctrl-C signals as a whole)."""
-    port = free_port()
-    env = dict(os.environ, OMP_NUM_THREADS=os.environ.get("OMP_NUM_THREADS", "1"))
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "minisgl", "--model", str(model_dir), "--port", str(port),
-         "--device", "cpu", *extra],
-        stdout=subprocess.DEVNULL, stderr=log.open("w"), env=env, start_new_session=True)
-    return Server(proc, port, log)
+    server = Server(model_dir, device="cpu", args=extra, log_path=log, new_session=True,
+                    startup_timeout_s=STARTUP_TIMEOUT_S)
+    server.start()
+    return server
 
 
-def wait_healthy(server: Server) -> Server:
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while time.monotonic() < deadline:
-        if server.proc.poll() is not None:
-            pytest.fail(f"the server exited with {server.proc.returncode}:\n"
-                        f"{server.log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=2).status_code == 200:
-                server.family = psutil.Process(server.proc.pid).children(recursive=True)
-                return server
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.1)
-    pytest.fail(f"the server was not up after {STARTUP_TIMEOUT_S} s:\n"
-                f"{server.log.read_text()[-3000:]}")
-
-
-def kill_all(server: Server) -> None:
-    """The finalizer's last resort: whatever is left of the server dies."""
-    try:
-        family = [psutil.Process(server.proc.pid),
-                  *psutil.Process(server.proc.pid).children(recursive=True)]
-    except psutil.NoSuchProcess:
-        family = []
-    for p in [*family, *server.family]:
-        try:
-            p.kill()
-        except psutil.NoSuchProcess:
-            pass
-    server.proc.wait(10)
-
-
-def assert_all_gone(processes: list[psutil.Process], timeout_s: float = 15) -> None:
-    _, alive = psutil.wait_procs(processes, timeout=timeout_s)
-    assert not alive, f"left behind: {[(p.pid, p.cmdline()) for p in alive]}"
+def assert_all_gone(server: Server) -> None:
+    """After ``server.stop()``: nothing of it still ran once the orderly stop was over."""
+    assert not server.left_behind, f"left behind: {[p.pid for p in server.left_behind]}"
 
 
 # The module's server: a KV pool of 768 pages x 4 = 3072 tokens (less than the model's 4096),
@@ -998,8 +945,9 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory,
            request: pytest.FixtureRequest) -> Server:
     log = tmp_path_factory.mktemp("ch16") / "server.log"
     running = start_server(tiny_model_dir, log, *SERVER_OPTIONS)
-    request.addfinalizer(lambda: kill_all(running))
-    return wait_healthy(running)
+    request.addfinalizer(running.stop)
+    running.wait_ready()
+    return running
 
 
 def post(server: Server, path: str, **body: Any) -> httpx.Response:
@@ -1187,7 +1135,7 @@ def test_load_128_streams_a_third_leaving_leave_nothing_behind(server: Server) -
     aborted = after["minisgl_frontend_aborted_total"] - before["minisgl_frontend_aborted_total"]
     assert 0 < aborted <= 128 // 3, "the clients that left early had their requests aborted"
     assert elapsed < 60, f"the load took {elapsed:.0f} s"
-    assert "Traceback" not in server.log.read_text()
+    assert "Traceback" not in server.log_text()
 # --8<-- [end:load_test]
 
 
@@ -1237,8 +1185,8 @@ def stop_busy_server(server: Server, how: str) -> None:
     for thread in threads:
         thread.join(30)
     ended = time.monotonic() - signalled
-    code = server.proc.wait(30)
-    log = server.log.read_text()
+    code = server.stop(None, timeout_s=30)  # signalled above: wait, for it and every worker
+    log = server.log_text()
     assert code == 128 + (signal.SIGTERM if how == "SIGTERM" else signal.SIGINT), log[-3000:]
     assert len(results) == 3
     for lines in results.values():
@@ -1246,7 +1194,7 @@ def stop_busy_server(server: Server, how: str) -> None:
         error = json.loads(lines[-2][len("data: "):])["error"]
         assert error["code"] == "shutting_down", error
     assert ended < 4, f"the streams ended {ended:.1f} s after the signal (timeout: 1 s)"
-    assert_all_gone(server.family)
+    assert_all_gone(server)
     assert "stopped 3 worker process(es)" in log and "Traceback" not in log
 
 
@@ -1260,9 +1208,10 @@ def test_sigterm_stops_a_busy_server_in_order(server: Server) -> None:
 def test_ctrl_c_stops_a_busy_server_in_order(tiny_model_dir: Path, tmp_path: Path) -> None:
     server = start_server(tiny_model_dir, tmp_path / "server.log", "--shutdown-timeout", "1")
     try:
-        stop_busy_server(wait_healthy(server), "Ctrl-C")
+        server.wait_ready()
+        stop_busy_server(server, "Ctrl-C")
     finally:
-        kill_all(server)
+        server.stop()
 
 
 @pytest.mark.slow
@@ -1270,7 +1219,7 @@ def test_a_dead_worker_fails_the_waiting_requests_at_once(tiny_model_dir: Path,
                                                           tmp_path: Path) -> None:
     server = start_server(tiny_model_dir, tmp_path / "server.log")
     try:
-        wait_healthy(server)
+        server.wait_ready()
         results: dict[int, list[str]] = {}
         threads = [stream_in_thread(server.url, results, i) for i in range(2)]
         whole: list[httpx.Response] = []
@@ -1294,11 +1243,10 @@ def test_a_dead_worker_fails_the_waiting_requests_at_once(tiny_model_dir: Path,
         assert health.status_code == 503 and "scheduler" in health.json()["reason"]
         refused = post(server, "/v1/completions", prompt="anyone there?", max_tokens=2)
         assert refused.status_code == 503
-        server.proc.send_signal(signal.SIGTERM)
-        assert server.proc.wait(30) == 128 + signal.SIGTERM
-        assert_all_gone(server.family)
+        assert server.stop(signal.SIGTERM, timeout_s=30) == 128 + signal.SIGTERM
+        assert_all_gone(server)
     finally:
-        kill_all(server)
+        server.stop()
 
 
 @pytest.mark.slow
@@ -1306,7 +1254,7 @@ def test_sigkill_of_a_busy_launcher_leaves_no_worker(tiny_model_dir: Path,
                                                      tmp_path: Path) -> None:
     server = start_server(tiny_model_dir, tmp_path / "server.log")
     try:
-        wait_healthy(server)
+        server.wait_ready()
         results: dict[int, list[str]] = {}
         for i in range(2):
             stream_in_thread(server.url, results, i)
@@ -1314,9 +1262,10 @@ def test_sigkill_of_a_busy_launcher_leaves_no_worker(tiny_model_dir: Path,
         server.proc.kill()  # no clean-up of any kind in the launcher
         server.proc.wait(10)
         # Busy workers notice too (they check once per step), not only idle ones.
-        assert_all_gone(server.family, timeout_s=10)
+        left = server.alive(wait_s=10)
+        assert not left, f"left behind: {[(p.pid, p.cmdline()) for p in left]}"
     finally:
-        kill_all(server)
+        server.stop()
 
 
 @pytest.mark.slow
@@ -1327,7 +1276,7 @@ def test_ctrl_c_in_a_real_shell_stops_the_answer(tiny_model_dir: Path) -> None:
          "--shell", "--shell-max-tokens", "3000"],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
         env=env, start_new_session=True)
-    shell = Server(proc, 0, Path(os.devnull))
+    family: list[psutil.Process] = []  # its workers, once it runs
     out = bytearray()
 
     def pump() -> None:
@@ -1356,7 +1305,7 @@ def test_ctrl_c_in_a_real_shell_stops_the_answer(tiny_model_dir: Path) -> None:
 
     try:
         wait_for(b">>> ", 1)
-        shell.family = psutil.Process(proc.pid).children(recursive=True)
+        family = psutil.Process(proc.pid).children(recursive=True)
         ask_and_interrupt(b"Tell me a very long story.", 1)
         # The workers did not get the Ctrl-C: the next question is answered.
         ask_and_interrupt(b"Another one, please.", 2)
@@ -1364,6 +1313,11 @@ def test_ctrl_c_in_a_real_shell_stops_the_answer(tiny_model_dir: Path) -> None:
         proc.stdin.flush()
         code = proc.wait(60)
         assert code == 0, proc.stderr.read().decode()[-3000:]
-        assert_all_gone(shell.family)
+        left = still_running(family, wait_s=15)
+        assert not left, f"left behind: {[(p.pid, p.cmdline()) for p in left]}"
     finally:
-        kill_all(shell)
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(10)
+        for worker in still_running(family):
+            worker.kill()

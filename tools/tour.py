@@ -35,22 +35,20 @@ import json
 import os
 import re
 import shlex
-import shutil
 import signal
-import socket
 import subprocess
 import sys
-import tempfile
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager, redirect_stdout
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from io import StringIO
 from pathlib import Path
 from typing import Any
 
 import httpx
-import psutil
+
+from minisgl.server.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "models/tiny-qwen3"  # what the page shows; its code snippets name it too
@@ -119,93 +117,19 @@ class Recorder:
 
 
 # =========================================================================== the server
-@dataclass
-class Server:
-    """A running ``python -m minisgl``, its log file and its processes."""
-
-    proc: subprocess.Popen
-    url: str
-    log: Path
-    family: list[psutil.Process] = field(default_factory=list)
-
-    def log_text(self, start: int = 0) -> str:
-        return self.log.read_bytes()[start:].decode("utf-8", errors="replace")
-
-    def metrics(self) -> dict[str, int]:
-        text = httpx.get(f"{self.url}/metrics", timeout=10).text
-        return {line.split()[0]: int(float(line.split()[1])) for line in text.splitlines()
-                if line and not line.startswith("#")}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def server_command(model: str, port: int) -> list[str]:
+    """The command the page shows (what runs spells out the default ``--host 127.0.0.1`` too)."""
     return ["python", "-m", "minisgl", "--model", model, "--port", str(port), "--device", "cpu"]
 
 
-def start_server(model: str, port: int, log: Path) -> Server:
-    """Start the server in the background, its log (stderr) in ``log``; wait for /health."""
+def server_process(model: str) -> ServerProcess:
+    """The server, to be started in the checkout, on the CPU, with its most detailed log."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("MINISGL_")}
     # DEBUG is the most the log says; OMP_NUM_THREADS=1 keeps the CPU's arithmetic, and with
     # it the greedy tokens, the same from run to run.
     env.update(MINISGL_LOG_LEVEL="DEBUG", OMP_NUM_THREADS="1")
-    command = [sys.executable, *server_command(model, port)[1:]]
-    with log.open("wb") as log_file:
-        proc = subprocess.Popen(command, cwd=ROOT, env=env, stdin=subprocess.DEVNULL,
-                                stdout=subprocess.DEVNULL, stderr=log_file)
-    server = Server(proc, f"http://127.0.0.1:{port}", log)
-    deadline = time.monotonic() + STARTUP_TIMEOUT_S
-    while True:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode} while starting:"
-                               f"\n{server.log_text()[-3000:]}")
-        try:
-            if httpx.get(f"{server.url}/health", timeout=5).status_code == 200:
-                break
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the server did not answer /health within "
-                               f"{STARTUP_TIMEOUT_S:.0f} s:\n{server.log_text()[-3000:]}")
-        time.sleep(0.2)
-    launcher = psutil.Process(proc.pid)
-    server.family = [launcher, *launcher.children(recursive=True)]
-    return server
-
-
-def stop_server(server: Server) -> tuple[int, float]:
-    """SIGINT, as Ctrl+C sends it; returns the exit code and the seconds it took."""
-    start = time.monotonic()
-    server.proc.send_signal(signal.SIGINT)
-    code = server.proc.wait(STOP_TIMEOUT_S)
-    return code, time.monotonic() - start
-
-
-def alive(processes: list[psutil.Process], wait_s: float = 5.0) -> list[psutil.Process]:
-    """Which of ``processes`` still run (helpers such as the resource tracker exit a moment
-    after the launcher, so they get ``wait_s`` seconds)."""
-    _, still = psutil.wait_procs(processes, timeout=wait_s)
-    left = []
-    for process in still:
-        try:
-            if process.status() != psutil.STATUS_ZOMBIE:
-                left.append(process)
-        except psutil.NoSuchProcess:
-            pass
-    return left
-
-
-def kill_all(server: Server) -> None:
-    """Last resort when the tour itself fails: no process of the server may outlive it."""
-    for process in reversed(server.family or [psutil.Process(server.proc.pid)]):
-        try:
-            process.kill()
-        except psutil.Error:
-            pass
+    return ServerProcess(model, device="cpu", env=env, cwd=ROOT,
+                         startup_timeout_s=STARTUP_TIMEOUT_S)
 
 
 # =========================================================================== the requests
@@ -223,7 +147,7 @@ def streamed_text(raw: str) -> str:
     return "".join(pieces)
 
 
-def stream_with_curl_equivalent(out: Recorder, server: Server, model: str) -> str:
+def stream_with_curl_equivalent(out: Recorder, server: ServerProcess, model: str) -> str:
     """Hop 1 and hop 6: the streamed request, as curl sends it, and the raw bytes back."""
     body = json.dumps({"model": model, "messages": MESSAGES, "max_tokens": MAX_TOKENS,
                        "temperature": 0, "stream": True})
@@ -296,29 +220,25 @@ def offline(prompt_ids: list[int]) -> tuple[str, dict[str, Any]]:
 def tour(out: Recorder, pids_file: Path | None) -> None:
     """Start the server, run the requests, stop it, then the offline part; say it all."""
     model = MODEL
-    port = free_port()
-    out.normalize.port = port
-    workdir = Path(tempfile.mkdtemp(prefix="minisgl-tour-"))  # the server's log goes here
-    log = workdir / "server.log"
-    server = start_server(model, port, log)
-    if pids_file is not None:
-        pids_file.write_text(json.dumps([p.pid for p in server.family]))
-    try:
+    server = server_process(model)
+    out.normalize.port = server.port
+    with server:  # started, and /health answered; stopped however the block ends
+        if pids_file is not None:
+            pids_file.write_text(json.dumps([p.pid for p in server.family]))
         text = run_requests(out, server, model)
         with out.section("stop"):
-            offset = log.stat().st_size
+            offset = server.log_path.stat().st_size
             out.say(f"$ kill -INT {server.proc.pid}      # what Ctrl+C in its terminal does")
-            code, seconds = stop_server(server)
+            start = time.monotonic()
+            code = server.stop(signal.SIGINT, timeout_s=STOP_TIMEOUT_S, grace_s=5.0)
+            seconds = time.monotonic() - start
             how = {128 + signal.SIGINT: " (128 + SIGINT: interrupted)", 0: ""}.get(code, "")
             out.say(f"the server exited with code {code}{how} after {seconds:.1f} s; "
                     "what it logged meanwhile:")
             out.say(server.log_text(offset).rstrip("\n"))
-            left = alive(server.family)
-            out.say(f"processes left: {len(left)} of {len(server.family)}")
-    finally:
-        if server.proc.poll() is None:
-            kill_all(server)
-        shutil.rmtree(workdir, ignore_errors=True)
+            # Helpers such as the resource tracker exit a moment after the launcher: stop()
+            # gave them 5 s, and killed (and counted here) whatever was still there.
+            out.say(f"processes left: {len(server.left_behind)} of {len(server.family)}")
     prompt, ids, tokenizer = tokenizer_step(model)
     with out.section("tokenizer"):
         out.say("The tokenizer worker's step, run here in this process "
@@ -338,7 +258,7 @@ def tour(out: Recorder, pids_file: Path | None) -> None:
         out.say(f"  the same as the server's text: {chat['text'] == text}")
 
 
-def run_requests(out: Recorder, server: Server, model: str) -> str:
+def run_requests(out: Recorder, server: ServerProcess, model: str) -> str:
     """Everything that needs the server up: sections launch, curl, openai, models, metrics
     and log. Returns the streamed text."""
     command = " ".join(server_command(model, out.normalize.port))
@@ -349,7 +269,7 @@ def run_requests(out: Recorder, server: Server, model: str) -> str:
         out.say("$ cat server.log      # lines of different processes interleave differently "
                 "on every run")
         out.say(server.log_text().rstrip("\n"))
-        workers = [p for p in server.family[1:] if "multiprocessing.spawn" in " ".join(p.cmdline())]
+        workers = server.workers()
         helpers = len(server.family) - 1 - len(workers)
         out.say(f"processes: the launcher (pid {server.proc.pid}), {len(workers)} workers, "
                 f"{helpers} helper process(es) (multiprocessing's resource tracker)")
