@@ -145,6 +145,24 @@ def test_check_fails_when_an_example_imports_a_later_chapter(made_up_repo: Path)
     assert "examples/ch01_first.py exited with 1" in out.stdout
 
 
+def test_an_example_that_runs_too_long_fails_and_shows_what_it_printed(made_up_repo: Path
+                                                                      ) -> None:
+    write(made_up_repo, "examples/ch01_first.py", """
+        import sys, time
+        print("loaded the model", flush=True)
+        print("waiting for the server", file=sys.stderr, flush=True)
+        time.sleep(60)
+    """)
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "steps.py"), "--root", str(made_up_repo), "check",
+         "ch01", "--example-timeout", "3"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1, out.stdout
+    assert "ch01: example timed out after 3 s" in out.stdout
+    # where it got stuck: both of its streams, up to the moment it was stopped
+    assert "loaded the model" in out.stdout and "waiting for the server" in out.stdout
+    assert out.stdout.strip().splitlines()[-1] == "2 passed, 1 failed, 0 skipped"
+
+
 def test_manifest_rejects_modifying_an_unknown_file(made_up_repo: Path) -> None:
     write(made_up_repo, "tools/steps.toml", MANIFEST.replace('modified = ["minisgl/a.py"]',
                                                              'modified = ["minisgl/zzz.py"]'))

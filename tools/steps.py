@@ -397,17 +397,26 @@ def device_description() -> str:
         return f"CPU {platform.machine()}, {os.cpu_count()} cores"
 
 
+def _text(output: str | bytes | None) -> str:
+    """A timed-out child's partial output (bytes, even with text=True, or None)."""
+    if isinstance(output, bytes):
+        return output.decode("utf-8", errors="replace")
+    return output or ""
+
+
 def run_example(ch: Chapter, workdir: Path, env: dict[str, str], args: list[str],
-                record: str | None, root: Path) -> Tally:
+                record: str | None, root: Path, timeout_s: float = EXAMPLE_TIMEOUT_S) -> Tally:
     tally = Tally()
     cmd = [sys.executable, str(ch.example), *args]
     start = time.perf_counter()
     try:
         proc = subprocess.run(cmd, cwd=workdir, env=env, capture_output=True, text=True,
-                              timeout=EXAMPLE_TIMEOUT_S)
-    except subprocess.TimeoutExpired:
+                              timeout=timeout_s)
+    except subprocess.TimeoutExpired as exc:
         tally.failed += 1
-        tally.failures.append(f"{ch.id}: example timed out after {EXAMPLE_TIMEOUT_S} s")
+        tally.failures.append(f"{ch.id}: example timed out after {timeout_s:g} s")
+        # What it printed before it was stopped says where it got stuck.
+        print(_indent(_text(exc.stdout)[-4000:] + _text(exc.stderr)[-4000:]))
         return tally
     seconds = time.perf_counter() - start
     if proc.returncode != 0:
@@ -437,7 +446,8 @@ def ensure_tiny_model(root: Path) -> None:
 
 
 def check_chapter(manifest: Manifest, ch: Chapter, gpu: bool, record: str | None,
-                  example_args: list[str], keep: bool) -> Tally:
+                  example_args: list[str], keep: bool,
+                  example_timeout_s: float = EXAMPLE_TIMEOUT_S) -> Tally:
     print(f"{ch.id} {ch.title}")
     tally = Tally()
     workdir = Path(tempfile.mkdtemp(prefix=f"minisgl-{ch.id}-"))
@@ -451,7 +461,8 @@ def check_chapter(manifest: Manifest, ch: Chapter, gpu: bool, record: str | None
             print(_indent(problem))
             return tally
         if (manifest.root / ch.example).exists():
-            tally.add(run_example(ch, workdir, env, example_args, record, manifest.root))
+            tally.add(run_example(ch, workdir, env, example_args, record, manifest.root,
+                                  example_timeout_s))
         else:
             tally.failed += 1
             tally.failures.append(f"{ch.id}: {ch.example} is missing")
@@ -488,7 +499,8 @@ def repository_tests(manifest: Manifest) -> list[Path]:
 
 
 def check(manifest: Manifest, chapter_ids: list[str], gpu: bool, record: bool, tag: str | None,
-          example_args: list[str], keep: bool) -> int:
+          example_args: list[str], keep: bool,
+          example_timeout_s: float = EXAMPLE_TIMEOUT_S) -> int:
     if gpu and not _has_cuda():
         print("--gpu was given but no CUDA GPU is visible")
         return 1
@@ -503,7 +515,8 @@ def check(manifest: Manifest, chapter_ids: list[str], gpu: bool, record: bool, t
             reason = "chapter not written yet"
             total.skip_reasons[reason] = total.skip_reasons.get(reason, 0) + 1
             continue
-        total.add(check_chapter(manifest, ch, gpu, record_tag, example_args, keep))
+        total.add(check_chapter(manifest, ch, gpu, record_tag, example_args, keep,
+                                example_timeout_s))
     if not chapter_ids:
         repo_tests = repository_tests(manifest)
         if repo_tests:
@@ -579,6 +592,9 @@ def build_parser() -> argparse.ArgumentParser:
     chk.add_argument("--tag", help="name of the recording (default: cuda or cpu)")
     chk.add_argument("--example-args", default="",
                      help="extra arguments for the examples, e.g. \"--model models/qwen3-0.6b-like\"")
+    chk.add_argument("--example-timeout", type=float, default=EXAMPLE_TIMEOUT_S, metavar="S",
+                     help="seconds an example may run before it counts as failed; what it "
+                          f"printed until then is shown (default: {EXAMPLE_TIMEOUT_S})")
     chk.add_argument("--keep", action="store_true", help="keep the checkpoint directories")
     return parser
 
@@ -592,7 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "tree":
             return cmd_tree(manifest, args.chapter)
         return check(manifest, args.chapters, args.gpu, args.record, args.tag,
-                     args.example_args.split(), args.keep)
+                     args.example_args.split(), args.keep, args.example_timeout)
     except ManifestError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
