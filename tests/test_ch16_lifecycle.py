@@ -621,6 +621,23 @@ def test_the_scheduler_answers_requests_it_cannot_serve(tiny_model_dir: Path) ->
     assert pool_limited.receive([AbortRequest(8)]) == [], "a plain abort of nothing is not"
 
 
+def test_a_max_tokens_the_client_chose_is_refused_when_the_prompt_leaves_less_room(
+        tiny_model_dir: Path) -> None:
+    io = scheduler_io(tiny_model_dir)  # 1024 tokens per request
+    prompt = [5] * 1000  # room for 25 tokens: the 25th is sampled but never stored
+    exact, over = SamplingParams(max_tokens=25), SamplingParams(max_tokens=26)
+    out = io.receive([UserRequest(1, prompt, over, strict_max_tokens=True),
+                      UserRequest(2, prompt, exact, strict_max_tokens=True),
+                      UserRequest(3, prompt, over)])  # a default limit: lowered, as before
+    assert [(type(m).__name__, m.uid) for m in out] == [("AbortRequest", 1)]
+    error = out[0].error
+    assert (error.status, error.code, error.param) == \
+        (400, "context_length_exceeded", "max_tokens")
+    assert "max_tokens is 26" in error.message and "at most 25" in error.message
+    assert set(io.live) == {2, 3}
+    assert io.live[2].params.max_tokens == 25 and io.live[3].params.max_tokens == 25
+
+
 def test_a_failed_step_fails_its_requests_and_the_scheduler_serves_on(
         tiny_model_dir: Path) -> None:
     from minisgl.llm import LLM
@@ -970,6 +987,33 @@ def test_http_a_prompt_too_long_is_a_400_streamed_or_not(server: Server) -> None
     assert chat.status_code == 400 and chat.json()["error"]["param"] == "messages"
     vocab = post(server, "/v1/completions", prompt=[5, 10**9], max_tokens=4)
     assert vocab.status_code == 400 and "outside the vocabulary" in vocab.text
+    assert idle(server.wait_idle())
+
+
+@pytest.mark.slow
+def test_http_a_max_tokens_that_does_not_fit_is_a_400_a_default_one_is_lowered(
+        server: Server) -> None:
+    for stream in (False, True):
+        response = post(server, "/v1/completions", prompt=[5] * 3000, max_tokens=100,
+                        stream=stream)
+        assert response.status_code == 400, response.text
+        assert response.json()["error"] == {
+            "message": "max_tokens is 100, but a prompt of 3000 tokens leaves room for at most "
+                       "73: this server serves at most 3072 tokens per request, prompt and "
+                       "output together",
+            "type": "invalid_request_error", "param": "max_tokens",
+            "code": "context_length_exceeded"}
+    chat = post(server, "/v1/chat/completions", max_completion_tokens=4000,
+                messages=[{"role": "user", "content": "hello"}])
+    assert chat.status_code == 400 and chat.json()["error"]["param"] == "max_tokens"
+    # Without max_tokens the default (1024 for chat) is only a ceiling: lowered to fit.
+    long_chat = post(server, "/v1/chat/completions", ignore_eos=True,
+                     messages=[{"role": "user", "content": "hello " * 1400}])
+    assert long_chat.status_code == 200, long_chat.text
+    usage = long_chat.json()["usage"]
+    assert 3072 - 1024 < usage["prompt_tokens"] < 3072, usage  # less room than the default
+    assert long_chat.json()["choices"][0]["finish_reason"] == "length"
+    assert usage["prompt_tokens"] + usage["completion_tokens"] == 3072 + 1  # to the last slot
     assert idle(server.wait_idle())
 
 

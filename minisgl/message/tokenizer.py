@@ -50,6 +50,8 @@ class TokenizeRequest(TokenizerMessage):
         text: a completion prompt.
         input_ids: a completion prompt as token ids.
         messages: a chat conversation, ``[{"role": "user", "content": "..."}, ...]``.
+        strict_max_tokens: chapter 16: the client chose ``max_tokens`` (passed on to the
+            scheduler's :class:`~minisgl.message.UserRequest`).
     """
 
     uid: int
@@ -57,6 +59,7 @@ class TokenizeRequest(TokenizerMessage):
     text: str | None = None
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
+    strict_max_tokens: bool = False
 
     def __post_init__(self) -> None:
         given = [name for name in ("text", "input_ids", "messages")

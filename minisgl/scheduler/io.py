@@ -141,6 +141,15 @@ class SchedulerIO:
                 f"the prompt is {len(message.input_ids)} tokens long; this server serves at "
                 f"most {limit} tokens per request, prompt and output together",
                 param="prompt", code="context_length_exceeded")
+        # The last sampled token needs no KV slot, hence the + 1 (chapter 9's lifetime rule).
+        room = limit - len(message.input_ids) + 1
+        if message.strict_max_tokens and message.sampling_params.max_tokens > room:
+            # A limit the client chose is refused, as OpenAI does; a default one is lowered.
+            return RequestError(
+                f"max_tokens is {message.sampling_params.max_tokens}, but a prompt of "
+                f"{len(message.input_ids)} tokens leaves room for at most {room}: this server "
+                f"serves at most {limit} tokens per request, prompt and output together",
+                param="max_tokens", code="context_length_exceeded")
         try:
             req = Req(message.uid, message.input_ids, message.sampling_params)
             self.scheduler.add(req)

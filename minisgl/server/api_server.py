@@ -170,7 +170,8 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = (body.max_tokens if body.max_completion_tokens is None
                   else body.max_completion_tokens)
     params = body.sampling_params(max_tokens, DEFAULT_CHAT_MAX_TOKENS)
-    uid = await frontend.submit(params, messages=[m.as_dict() for m in body.messages])
+    uid = await frontend.submit(params, messages=[m.as_dict() for m in body.messages],
+                                strict_max_tokens=max_tokens is not None)
     meta = _meta(request, "chatcmpl", uid)
     if body.stream:
         replies = await first_reply_then_rest(request, frontend, uid, "messages")
@@ -188,10 +189,11 @@ async def completions(body: CompletionRequest, request: Request):
         raise APIError(400, "prompt is empty: it needs at least one character or token",
                        "prompt")
     params = body.sampling_params(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+    strict = body.max_tokens is not None
     if isinstance(body.prompt, str):
-        uid = await frontend.submit(params, text=body.prompt)
+        uid = await frontend.submit(params, text=body.prompt, strict_max_tokens=strict)
     else:
-        uid = await frontend.submit(params, input_ids=list(body.prompt))
+        uid = await frontend.submit(params, input_ids=list(body.prompt), strict_max_tokens=strict)
     meta = _meta(request, "cmpl", uid)
     if body.stream:
         replies = await first_reply_then_rest(request, frontend, uid, "prompt")

@@ -170,11 +170,13 @@ class FrontendManager:
     # --8<-- [start:frontend_submit]
     async def submit(self, params: SamplingParams, *, text: str | None = None,
                      input_ids: list[int] | None = None,
-                     messages: list[dict[str, Any]] | None = None) -> int:
+                     messages: list[dict[str, Any]] | None = None,
+                     strict_max_tokens: bool = False) -> int:
         """Number a new request, send it to its tokenizer and return its uid.
 
         Exactly one of ``text``, ``input_ids`` and ``messages`` is the prompt. Read the replies
-        with :meth:`replies` (or :meth:`collect`).
+        with :meth:`replies` (or :meth:`collect`). ``strict_max_tokens``: the client chose
+        ``params.max_tokens``, so a prompt that leaves less room is refused, not shortened.
 
         Raises:
             APIError: the server cannot serve (a worker died, it is shutting down: 503), or
@@ -184,7 +186,8 @@ class FrontendManager:
             raise APIError.of(self.unavailable)
         self.start()
         uid, self._next_uid = self._next_uid, self._next_uid + 1
-        request = TokenizeRequest(uid, params, text=text, input_ids=input_ids, messages=messages)
+        request = TokenizeRequest(uid, params, text=text, input_ids=input_ids, messages=messages,
+                                  strict_max_tokens=strict_max_tokens)
         # The buffer exists before the request leaves, so no reply can find it missing.
         self._pending[uid] = ReplyBuffer(self.reply_buffer_size)
         try:

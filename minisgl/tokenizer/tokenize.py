@@ -59,7 +59,8 @@ class TokenizeManager:
             ids = request.input_ids
         if not ids:
             raise ValueError(f"request {request.uid}: the prompt has no tokens")
-        return UserRequest(request.uid, list(ids), request.sampling_params)
+        return UserRequest(request.uid, list(ids), request.sampling_params,
+                           strict_max_tokens=request.strict_max_tokens)
 
     def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
         """The token ids of ``messages`` rendered by the chat template, ending with an open
