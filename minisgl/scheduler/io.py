@@ -41,6 +41,7 @@ from minisgl.message import (
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import OverlapScheduler, num_sampled
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.utils import output_room
 from minisgl.utils.logger import get_logger
 from minisgl.utils.mp import (
     SharedCounters,
@@ -141,8 +142,7 @@ class SchedulerIO:
                 f"the prompt is {len(message.input_ids)} tokens long; this server serves at "
                 f"most {limit} tokens per request, prompt and output together",
                 param="prompt", code="context_length_exceeded")
-        # The last sampled token needs no KV slot, hence the + 1 (chapter 9's lifetime rule).
-        room = limit - len(message.input_ids) + 1
+        room = output_room(len(message.input_ids), limit)
         if message.strict_max_tokens and message.sampling_params.max_tokens > room:
             # A limit the client chose is refused, as OpenAI does; a default one is lowered.
             return RequestError(

@@ -40,7 +40,7 @@ from minisgl.scheduler.chunking import ChunkedPrefillBudget, cut_reqs, is_mid_pr
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.prefill import PrefillBudget, PrefillManager
-from minisgl.scheduler.utils import StepResult, lifetime_pages, lifetime_tokens
+from minisgl.scheduler.utils import StepResult, lifetime_pages, lifetime_tokens, output_room
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
@@ -106,7 +106,7 @@ class Scheduler:
             raise ValueError(f"request {req.uid}: its prompt of {len(req.prompt_ids)} tokens is "
                              f"longer than max_seq_len ({self.max_seq_len})")
         if lifetime_tokens(req) > self.max_seq_len:
-            room = self.max_seq_len - len(req.prompt_ids) + 1  # the last sample needs no slot
+            room = output_room(len(req.prompt_ids), self.max_seq_len)
             logger.warning("request %d: max_tokens %d lowered to %d to fit max_seq_len %d",
                            req.uid, req.params.max_tokens, room, self.max_seq_len)
             req.params = dataclasses.replace(req.params, max_tokens=room)

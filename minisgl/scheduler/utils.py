@@ -2,7 +2,8 @@
 
 - :func:`lifetime_tokens` / :func:`lifetime_pages`: the most KV a request can ever occupy. The
   scheduler admits a request only when that much is free, so a running request never finds the
-  pool empty halfway through its answer.
+  pool empty halfway through its answer; :func:`output_room`: the most tokens a prompt leaves
+  room for.
 - :class:`StepResult`: what one :meth:`Scheduler.step` did (the batch, the pages, the queue and
   the requests that finished), for callers that stream results and for examples that print them.
 """
@@ -28,6 +29,13 @@ def lifetime_tokens(req: Req) -> int:
 def lifetime_pages(req: Req, page_size: int) -> int:
     """Pages ``req`` holds at most, on its last step, if it runs to ``max_tokens``."""
     return pages_for(lifetime_tokens(req), page_size)
+
+
+def output_room(prompt_len: int, max_seq_len: int) -> int:
+    """The largest ``max_tokens`` a prompt of ``prompt_len`` tokens leaves room for within
+    ``max_seq_len``: :func:`lifetime_tokens` solved for ``max_tokens`` (the last sample needs
+    no slot, hence the + 1)."""
+    return max_seq_len - prompt_len + 1
 # --8<-- [end:lifetime]
 
 
