@@ -20,7 +20,13 @@ server.
 from __future__ import annotations
 
 from minisgl.message.backend import BackendMessage, UserRequest
-from minisgl.message.frontend import FrontendMessage, RequestError, TokenUsage, UserReply
+from minisgl.message.frontend import (
+    FrontendMessage,
+    RequestError,
+    TokenUsage,
+    UserReply,
+    server_error,
+)
 from minisgl.message.tokenizer import (
     AbortRequest,
     DetokenizeRequest,
@@ -55,4 +61,5 @@ __all__ = [
     "loads",
     "register_wire_type",
     "registered_types",
+    "server_error",
 ]

@@ -71,6 +71,11 @@ class RequestError:
 # --8<-- [end:request_error]
 
 
+def server_error(what: str, exc: BaseException) -> RequestError:
+    """The error a request gets when a worker fails while serving it (HTTP 500)."""
+    return RequestError(f"{what}: {type(exc).__name__}: {exc}", status=500, kind="server_error")
+
+
 # --8<-- [start:user_reply]
 @dataclass(frozen=True)
 class UserReply(FrontendMessage):

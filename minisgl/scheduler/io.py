@@ -37,6 +37,7 @@ from minisgl.message import (
     RequestError,
     TokenUsage,
     UserRequest,
+    server_error,
 )
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import OverlapScheduler, num_sampled
@@ -71,11 +72,6 @@ def scheduler_counters() -> SharedCounters:
 # this many failed steps in a row mean it cannot recover, and the process exits (the API server
 # then reports it unhealthy and fails every waiting request).
 MAX_FAILED_STEPS = 3
-
-
-def server_error(what: str, exc: BaseException) -> RequestError:
-    """The error a request gets when the server fails while serving it (HTTP 500)."""
-    return RequestError(f"{what}: {type(exc).__name__}: {exc}", status=500, kind="server_error")
 
 
 class SchedulerIO:

@@ -39,6 +39,7 @@ from minisgl.message import (
     RequestError,
     TokenUsage,
     UserReply,
+    server_error,
 )
 from minisgl.utils.logger import get_logger
 
@@ -244,9 +245,7 @@ class DetokenizeManager:
         else:
             self.states[message.uid] = RequestText(DecodeStream(self.decode), StopMatcher(()),
                                                    stopped=True)
-        return UserReply.failure(message.uid, RequestError(
-            f"the detokenizer failed: {type(exc).__name__}: {exc}", status=500,
-            kind="server_error"))
+        return UserReply.failure(message.uid, server_error("the detokenizer failed", exc))
     # --8<-- [end:fail]
 
     # --8<-- [start:process]

@@ -35,6 +35,7 @@ from minisgl.message import (
     TokenizeRequest,
     TokenizerMessage,
     UserRequest,
+    server_error,
 )
 from minisgl.tokenizer.detokenize import DetokenizeManager
 from minisgl.tokenizer.tokenize import TokenizeManager, load_tokenizer
@@ -79,9 +80,7 @@ def tokenize_or_fail(manager: TokenizeManager,
         return AbortRequest(request.uid, error=RequestError(str(exc), param=param))
     except Exception as exc:  # a bug, or a tokenizer that raises something else
         logger.exception("request %d could not be tokenized", request.uid)
-        return AbortRequest(request.uid, error=RequestError(
-            f"the tokenizer failed: {type(exc).__name__}: {exc}", status=500,
-            kind="server_error"))
+        return AbortRequest(request.uid, error=server_error("the tokenizer failed", exc))
 # --8<-- [end:tokenize_or_fail]
 
 
