@@ -182,6 +182,9 @@ class SchedulerIO:
             return self._fail(live, exc)
         self._failed_steps = 0
         self._last_uids = result.uids
+        if self.stats is not None and messages:  # one shared-memory update per step
+            self.stats.add(generation_tokens=len(messages),  # one message per token
+                           prompt_tokens=sum(m.prompt_tokens for m in messages))
         self._publish()
         return messages
 
@@ -201,9 +204,6 @@ class SchedulerIO:
                 stop=req.params.stop if first else (),
                 prompt_tokens=len(req.prompt_ids) if first else 0,
             ))
-        if self.stats is not None and real > sent:
-            self.stats.add(generation_tokens=real - sent,
-                           prompt_tokens=len(req.prompt_ids) if sent == 0 else 0)
         self._sent[req.uid] = real
         if finished:
             del self.live[req.uid], self._sent[req.uid]
