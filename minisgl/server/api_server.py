@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import AsyncIterator, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
@@ -37,7 +37,6 @@ from minisgl.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ResponseMeta,
-    _closing,
     chat_body,
     completion_body,
     stream_chat,
@@ -64,7 +63,7 @@ async def abort_on_disconnect(frontend: FrontendManager, uid: int,
     """
     finished = False
     try:
-        async with _closing(chunks):
+        async with aclosing(chunks):
             async for chunk in chunks:
                 yield chunk
         finished = True
@@ -154,7 +153,7 @@ async def first_reply_then_rest(request: Request, frontend: FrontendManager, uid
 
 
 async def _prepend(first: UserReply, rest: AsyncIterator[UserReply]) -> AsyncIterator[UserReply]:
-    async with _closing(rest):
+    async with aclosing(rest):
         yield first
         if not first.finished:
             async for reply in rest:

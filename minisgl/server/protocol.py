@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -299,7 +299,7 @@ async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
     generator closes ``replies``, which frees the request's state at once.
     """
     extra = {"usage": None} if include_usage else {}  # OpenAI: null on all but the last
-    async with _closing(replies):
+    async with aclosing(replies):
         yield sse_event({**chat_chunk(meta, {"role": "assistant", "content": ""}), **extra})
         async for reply in replies:
             if reply.delta:  # empty while a multi-byte character is incomplete
@@ -321,7 +321,7 @@ async def stream_completion(replies: AsyncIterator[UserReply], meta: ResponseMet
     """A text completion as SSE: a chunk per piece of text, one with the finish reason, the
     usage (if asked), then ``[DONE]``; an error event instead if the request fails."""
     extra = {"usage": None} if include_usage else {}
-    async with _closing(replies):
+    async with aclosing(replies):
         async for reply in replies:
             if reply.delta:
                 yield sse_event({**completion_chunk(meta, reply.delta), **extra})
@@ -334,18 +334,3 @@ async def stream_completion(replies: AsyncIterator[UserReply], meta: ResponseMet
                                      "usage": usage_dict(reply.usage)})
         yield SSE_DONE
 
-
-@asynccontextmanager
-async def _closing(iterator: AsyncIterator[Any]) -> AsyncIterator[None]:
-    """Close ``iterator`` (an async generator) on the way out, however that is.
-
-    ``async for`` does not close what it iterates when the loop is left early: a generator
-    left suspended is closed only when it is garbage-collected. Closing it here runs its
-    ``finally`` now.
-    """
-    try:
-        yield
-    finally:
-        aclose = getattr(iterator, "aclose", None)
-        if aclose is not None:
-            await aclose()
