@@ -17,7 +17,6 @@ prompt leaves. A request that fails prints its error instead of a reply.
 from __future__ import annotations
 
 import asyncio
-import json
 import signal
 import sys
 import threading
@@ -30,6 +29,7 @@ from typing import TextIO
 from minisgl.core import SamplingParams
 from minisgl.server.frontend import FrontendManager
 from minisgl.server.protocol import APIError
+from minisgl.utils.hf import load_hf_config
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
@@ -44,7 +44,7 @@ def sampling_params_for(model_dir: str | Path, max_tokens: int) -> SamplingParam
     """How the checkpoint's ``generation_config.json`` says to sample; greedy if it does not
     ask for sampling (``do_sample``) or has no such file."""
     path = Path(model_dir) / "generation_config.json"
-    config = json.loads(path.read_text(encoding="utf-8")) if path.is_file() else {}
+    config = load_hf_config(path) if path.is_file() else {}
     if not config.get("do_sample", False):
         return SamplingParams(temperature=0.0, max_tokens=max_tokens)
     top_k = config.get("top_k") or -1  # transformers' 0 means "no top-k", ours is -1
