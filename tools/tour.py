@@ -30,13 +30,13 @@ compared::
 from __future__ import annotations
 
 import argparse
+import functools
 import importlib.util
 import json
 import os
 import re
 import shlex
 import signal
-import subprocess
 import sys
 import time
 from collections.abc import Iterator
@@ -44,6 +44,7 @@ from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 from io import StringIO
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 import httpx
@@ -306,14 +307,15 @@ def run_requests(out: Recorder, server: ServerProcess, model: str) -> str:
     return text
 
 
-def device_description() -> str:
-    """The same first line as every recording (tools/steps.py writes it)."""
+@functools.cache
+def steps_module() -> ModuleType:
+    """``tools/steps.py``, whose recording header and tiny-model builder the Tour shares."""
     spec = importlib.util.spec_from_file_location("_tour_steps", ROOT / "tools" / "steps.py")
     assert spec is not None and spec.loader is not None
     steps = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = steps  # its dataclasses look the module up while it loads
     spec.loader.exec_module(steps)
-    return steps.device_description()
+    return steps
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -333,15 +335,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-def ensure_model() -> None:
-    """Build the tiny model if it is missing (it is not committed)."""
-    if (ROOT / MODEL / "model.safetensors").is_file():
-        return
-    print(f"building {MODEL} with tools/make_tiny_model.py ...", file=sys.stderr)
-    subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"),
-                    "--out", str(ROOT / MODEL)], cwd=ROOT, check=True)
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if signal.getsignal(signal.SIGINT) is signal.SIG_IGN:
@@ -351,7 +344,7 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.out is not None and not args.record:
         build_parser().error("--out is where --record writes; add --record")
-    ensure_model()
+    steps_module().ensure_tiny_model(ROOT)  # it is not committed; built if missing
     out = Recorder(Normalizer())
     out.say("$ python tools/tour.py")
     out.say(f"The Tour, for real: one chat request to the server on {MODEL}, on the CPU.")
@@ -363,7 +356,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.record:
         target = args.out or ROOT / DEFAULT_OUT
         target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(f"# recorded on {device_description()}\n{out.text()}",
+        target.write_text(f"# recorded on {steps_module().device_description()}\n{out.text()}",
                           encoding="utf-8")
         print(f"recorded in {target}", file=sys.stderr)
     return 0
