@@ -493,7 +493,8 @@ def cb_result(workload: Workload, wall: float, lens: list[int]) -> SystemResult:
 
 
 # ----------------------------------------------------------------------------- printing
-def header_info(model_path: Path, device: Any, dtype: Any) -> dict[str, Any]:
+def header_info(model_path: Path, config: dict[str, Any], device: Any, dtype: Any
+                ) -> dict[str, Any]:
     import torch
     import transformers
 
@@ -503,7 +504,6 @@ def header_info(model_path: Path, device: Any, dtype: Any) -> dict[str, Any]:
         flashinfer_version = getattr(flashinfer, "__version__", "installed")
     except ImportError:
         flashinfer_version = None
-    config = json.loads((model_path / "config.json").read_text())
     if device.type == "cuda":
         device_name = torch.cuda.get_device_name(device)
     else:
@@ -606,18 +606,18 @@ def main(argv: Sequence[str] | None = None) -> Report:
         import minisgl  # noqa: F401
     except ImportError:  # run from a checkout that was not pip-installed
         sys.path.insert(0, str(ROOT))
-    from minisgl.utils.hf import resolve_model_path
+    from minisgl.utils.hf import load_hf_config, resolve_model_path
     from minisgl.utils.torch_utils import resolve_dtype
 
     model_path = Path(resolve_model_path(args.model))
     args.model = str(model_path)
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
-    vocab_size = json.loads((model_path / "config.json").read_text())["vocab_size"]
+    config = load_hf_config(model_path)
     workload = make_workload(args.num_requests, args.min_len, args.max_len, args.seed,
-                             vocab_size)
+                             config["vocab_size"])
 
-    report = Report(header=header_info(model_path, device, dtype), workload={
+    report = Report(header=header_info(model_path, config, device, dtype), workload={
         "num_requests": workload.num_requests, "min_len": args.min_len,
         "max_len": args.max_len, "seed": args.seed, "input_lens": workload.input_lens,
         "output_lens": workload.output_lens, "output_tokens": workload.output_tokens})

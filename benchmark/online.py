@@ -67,6 +67,7 @@ try:
 except ImportError:  # run from a checkout that was not pip-installed
     sys.path.insert(0, str(ROOT))
 from minisgl.server.process import ServerError, ServerProcess, parse_metrics
+from minisgl.utils.hf import load_hf_config
 
 DEFAULT_MODEL = "models/tiny-qwen3"
 DEFAULT_STARTUP_TIMEOUT_S = 600.0  # a large checkpoint, CUDA graph capture: minutes at worst
@@ -705,12 +706,12 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
 
 def model_config(path: str | None) -> dict[str, Any] | None:
     """The checkpoint's config.json, where ``path`` is a local directory holding one."""
-    if path is None:
+    if path is None or not Path(path).is_dir():
+        return None  # e.g. a hub id the server resolved itself
+    try:
+        return load_hf_config(path)
+    except FileNotFoundError:
         return None
-    config = Path(path) / "config.json"
-    if not config.is_file():
-        return None
-    return json.loads(config.read_text())
 
 
 async def served_model(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
