@@ -117,8 +117,7 @@ def offline_reference(model: str, device: str, tokenizer) -> tuple[list[dict], s
     from minisgl.llm import LLM  # the offline engine of chapter 9
 
     llm = LLM(model, device=device, **ENGINE_OPTIONS)
-    chat_ids = tokenizer.apply_chat_template(CHAT, tokenize=True, add_generation_prompt=True)
-    chat_ids = list(chat_ids["input_ids"] if hasattr(chat_ids, "keys") else chat_ids)
+    chat_ids = TokenizeManager(tokenizer).apply_chat_template(CHAT)  # what the worker sends
     answers = llm.generate(["Hello, my name is", chat_ids, "A list of fruits:"],
                            [SamplingParams(max_tokens=12), SamplingParams(max_tokens=10),
                             SamplingParams(max_tokens=16, ignore_eos=True)])
