@@ -66,6 +66,7 @@ from minisgl.server.api_server import create_app
 from minisgl.server.frontend import FrontendManager
 from minisgl.server.process import ServerProcess, still_running
 from minisgl.shell import Shell
+from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqPushQueue, ipc_address
 
 STARTUP_TIMEOUT_S = 180.0
 
@@ -367,6 +368,42 @@ def test_a_reader_that_lets_replies_pile_up_is_cut_off_at_once() -> None:
     last, buffered, aborted = run(scenario)
     assert buffered == 1, "the frontend holds the error alone, not 21 replies"
     assert last.error.code == "slow_reader" and aborted == [0]
+
+
+def test_a_reader_that_keeps_up_is_not_cut_off_by_a_burst(tmp_path: Path) -> None:
+    """Replies that reach the inbox while the event loop is busy (a fast engine) come out of
+    ZMQ back to back, without a pause; the reader waiting for them is not a slow reader."""
+    address = ipc_address("inbox", directory=tmp_path)
+
+    async def scenario() -> tuple[list[UserReply], int]:
+        inbox = ZmqAsyncPullQueue(address, FrontendMessage, bind=True)
+        detokenizer = ZmqPushQueue(address, FrontendMessage, bind=False)
+        frontend = FrontendManager([FakeWorkers(asyncio.Queue())], inbox, reply_buffer_size=4)
+        uid = await frontend.submit(SamplingParams(), text="quiet")
+        got: list[UserReply] = []
+        reader = asyncio.ensure_future(_read_all(frontend.replies(uid), got))
+        await asyncio.sleep(0.05)  # the reader waits for its first reply
+        for i in range(40):  # 40 frames of one reply, then 1 frame of 40
+            detokenizer.put(UserReply(uid, f"{i} "))
+        detokenizer.put_many(UserReply(uid, f"{i} ", "length" if i == 79 else None)
+                             for i in range(40, 80))
+        time.sleep(0.3)  # the loop is busy while they arrive
+        await reader
+        slow = frontend.stats.slow_readers
+        await frontend.close()
+        detokenizer.close()
+        inbox.close()
+        return got, slow
+
+    got, slow = run(scenario)
+    assert slow == 0, "a reader that was waiting was cut off as a slow reader"
+    assert [r.delta for r in got] == [f"{i} " for i in range(80)]
+    assert got[-1].finish_reason == "length"
+
+
+async def _read_all(replies: Any, into: list[UserReply]) -> None:
+    async for reply in replies:
+        into.append(reply)
 
 
 # =========================================================================== 6/7. errors over HTTP
@@ -1246,6 +1283,23 @@ def stop_busy_server(server: Server, how: str) -> None:
 def test_sigterm_stops_a_busy_server_in_order(server: Server) -> None:
     """Runs last of the module server's tests: it stops the server."""
     stop_busy_server(server, "SIGTERM")
+
+
+def test_serve_http_raises_the_signal_that_stopped_it(monkeypatch: pytest.MonkeyPatch) -> None:
+    """uvicorn raises the signal that stopped it again as it returns; when that second raise
+    is lost (asyncio's SIGINT handler let it pass in rare runs), ``serve_http`` still ends
+    the way the launcher turns into exit status 130 or 143, not as a normal return (0)."""
+    from minisgl.server import launch
+
+    async def app(scope: Any, receive: Any, send: Any) -> None: ...
+
+    for sig, raised in ((signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, launch._Terminated)):
+        def stopped(server: launch.OrderlyServer, sockets: Any = None, sig: int = sig) -> None:
+            server.handle_exit(sig, None)  # uvicorn's handler, as the signal arrives; then return
+
+        monkeypatch.setattr(launch.OrderlyServer, "run", stopped)
+        with socket.socket() as sock, pytest.raises(raised):
+            launch.serve_http(app, sock)
 
 
 @pytest.mark.slow

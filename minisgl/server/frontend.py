@@ -235,6 +235,12 @@ class FrontendManager:
             except (SerializationError, TypeError) as exc:  # a bad frame: drop it, go on
                 logger.error("dropping a message the frontend cannot read: %s", exc)
                 continue
+            buffer = self._pending.get(reply.uid)
+            if buffer is not None and buffer.full:
+                # Replies that arrived while the loop was busy come out of the inbox back to
+                # back, with no pause for readers (ZMQ hands over what it holds at once): a
+                # full buffer is the reader's fault only once it has had a turn to take.
+                await asyncio.sleep(0)
             self._dispatch(reply)
 
     def _dispatch(self, reply: UserReply) -> None:

@@ -237,7 +237,15 @@ def serve_http(app: Any, sock: socket.socket, shutdown_timeout_s: float = 5.0) -
     config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
                             lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout_s + UVICORN_GRACE_S)
-    OrderlyServer(config, app, shutdown_timeout_s).run(sockets=[sock])
+    server = OrderlyServer(config, app, shutdown_timeout_s)
+    server.run(sockets=[sock])
+    # uvicorn raises the signal again as it returns, but a SIGINT raised then goes through
+    # asyncio's own SIGINT handler, and in rare runs no KeyboardInterrupt came out of it (the
+    # launcher exited 0 after Ctrl-C). The signal it noted decides instead.
+    if server.stopped_by == signal.SIGINT:
+        raise KeyboardInterrupt
+    if server.stopped_by == signal.SIGTERM:
+        raise _Terminated
 
 
 class OrderlyServer(uvicorn.Server):
@@ -256,6 +264,7 @@ class OrderlyServer(uvicorn.Server):
         self._app = app
         self._shutdown_timeout_s = shutdown_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.stopped_by: int | None = None  # the first signal that stopped the server
 
     def _end_requests(self) -> None:
         frontend = getattr(self._app.state, "frontend", None)
@@ -277,6 +286,8 @@ class OrderlyServer(uvicorn.Server):
             timer.cancel()
 
     def handle_exit(self, sig: int, frame: Any) -> None:
+        if self.stopped_by is None:
+            self.stopped_by = sig
         super().handle_exit(sig, frame)
         if self.force_exit and self._loop is not None:  # a second Ctrl-C: no more waiting
             self._loop.call_soon_threadsafe(self._end_requests)

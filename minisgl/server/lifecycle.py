@@ -65,10 +65,15 @@ class ReplyBuffer:
                 or self.capacity < 1:
             raise ValueError(f"a reply buffer holds at least 1 reply, got {self.capacity!r}")
 
+    @property
+    def full(self) -> bool:
+        """Whether the next :meth:`push` would find no room."""
+        return len(self.replies) >= self.capacity
+
     def push(self, reply: UserReply, now: float) -> bool:
         """Keep ``reply`` for the reader and wake it. False when the buffer is full: the
         reply is not kept, and the reader is too slow to be served."""
-        if len(self.replies) >= self.capacity:
+        if self.full:
             return False
         if not self.replies:
             self.behind_since = now

@@ -33,6 +33,11 @@ class ReplyBuffer:
     finished: bool = False
     failed: bool = False
 
+    @property
+    def full(self) -> bool:
+        """Whether the next :meth:`push` would find no room (given: the frontend asks it)."""
+        return len(self.replies) >= self.capacity
+
     def __post_init__(self) -> None:
         raise NotImplementedError("__post_init__: a capacity that is not an int >= 1 (a bool "
                                   "is not one) is a ValueError naming the value")

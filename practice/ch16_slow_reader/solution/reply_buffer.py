@@ -33,6 +33,11 @@ class ReplyBuffer:
     finished: bool = False
     failed: bool = False
 
+    @property
+    def full(self) -> bool:
+        """Whether the next :meth:`push` would find no room (given: the frontend asks it)."""
+        return len(self.replies) >= self.capacity
+
     def __post_init__(self) -> None:
         if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) \
                 or self.capacity < 1:
@@ -40,7 +45,7 @@ class ReplyBuffer:
 
     def push(self, reply: UserReply, now: float) -> bool:
         """Keep ``reply`` and wake the reader; False (nothing kept) when the buffer is full."""
-        if len(self.replies) >= self.capacity:
+        if self.full:
             return False
         if not self.replies:
             self.behind_since = now
