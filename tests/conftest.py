@@ -1,14 +1,17 @@
-"""Shared test fixtures: the tiny model, and the GPU marker.
+"""Shared test fixtures: the tiny model, the GPU marker, and importing a repository script.
 
 This file is copied into every chapter checkpoint by `tools/steps.py check`, so it may only use
 what every checkpoint has: pytest, torch, and `tools/make_tiny_model.py`.
 """
 from __future__ import annotations
 
+import importlib.util
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -51,3 +54,21 @@ def tiny_model_dir() -> Path:
 def device() -> str:
     """The device GPU tests run on."""
     return "cuda" if _has_cuda() else "cpu"
+
+
+def load_repo_script(relative: str) -> ModuleType:
+    """Import a script of the repository, e.g. ``benchmark/offline.py``, as a fresh module
+    (``tools/`` and ``benchmark/`` are not packages)."""
+    path = ROOT / relative
+    spec = importlib.util.spec_from_file_location("_script_" + path.stem, path)
+    assert spec is not None and spec.loader is not None, f"cannot import {path}"
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="session")
+def repo_script() -> Callable[[str], ModuleType]:
+    """:func:`load_repo_script`, for tests that import a script of the repository."""
+    return load_repo_script

@@ -7,11 +7,11 @@ the ratios of the throughputs it printed. The workload itself is checked without
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -22,18 +22,9 @@ SCRIPT = ROOT / "benchmark" / "offline.py"
 NUM_REQUESTS, MIN_LEN, MAX_LEN = 8, 8, 32
 
 
-def load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("benchmark_offline", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def offline() -> ModuleType:
-    return load_benchmark()
+def offline(repo_script: Callable[[str], ModuleType]) -> ModuleType:
+    return repo_script("benchmark/offline.py")
 
 
 def test_the_workload_is_reproducible_and_within_bounds(offline: ModuleType) -> None:

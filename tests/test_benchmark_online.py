@@ -12,7 +12,6 @@ dies at start-up must be reported with the end of its log.
 
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import math
@@ -21,6 +20,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -33,18 +33,9 @@ RATES = [16.0, math.inf]
 NUM_REQUESTS, MIN_INPUT, MAX_INPUT, MIN_OUTPUT, MAX_OUTPUT = 6, 4, 24, 2, 12
 
 
-def load_benchmark() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("benchmark_online", SCRIPT)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def online() -> ModuleType:
-    return load_benchmark()
+def online(repo_script: Callable[[str], ModuleType]) -> ModuleType:
+    return repo_script("benchmark/online.py")
 
 
 # =========================================================================== helpers

@@ -8,14 +8,13 @@ tests are skipped and say how to install it; the build itself is always checked.
 from __future__ import annotations
 
 import functools
-import importlib.util
 import os
 import re
 import shutil
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
@@ -35,15 +34,6 @@ NO_CHROMIUM = (
 )
 # Pygments marks tokens with short classes: k keyword, n name, s2 string, nf function name, ...
 PYGMENTS_TOKEN = re.compile(r'<span class="(?:k|kn|n|nf|nb|s|s1|s2|o|p|mi|c1)">')
-
-
-def load_steps() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("_docs_site_steps", ROOT / "tools" / "steps.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # its dataclasses look the module up while it loads
-    spec.loader.exec_module(module)
-    return module
 
 
 def find_chromium() -> str | None:
@@ -116,8 +106,10 @@ def render(url: str, profile: Path, screenshot: str) -> str:
     return chromium(url, profile, f"--screenshot={ARTIFACTS / screenshot}", "--dump-dom")
 
 
-def test_every_chapter_of_the_manifest_has_a_page(site: Path) -> None:
-    steps = load_steps()
+def test_every_chapter_of_the_manifest_has_a_page(
+    site: Path, repo_script: Callable[[str], ModuleType]
+) -> None:
+    steps = repo_script("tools/steps.py")
     manifest = steps.load_manifest(ROOT)
     missing = [ch.name for ch in manifest.chapters
                if not (site / "chapters" / ch.name / "index.html").exists()]
@@ -127,10 +119,11 @@ def test_every_chapter_of_the_manifest_has_a_page(site: Path) -> None:
 
 
 def test_chapter_page_renders_with_title_navigation_and_code(
-    served: tuple[str, list[tuple[str, int]]], tmp_path: Path
+    served: tuple[str, list[tuple[str, int]]], tmp_path: Path,
+    repo_script: Callable[[str], ModuleType]
 ) -> None:
     base, requests = served
-    ch = load_steps().load_manifest(ROOT).chapter("ch01")
+    ch = repo_script("tools/steps.py").load_manifest(ROOT).chapter("ch01")
     dom = render(f"{base}/chapters/{ch.name}/", tmp_path, "ch01.png")
 
     assert ch.title in dom, f"the page does not show the chapter's title {ch.title!r}"

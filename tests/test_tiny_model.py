@@ -5,11 +5,11 @@ The tool is run the way a reader runs it, as a subprocess, into temporary direct
 """
 from __future__ import annotations
 
-import importlib.util
 import itertools
 import json
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
 
@@ -37,19 +37,9 @@ def run_tool(*args: str) -> subprocess.CompletedProcess[str]:
                           text=True, timeout=300, check=False)
 
 
-def load_tool() -> ModuleType:
-    """Import tools/make_tiny_model.py as a module (tools/ is not a package)."""
-    spec = importlib.util.spec_from_file_location("make_tiny_model", TOOL)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
-def tool() -> ModuleType:
-    return load_tool()
+def tool(repo_script: Callable[[str], ModuleType]) -> ModuleType:
+    return repo_script("tools/make_tiny_model.py")
 
 
 @pytest.fixture(scope="module")
