@@ -380,15 +380,18 @@ def test_a_reader_that_keeps_up_is_not_cut_off_by_a_burst(tmp_path: Path) -> Non
         detokenizer = ZmqPushQueue(address, FrontendMessage, bind=False)
         frontend = FrontendManager([FakeWorkers(asyncio.Queue())], inbox, reply_buffer_size=4)
         uid = await frontend.submit(SamplingParams(), text="quiet")
-        got: list[UserReply] = []
-        reader = asyncio.ensure_future(_read_all(frontend.replies(uid), got))
+
+        async def read_all() -> list[UserReply]:
+            return [r async for r in frontend.replies(uid)]
+
+        reader = asyncio.ensure_future(read_all())
         await asyncio.sleep(0.05)  # the reader waits for its first reply
         for i in range(40):  # 40 frames of one reply, then 1 frame of 40
             detokenizer.put(UserReply(uid, f"{i} "))
         detokenizer.put_many(UserReply(uid, f"{i} ", "length" if i == 79 else None)
                              for i in range(40, 80))
         time.sleep(0.3)  # the loop is busy while they arrive
-        await reader
+        got = await reader
         slow = frontend.stats.slow_readers
         await frontend.close()
         detokenizer.close()
@@ -399,11 +402,6 @@ def test_a_reader_that_keeps_up_is_not_cut_off_by_a_burst(tmp_path: Path) -> Non
     assert slow == 0, "a reader that was waiting was cut off as a slow reader"
     assert [r.delta for r in got] == [f"{i} " for i in range(80)]
     assert got[-1].finish_reason == "length"
-
-
-async def _read_all(replies: Any, into: list[UserReply]) -> None:
-    async for reply in replies:
-        into.append(reply)
 
 
 # =========================================================================== 6/7. errors over HTTP
