@@ -55,7 +55,7 @@ def parse_chat_stream(reads: Iterable[bytes]) -> ChatStream:
                     data_lines.append(value.removeprefix(" "))
     if not done:
         raise ValueError(f"the stream ended without data: [DONE] after {result.events} "
-                         f"event(s) (cut off); unread: {buffer + b''.join(map(str.encode, data_lines))!r}")
+                         f"event(s): it was cut off (unread: {buffer!r}, {data_lines!r})")
     return result
 
 
