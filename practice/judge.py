@@ -29,7 +29,6 @@ import shutil
 import subprocess
 import sys
 import tempfile
-import xml.etree.ElementTree as ET
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,15 +41,18 @@ PRACTICE = Path(__file__).resolve().parent
 ROOT = PRACTICE.parent
 
 
-def _load_steps():
-    spec = importlib.util.spec_from_file_location("steps", ROOT / "tools" / "steps.py")
+def _load(name: str, path: Path):
+    """Import a file of the repository by path (tools/ and practice/ are not packages)."""
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
-    sys.modules["steps"] = module
+    sys.modules[name] = module  # dataclasses look their module up while being built
     spec.loader.exec_module(module)
     return module
 
 
-steps = _load_steps()
+steps = _load("steps", ROOT / "tools" / "steps.py")
+_results = _load("judge_results", PRACTICE / "results.py")
+TestResult, read_junit = _results.TestResult, _results.read_junit
 
 
 @dataclass(frozen=True)
@@ -61,6 +63,7 @@ class Exercise:
     file: str
     summary: str
     folder: Path
+    in_browser: bool = False  # `browser = true`: its tests need no torch (see docs/hooks/browser.py)
 
     @property
     def starter(self) -> Path:
@@ -71,13 +74,6 @@ class Exercise:
         return self.folder / "solution" / self.file
 
 
-@dataclass(frozen=True)
-class TestResult:
-    name: str
-    passed: bool
-    message: str
-
-
 def load_exercises(practice: Path = PRACTICE) -> list[Exercise]:
     exercises = []
     for toml in sorted(practice.glob("*/exercise.toml")):
@@ -86,7 +82,7 @@ def load_exercises(practice: Path = PRACTICE) -> list[Exercise]:
         if missing:
             raise SystemExit(f"{toml}: missing keys {sorted(missing)}")
         exercises.append(Exercise(toml.parent.name, data["title"], data["chapter"], data["file"],
-                                  data["summary"], toml.parent))
+                                  data["summary"], toml.parent, bool(data.get("browser", False))))
     return exercises
 
 
@@ -100,18 +96,25 @@ def select(exercises: list[Exercise], wanted: str | None) -> list[Exercise]:
     return chosen
 
 
+def stage(exercise: Exercise, learner_file: Path, workdir: Path) -> Path:
+    """Lay out one run of the exercise in `workdir`: its chapter's checkpoint, and in
+    `exercise/` the learner's file, the tests and the checkpoint's conftest. Returns `exercise/`.
+    The in-browser runner ships the same layout (docs/hooks/browser.py)."""
+    steps.build_checkpoint(steps.load_manifest(ROOT), exercise.chapter, workdir)
+    here = workdir / "exercise"
+    here.mkdir()
+    shutil.copy2(learner_file, here / exercise.file)
+    shutil.copy2(exercise.folder / "test_exercise.py", here / "test_exercise.py")
+    if (workdir / "tests" / "conftest.py").exists():
+        shutil.copy2(workdir / "tests" / "conftest.py", here / "conftest.py")
+    return here
+
+
 def judge(exercise: Exercise, learner_file: Path) -> list[TestResult]:
     """Run the exercise's tests against `learner_file` in a checkpoint of its chapter."""
-    manifest = steps.load_manifest(ROOT)
     with tempfile.TemporaryDirectory(prefix=f"judge-{exercise.id}-") as tmp:
         workdir = Path(tmp)
-        steps.build_checkpoint(manifest, exercise.chapter, workdir)
-        here = workdir / "exercise"
-        here.mkdir()
-        shutil.copy2(learner_file, here / exercise.file)
-        shutil.copy2(exercise.folder / "test_exercise.py", here / "test_exercise.py")
-        if (workdir / "tests" / "conftest.py").exists():
-            shutil.copy2(workdir / "tests" / "conftest.py", here / "conftest.py")
+        here = stage(exercise, learner_file, workdir)
         env = steps.checkpoint_env(workdir, gpu=False)
         env["PYTHONPATH"] = os.pathsep.join([str(here), str(workdir)])
         report = workdir / "report.xml"
@@ -120,40 +123,31 @@ def judge(exercise: Exercise, learner_file: Path) -> list[TestResult]:
              f"--junitxml={report}", "test_exercise.py"],
             cwd=here, env=env, capture_output=True, text=True, timeout=steps.TESTS_TIMEOUT_S,
         )
-        if not report.exists() or not list(ET.parse(report).getroot().iter("testcase")):
-            return [TestResult("collecting the tests", False, (proc.stdout + proc.stderr)[-2000:])]
-        results = []
-        for case in ET.parse(report).getroot().iter("testcase"):
-            bad = case.find("failure")
-            if bad is None:
-                bad = case.find("error")
-            message = "" if bad is None else _first_line(bad.get("message") or bad.text or "")
-            results.append(TestResult(case.get("name", "?"), bad is None, message))
-        return results
-
-
-def _first_line(text: str) -> str:
-    lines = [line for line in text.strip().splitlines() if line.strip()]
-    return lines[0][:300] if lines else ""
+        found = read_junit(report) if report.exists() else []
+        if not found:
+            return [TestResult("collecting the tests", "failed", (proc.stdout + proc.stderr)[-2000:])]
+        return found
 
 
 def report(label: str, results: list[TestResult]) -> int:
-    """Print one line per test and return the number that passed."""
+    """Print one line per test and return the number that failed."""
     print(label)
     for r in results:
-        mark = "PASS" if r.passed else "FAIL"
+        mark = {"passed": "PASS", "failed": "FAIL", "skipped": "SKIP"}[r.outcome]
         print(f"  {mark}  {r.name}" + (f"\n        {r.message}" if r.message else ""))
-    passed = sum(r.passed for r in results)
-    print(f"  {passed}/{len(results)} tests passed")
-    return passed
+    failed = sum(r.outcome == "failed" for r in results)
+    skipped = sum(r.outcome == "skipped" for r in results)
+    print(f"  {len(results) - failed - skipped}/{len(results)} tests passed"
+          + (f", {skipped} skipped" if skipped else ""))
+    return failed
 
 
 def judge_learner(exercises: list[Exercise]) -> int:
     all_passed = True
     for ex in exercises:
-        results = judge(ex, ex.starter)
-        passed = report(f"{ex.id}: {ex.title}  ({ex.starter.relative_to(ROOT)})", results)
-        all_passed &= passed == len(results)
+        failed = report(f"{ex.id}: {ex.title}  ({ex.starter.relative_to(ROOT)})",
+                        judge(ex, ex.starter))
+        all_passed &= failed == 0
     print("all passed" if all_passed else "not yet: read the failures above, then try again")
     return 0 if all_passed else 1
 
@@ -162,16 +156,15 @@ def judge_solutions(exercises: list[Exercise]) -> int:
     """The reference solutions must pass every test; the untouched starters must fail one."""
     problems = []
     for ex in exercises:
-        solution = judge(ex, ex.solution)
-        passed = report(f"{ex.id}: reference solution", solution)
-        if passed != len(solution):
-            problems.append(f"{ex.id}: the reference solution fails {len(solution) - passed} test(s)")
+        failed = report(f"{ex.id}: reference solution", judge(ex, ex.solution))
+        if failed:
+            problems.append(f"{ex.id}: the reference solution fails {failed} test(s)")
         starter = judge(ex, ex.starter)
-        starter_passed = sum(r.passed for r in starter)
-        print(f"  starter: {starter_passed}/{len(starter)} tests pass"
-              + (" (as it should, it fails)" if starter_passed < len(starter) else ""))
-        if starter_passed == len(starter):
-            problems.append(f"{ex.id}: the untouched starter passes every test")
+        starter_failed = sum(r.outcome == "failed" for r in starter)
+        print(f"  starter: {starter_failed}/{len(starter)} tests fail"
+              + (" (as it should)" if starter_failed else ""))
+        if not starter_failed:
+            problems.append(f"{ex.id}: the untouched starter fails no test")
     for p in problems:
         print(f"problem: {p}")
     print(f"{len(exercises)} exercises, {len(problems)} problems")

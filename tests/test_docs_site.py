@@ -18,6 +18,7 @@ from collections.abc import Callable, Iterator
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -157,3 +158,84 @@ def test_tour_shows_the_process_diagram_and_highlighted_code(
     assert python and PYGMENTS_TOKEN.search(python.group(0)), "the tour's Python is not highlighted"
     for cdn in ("cdn.jsdelivr.net", "unpkg.com"):
         assert cdn not in dom, f"the page loads scripts from {cdn}"
+
+
+# --------------------------------------------------------------------------- exercises in the browser
+def browser_exercises(repo_script: Callable[[str], ModuleType]) -> list[Any]:
+    return [ex for ex in repo_script("practice/judge.py").load_exercises() if ex.in_browser]
+
+
+def run_in_page(page: Any, timeout_ms: int) -> dict[str, list[str]]:
+    """Click "Run the tests" and wait for the verdict: {outcome: [test names with messages]}."""
+    page.click(".exercise-run")
+    page.wait_for_selector('.exercise-runner[data-state="done"], .exercise-runner[data-state="error"]',
+                           timeout=timeout_ms)
+    assert page.get_attribute(".exercise-runner", "data-state") == "done", (
+        f"the run failed: {page.inner_text('.exercise-status')}\n"
+        f"{page.inner_text('.exercise-output pre')[-2000:]}"
+    )
+    by_outcome: dict[str, list[str]] = {}
+    for item in page.query_selector_all(".exercise-result"):
+        by_outcome.setdefault(item.get_attribute("data-outcome") or "?", []).append(item.inner_text())
+    return by_outcome
+
+
+def test_browser_exercises_run_offline_in_the_page(
+    served: tuple[str, list[tuple[str, int]]], repo_script: Callable[[str], ModuleType]
+) -> None:
+    """Every exercise marked `browser = true` runs its own tests on its page with the network
+    blocked except for the site: the untouched starter fails with messages shown, the reference
+    solution (typed into the editor) passes; tests that need PyTorch may only be skipped."""
+    if not (ROOT / ".browser" / "runtime.json").exists():
+        pytest.skip("the site was built without the in-browser runner: "
+                    "run `python tools/browser_runtime.py` first")
+    sync_api = pytest.importorskip("playwright.sync_api", reason="pip install playwright")
+    browser_path = find_chromium()
+    if browser_path is None:
+        pytest.skip(NO_CHROMIUM)
+    exercises = browser_exercises(repo_script)
+    assert len(exercises) >= 9, f"only {len(exercises)} exercises run in the browser"
+    base, _ = served
+    blocked: list[str] = []
+
+    def only_the_site(route: Any) -> None:
+        if route.request.url.startswith(base):
+            route.continue_()
+        else:
+            blocked.append(route.request.url)
+            route.abort()
+
+    with sync_api.sync_playwright() as playwright:
+        browser = playwright.chromium.launch(
+            executable_path=browser_path,
+            args=["--no-sandbox", "--disable-gpu", "--disable-background-networking",
+                  "--host-resolver-rules=MAP * ~NOTFOUND, EXCLUDE 127.0.0.1"])
+        try:
+            context = browser.new_context()
+            context.route("**/*", only_the_site)
+            for ex in exercises:
+                page = context.new_page()
+                page.goto(f"{base}/practice/{ex.id}/")
+                page.wait_for_selector('.exercise-runner[data-state="ready"]', timeout=30_000)
+                assert page.input_value(".exercise-editor") == ex.starter.read_text(), (
+                    f"{ex.id}: the editor does not hold the starter")
+
+                starter = run_in_page(page, BROWSER_TIMEOUT_S * 1000)
+                assert starter.get("failed"), f"{ex.id}: the untouched starter passed: {starter}"
+                assert all("\n" in line for line in starter["failed"]), (
+                    f"{ex.id}: a failing test shows no message: {starter['failed']}")
+
+                page.fill(".exercise-editor", ex.solution.read_text())
+                solution = run_in_page(page, BROWSER_TIMEOUT_S * 1000)
+                assert not solution.get("failed"), (
+                    f"{ex.id}: the reference solution fails in the browser: {solution['failed']}")
+                assert len(solution.get("passed", [])) > len(solution.get("skipped", [])), (
+                    f"{ex.id}: most tests were skipped in the browser: {solution}")
+                page.reload()  # the edited code survives a reload (local storage)
+                page.wait_for_selector('.exercise-runner[data-state="ready"]', timeout=30_000)
+                assert page.input_value(".exercise-editor") == ex.solution.read_text()
+                page.close()
+        finally:
+            browser.close()
+    runtime = [url for url in blocked if "pyodide" in url or url.endswith((".whl", ".wasm"))]
+    assert not runtime, f"the runner asked outside the site for: {runtime}"

@@ -13,8 +13,6 @@ import pytest
 from admission import choose_admissions, worst_case_pages
 
 from minisgl.core import Req, SamplingParams
-from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.scheduler import Scheduler
 
 
 def req(uid: int, prompt_len: int, max_tokens: int) -> Req:
@@ -141,6 +139,11 @@ def test_your_choices_are_the_schedulers(tiny_model_dir: Path) -> None:
     once, requests arriving over ten steps: before every step your function is given the
     scheduler's queue and budget, and must pick the batch the scheduler then runs (or nothing,
     when the scheduler runs a decode step instead)."""
+    pytest.importorskip("torch", reason="runs chapter 9's scheduler, which needs PyTorch "
+                                        "(not in the browser): the local judge runs this test")
+    from minisgl.scheduler.config import SchedulerConfig
+    from minisgl.scheduler.scheduler import Scheduler
+
     scheduler = Scheduler(SchedulerConfig(tiny_model_dir, device="cpu", page_size=4,
                                           num_pages=16, max_running_reqs=4,
                                           max_prefill_tokens=24))

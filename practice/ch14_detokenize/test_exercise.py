@@ -181,6 +181,8 @@ def test_pieces_plus_flush_are_the_text_before_the_stop() -> None:
 # ------------------------------------------------------------------------------ a real tokenizer
 @pytest.fixture(scope="module")
 def tokenizer(tiny_model_dir: Path):
+    pytest.importorskip("transformers", reason="the tiny model's tokenizer needs transformers "
+                        "(not in the browser): the local judge runs these tests")
     from minisgl.tokenizer.tokenize import load_tokenizer
 
     return load_tokenizer(tiny_model_dir)
