@@ -86,3 +86,87 @@ def test_ch05_memory_table_and_worked_slot_follow_from_the_rows() -> None:
         f"{first[0] * 16 + first[1]}",
         f"page {last[0]} at offset {last[1]}: slot {last[0] * 16 + last[1]:,}",
     )
+
+
+# --------------------------------------------------------------------------- chapter 6
+def ch06_batch(text: str) -> tuple[list[tuple[int, int, int]], dict[int, list[int]], int]:
+    """The (row, cached, new) spans, each row's pages and the page size the recording prints."""
+    head = re.search(r"one batch, (\d+)-token pages: \(row, cached, new\) = (.*)", text)
+    assert head, "the recording has no 'one batch' line"
+    spans = [tuple(map(int, s)) for s in re.findall(r"\((\d+), (\d+), (\d+)\)", head.group(2))]
+    rows = {int(r): [int(p) for p in pages.split(", ")]
+            for r, pages in re.findall(r"row (\d+) pages \[([\d, ]+)\]", text)}
+    return spans, rows, int(head.group(1))  # type: ignore[return-value]
+
+
+def printed(text: str, name: str) -> list[int]:
+    m = re.search(rf"^\s*{name}\s+\[([\d, ]+)\]", text, re.M)
+    assert m, f"the recording has no {name} line"
+    return [int(x) for x in m.group(1).split(", ")]
+
+
+def test_ch06_metadata_follows_from_the_batch_and_the_page_states_it() -> None:
+    for tag in ("cpu", "cuda"):
+        text = recording(f"ch06_attention-{tag}")
+        spans, rows, page_size = ch06_batch(text)
+        positions, out_loc, last, pages, last_len = [], [], [], [], []
+        for row, cached, new in spans:
+            total = cached + new
+            mine = rows[row][: -(-total // page_size)]
+            for pos in range(cached, total):
+                positions.append(pos)
+                out_loc.append(mine[pos // page_size] * page_size + pos % page_size)
+            last.append(len(positions) - 1)
+            pages.append(mine)
+            last_len.append(total - (len(mine) - 1) * page_size)
+
+        def indptr(lengths: list[int]) -> list[int]:
+            return [sum(lengths[:i]) for i in range(len(lengths) + 1)]
+
+        derived = {
+            "positions": positions, "out_loc": out_loc, "last_indices": last,
+            "qo_indptr": indptr([n for _, _, n in spans]),
+            "kv_indptr": indptr([c + n for _, c, n in spans]),
+            "page_indptr": indptr([len(p) for p in pages]),
+            "page_indices": [x for p in pages for x in p], "last_page_len": last_len,
+        }
+        for name, value in derived.items():
+            assert printed(text, name) == value, f"{tag}: {name} is not what the batch gives"
+    news = [n for _, _, n in spans]
+    assert_on_page(
+        "ch06",
+        f"`{' + '.join(map(str, news))} = {sum(news)}` tokens",
+        f"slots {rows[0][1]} × 16 + 4 = {out_loc[0]} to {out_loc[news[0] - 1]}",
+        f"{out_loc[news[0]]} to {out_loc[news[0] + news[1] - 1]}",
+        f"slot {out_loc[-1]}",
+        f"`qo_indptr = {derived['qo_indptr']}`",
+        f"`kv_indptr {derived['kv_indptr']}`",
+        f"indptr = {derived['page_indptr']}",
+        f"indices = {derived['page_indices']}",
+        f"last_page_len = {derived['last_page_len']}",
+        f"− 1 = {last}`",
+    )
+
+
+def test_ch06_errors_on_the_page_are_the_recorded_ones() -> None:
+    cpu, cuda = recording("ch06_attention-cpu"), recording("ch06_attention-cuda")
+    torch16 = re.search(r"torch\s+16\s+(\S+)\s+(\S+)\s+(\S+)", cpu)
+    torch1 = re.search(r"torch\s+1\s+(\S+)\s+(\S+)\s+(\S+)", cpu)
+    fi16 = re.search(r"flashinfer\s+16\s+(\S+)\s+(\S+)\s+(\S+)", cuda)
+    model = re.search(r"torch\s+max \|logits paged - dense\| = (\S+), same greedy token at "
+                      r"(\d+)/(\d+)", cpu)
+    fi_model = re.search(r"flashinfer\s+max \|logits paged - dense\| = (\S+), same greedy token "
+                         r"at (\d+)/(\d+)", cuda)
+    largest = re.search(r"largest \|logit\| (\S+);", cuda)
+    assert torch16 and torch1 and fi16 and model and fi_model and largest
+    assert_on_page(
+        "ch06",
+        f"{torch1.group(2)} with cached prefixes",
+        f"{torch1.group(3)} and {torch16.group(3)} for decode",
+        f"within {model.group(1)} of per-prompt",
+        f"all {model.group(3)} positions",
+        f"FlashInfer is {fi16.group(1)} off",
+        f"within {fi_model.group(1)} of the dense run's",
+        f"largest logit of {largest.group(1)}",
+        f"{fi_model.group(2)} of {fi_model.group(3)} positions",
+    )
