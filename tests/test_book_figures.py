@@ -170,3 +170,39 @@ def test_ch06_errors_on_the_page_are_the_recorded_ones() -> None:
         f"largest logit of {largest.group(1)}",
         f"{fi_model.group(2)} of {fi_model.group(3)} positions",
     )
+
+
+# --------------------------------------------------------------------------- chapter 7
+def test_ch07_budget_table_follows_from_both_recordings() -> None:
+    for tag in ("cpu", "cuda"):
+        text = recording(f"ch07_engine-{tag}")
+        budget = number(text, r"budget\s+([\d,]+) bytes")
+        token = number(text, r"one token .* = ([\d,]+) bytes")
+        page_bytes = number(text, r"one page\s+\d+ tokens = ([\d,]+) bytes")
+        pages = number(text, r"pages\s+[\d,]+ // [\d,]+ = ([\d,]+)")
+        pool = number(text, r"pool\s+([\d,]+) pages")
+        assert pages == budget // page_bytes, f"{tag}: pages are not budget // page bytes"
+        cap = 256 * -(-4096 // 4) + 1
+        assert pool == min(pages, cap), f"{tag}: the pool is not the budget capped at {cap:,}"
+        assert_on_page("ch07", f"{budget:,}", f"{token:,} bytes", f"{page_bytes:,} bytes",
+                       f"{pages:,}", f"{pool:,} pages, {pool * 4:,} tokens")
+    cpu_budget = number(recording("ch07_engine-cpu"), r"budget\s+([\d,]+) bytes")
+    assert_on_page("ch07", f"{cpu_budget:,} // 16,384 = {cpu_budget // 16384:,} pages")
+
+
+def test_ch07_pages_used_follow_from_the_prompts() -> None:
+    text = recording("ch07_engine-cpu")
+    prompts = [int(n) for n in re.findall(r"(\d+) tokens", text.split("prompts:")[1].split("(")[0])]
+    steps = re.findall(r"^\s+(\d+)\s+(?:prefill|decode).*?(\d+) \(\+(\d+)\)$", text, re.M)
+    assert len(steps) == 9, "the recording should show a prefill and eight decode steps"
+    for step, used, _ in steps:
+        tokens = [n + int(step) for n in prompts]  # step k feeds the k-th sampled token
+        assert int(used) == sum(-(-n // 4) for n in tokens), f"step {step}: pages used"
+    first = [-(-n // 4) for n in prompts]
+    last = [n + 8 for n in prompts]
+    assert_on_page(
+        "ch07",
+        f"{' + '.join(map(str, first))} = {sum(first)} pages",
+        f"{int(steps[-1][1])} pages for {sum(last)} tokens",
+        f"step 8 ({', '.join(map(str, last))})",
+    )
