@@ -206,3 +206,86 @@ def test_ch07_pages_used_follow_from_the_prompts() -> None:
         f"{int(steps[-1][1])} pages for {sum(last)} tokens",
         f"step 8 ({', '.join(map(str, last))})",
     )
+
+
+# --------------------------------------------------------------------------- chapter 8
+def test_ch08_timing_table_follows_from_the_recording() -> None:
+    text = recording("ch08_cuda_graph-cuda-qwen3-0.6b-like")
+    rows = re.findall(r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x\s+yes\s+(\S+)\s+(\d+)/(\d+)$",
+                      text, re.M)
+    assert [int(r[0]) for r in rows] == [1, 8, 64, 256], "the recording's batch sizes changed"
+    for batch, eager, graph, speedup, diff, same, total in rows:
+        assert f"{float(eager) / float(graph):.1f}" == speedup, f"batch {batch}: speed-up"
+        assert same == total == batch and float(diff) == 0.0, f"batch {batch}: eager differs"
+        assert_on_page("ch08", f"| {batch} | {eager} | {graph} | "
+                               f"{float(eager) - float(graph):.2f} | {speedup}× |")
+    eager = {int(r[0]): float(r[1]) for r in rows}
+    graph = {int(r[0]): float(r[2]) for r in rows}
+    growth = graph[256] - graph[1]
+    assert_on_page(
+        "ch08",
+        f"{eager[8]} ms at batch 8", f"{eager[256]} ms, at batch 256",
+        f"(+{eager[256] - eager[8]:.2f} ms)",
+        f"{graph[256]} − {graph[1]} = {growth:.2f} ms",
+        f"at most {1e3 * growth / 255:.1f} µs per added request",
+        re.search(r"captured batch sizes \[[\d, ]+\] in [\d.]+ s", text).group(0),  # type: ignore[union-attr]
+    )
+
+
+def test_ch08_operation_count_on_the_page(tiny_model_dir: Path) -> None:
+    """Exercise 1's count: PyTorch operations of one decode forward of tiny-qwen3 on a CPU."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from minisgl.core import Batch, Req, SamplingParams
+    from minisgl.engine.config import EngineConfig
+    from minisgl.engine.engine import Engine
+
+    class Count(TorchDispatchMode):
+        """Counts every operation the dispatcher sees while it is active."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # type: ignore[no-untyped-def]
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    engine = Engine(EngineConfig(str(tiny_model_dir), device="cpu", dtype="float32",
+                                 num_pages=64, cuda_graph=False))
+    req = Req(0, list(range(1, 17)), SamplingParams(max_tokens=4, ignore_eos=True))
+    engine.reserve(req)
+    req.append_token(engine.forward(Batch([req], "prefill")).tolist()[0])
+    engine.reserve(req)
+
+    def counted(module: torch.nn.Module) -> Count:
+        """Count the operations of every later call of `module`."""
+        mode, forward = Count(), module.forward
+
+        def forward_counted(*args: object, **kwargs: object) -> object:
+            with mode:
+                return forward(*args, **kwargs)
+
+        module.forward = forward_counted  # type: ignore[method-assign]
+        return mode
+
+    whole = counted(engine.model)
+    layer = counted(engine.model.model.layers[1])
+    engine.forward(Batch([req], "decode"))
+    layers = len(engine.model.model.layers)
+    outside = whole.n - layers * layer.n
+    assert_on_page("ch08", f"issues **{whole.n} operations**, {layer.n} per decoder layer and "
+                           f"{outside} outside them",
+                   f"{outside} + 28 × {layer.n} = {outside + 28 * layer.n:,}")
+
+
+def test_ch08_padding_share_of_the_default_list() -> None:
+    from minisgl.engine.graph import default_capture_sizes, padded_batch_size
+
+    sizes = default_capture_sizes(256)
+    shares = [(padded_batch_size(b, sizes) - b) / padded_batch_size(b, sizes)
+              for b in range(1, 257)]
+    worst = max(range(1, 257), key=lambda b: shares[b - 1])
+    assert_on_page("ch08", f"{len(sizes)} sizes", f"average {100 * sum(shares) / 256:.1f}% padding",
+                   f"{worst} requests in the graph of {padded_batch_size(worst, sizes)}")
