@@ -7,6 +7,7 @@ chapter. The manifest `tools/steps.toml` says which files each chapter adds (`ne
 
     python tools/steps.py list                 # every chapter, its stage and status
     python tools/steps.py tree ch05            # the "Files so far" tree of a chapter
+    python tools/steps.py checkout ch05 DIR    # write the tree as of a chapter into DIR
     python tools/steps.py check [ch01 ...]     # rebuild each checkpoint, run its example + tests
         [--gpu]                                # a missing GPU is an error, not a skip
         [--record]                             # save each example's output for the book
