@@ -239,3 +239,89 @@ def test_browser_exercises_run_offline_in_the_page(
             browser.close()
     runtime = [url for url in blocked if "pyodide" in url or url.endswith((".whl", ".wasm"))]
     assert not runtime, f"the runner asked outside the site for: {runtime}"
+
+
+# --------------------------------------------------------------------------- snapshot captions
+SNAPSHOT_INCLUDE = re.compile(r'--8<-- "tools/versions/(ch\d\d)/([^":]+)[^"]*"')
+
+
+def later_changes(manifest: object, chapter_id: str, path: str) -> list[int]:
+    """The chapters after `chapter_id` that modify `path`, as the manifest lists them."""
+    first = manifest.chapter(chapter_id).number  # type: ignore[attr-defined]
+    return [c.number for c in manifest.chapters  # type: ignore[attr-defined]
+            if c.number > first and path in c.modified]
+
+
+def test_every_snapshot_include_is_captioned_with_its_chapter(
+    site: Path, repo_script: Callable[[str], ModuleType]
+) -> None:
+    manifest = repo_script("tools/steps.py").load_manifest(ROOT)
+    includes = 0
+    for ch in manifest.chapters:
+        if not (ROOT / ch.page).exists():
+            continue
+        wanted = []
+        for chapter_id, path in SNAPSHOT_INCLUDE.findall((ROOT / ch.page).read_text("utf-8")):
+            later = later_changes(manifest, chapter_id, path)
+            number = manifest.chapter(chapter_id).number
+            wanted.append(f"{path} as of chapter {number}"
+                          + (f" (changed in chapter{'s' if len(later) > 1 else ''} "
+                             f"{', '.join(map(str, later))})" if later else ""))
+        html = (site / "chapters" / ch.name / "index.html").read_text("utf-8")
+        shown = re.findall(r'<span class="filename">([^<]*)</span>', html)
+        assert sorted(s for s in shown if " as of chapter " in s) == sorted(wanted), (
+            f"{ch.page}: the captions of its {len(wanted)} snapshot includes differ\n"
+            f"expected {sorted(wanted)}\nactual   {sorted(shown)}"
+        )
+        includes += len(wanted)
+    assert includes > 0, "no chapter includes a snapshot, so nothing was checked"
+
+
+def test_caption_lists_every_later_chapter_and_leaves_other_blocks_alone(
+    repo_script: Callable[[str], ModuleType]
+) -> None:
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed (pip install -e '.[dev]')")
+    hook = repo_script("docs/hooks/book.py")
+    steps = repo_script("tools/steps.py")
+    manifest = steps.load_manifest(ROOT)
+    book = hook.Book(ROOT, steps, manifest)
+    # A file changed twice after its snapshot: every later chapter is named, in order.
+    chapter_id, path = next(
+        (c.id, p) for c in manifest.chapters for p in (*c.new, *c.early, *c.modified)
+        if len(later_changes(manifest, c.id, p)) >= 2
+    )
+    later = ", ".join(map(str, later_changes(manifest, chapter_id, path)))
+    page = (
+        f'```python\n--8<-- "tools/versions/{chapter_id}/{path}:region"\n```\n\n'
+        '```python\n--8<-- "minisgl/core.py:region"\n```\n'
+    )
+    out = hook.captioned_snapshots(book, page, "chapters/example.md")
+    number = manifest.chapter(chapter_id).number
+    assert f'```python title="{path} as of chapter {number} (changed in chapters {later})"' in out
+    assert '```python\n--8<-- "minisgl/core.py:region"' in out, "a current file got a caption"
+    assert out.count("--8<--") == 2, "captioning dropped an include"
+
+
+def test_strict_build_fails_on_a_missing_snapshot_region(tmp_path: Path) -> None:
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed (pip install -e '.[dev]')")
+    copy = tmp_path / "repo"
+    top_level_only = {".git", "site", "models", ".artifacts"}  # minisgl/models/ must come along
+    shutil.copytree(ROOT, copy, ignore=lambda folder, names: [
+        n for n in names if n in {"__pycache__", ".hypothesis", ".pytest_cache"}
+        or (Path(folder) == ROOT and n in top_level_only)])
+    page = next(p for p in sorted((copy / "chapters").glob("ch*.md"))
+                if SNAPSHOT_INCLUDE.search(p.read_text("utf-8")))
+    text = page.read_text("utf-8")
+    first = SNAPSHOT_INCLUDE.search(text)
+    assert first is not None
+    broken = f'--8<-- "tools/versions/{first.group(1)}/{first.group(2)}:no_such_region"'
+    page.write_text(text.replace(first.group(0), broken, 1), encoding="utf-8")
+    proc = subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
+        cwd=copy, env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
+        capture_output=True, text=True, timeout=300,
+    )
+    assert proc.returncode != 0, (
+        f"mkdocs build --strict passed although {page.name} includes {broken}\n{proc.stdout[-2000:]}"
+    )
+    assert "no_such_region" in proc.stdout + proc.stderr

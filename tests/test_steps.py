@@ -117,6 +117,34 @@ def test_checkpoint_holds_only_its_chapters_files(made_up_repo: Path, tmp_path: 
     assert not (dest / "minisgl/b.py").exists()
 
 
+def test_checkout_writes_the_tree_as_of_a_chapter_and_its_example_runs_there(
+    made_up_repo: Path, tmp_path: Path
+) -> None:
+    dest = tmp_path / "as-of-ch01"
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "steps.py"), "--root", str(made_up_repo),
+         "checkout", "ch01", str(dest)], capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert (dest / "minisgl/a.py").read_text() == "VERSION = 1\n", "not chapter 1's version"
+    assert not (dest / "minisgl/b.py").exists(), "a later chapter's file is in the tree"
+    assert "PYTHONPATH=. python examples/ch01_first.py" in out.stdout, out.stdout
+    ran = subprocess.run([sys.executable, "examples/ch01_first.py"], cwd=dest,
+                         env={"PYTHONPATH": "."}, capture_output=True, text=True, timeout=120)
+    assert ran.stdout.strip() == "a is 1", ran.stdout + ran.stderr
+
+
+def test_checkout_refuses_a_directory_that_is_not_empty(made_up_repo: Path, tmp_path: Path
+                                                        ) -> None:
+    write(tmp_path, "busy/notes.txt", "mine\n")
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "tools" / "steps.py"), "--root", str(made_up_repo),
+         "checkout", "ch02", str(tmp_path / "busy")], capture_output=True, text=True, timeout=120,
+    )
+    assert out.returncode == 2 and "not empty" in out.stderr, out.stdout + out.stderr
+    assert (tmp_path / "busy/notes.txt").read_text() == "mine\n"
+
+
 def test_check_passes_and_counts_every_test(made_up_repo: Path) -> None:
     out = run_check(made_up_repo)
     assert out.returncode == 0, out.stdout + out.stderr

@@ -7,6 +7,7 @@ chapter. The manifest `tools/steps.toml` says which files each chapter adds (`ne
 
     python tools/steps.py list                 # every chapter, its stage and status
     python tools/steps.py tree ch05            # the "Files so far" tree of a chapter
+    python tools/steps.py checkout ch05 DIR    # write the tree as of a chapter into DIR
     python tools/steps.py check [ch01 ...]     # rebuild each checkpoint, run its example + tests
         [--gpu]                                # a missing GPU is an error, not a skip
         [--record]                             # save each example's output for the book
@@ -572,6 +573,19 @@ def cmd_tree(manifest: Manifest, chapter_id: str) -> int:
     return 0
 
 
+def cmd_checkout(manifest: Manifest, chapter_id: str, dest: Path) -> int:
+    """Write chapter `chapter_id`'s tree into `dest` to read and run, without checking it."""
+    ch = manifest.chapter(chapter_id)
+    if dest.exists() and any(dest.iterdir()):
+        print(f"error: {dest} is not empty; name a new directory", file=sys.stderr)
+        return 2
+    dest.mkdir(parents=True, exist_ok=True)
+    build_checkpoint(manifest, ch.id, dest)
+    print(f"{ch.id} {ch.title}: {counts_line(tree_counts(manifest, ch.id))}, written to {dest}")
+    print(f"run its example there with:  cd {dest} && PYTHONPATH=. python {ch.example}")
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python tools/steps.py",
@@ -583,6 +597,10 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("list", help="list every chapter with its stage and status")
     tree = sub.add_parser("tree", help="print a chapter's 'Files so far' tree and counts")
     tree.add_argument("chapter", help="chapter id, e.g. ch05")
+    checkout = sub.add_parser("checkout", help="write a chapter's tree (the code as of that "
+                                               "chapter, its example and tests) into a directory")
+    checkout.add_argument("chapter", help="chapter id, e.g. ch05")
+    checkout.add_argument("dest", type=Path, help="a new or empty directory")
     chk = sub.add_parser("check", help="run chapters' examples and tests on their checkpoints, "
                                        "then the repository-level tests")
     chk.add_argument("chapters", nargs="*", help="chapter ids (default: all, plus repository tests)")
@@ -607,6 +625,8 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_list(manifest)
         if args.command == "tree":
             return cmd_tree(manifest, args.chapter)
+        if args.command == "checkout":
+            return cmd_checkout(manifest, args.chapter, args.dest)
         return check(manifest, args.chapters, args.gpu, args.record, args.tag,
                      args.example_args.split(), args.keep, args.example_timeout)
     except ManifestError as exc:

@@ -16,8 +16,12 @@ From it this hook
       <!-- usage: tools/steps.py -->  the `--help` text of a script's `build_parser()`
       <!-- env-vars -->               the MINISGL_* environment variables
 
+* captions every code block that includes an earlier version of a file
+  (`tools/versions/chNN/<path>`): "<path> as of chapter N (changed in chapters X, Y)", the later
+  chapters read from the manifest, so a reader knows the file in the tree reads differently;
 * and warns, which fails `mkdocs build --strict`, when a page includes a recorded output
-  (`docs/recorded/...`) that has not been recorded, naming the command that records it.
+  (`docs/recorded/...`) that has not been recorded, naming the command that records it, or
+  includes a snapshot outside a code block, where it cannot be captioned.
 
 A missing snippet file or region is caught by pymdownx.snippets itself (`check_paths: true`).
 """
@@ -51,6 +55,13 @@ log = get_plugin_logger("book")
 USAGE_WIDTH = "88"  # columns of the rendered --help text, so the page does not depend on a terminal
 SNIPPET_LINE = re.compile(r'^(?P<indent>[ \t]*)--8<--[ \t]+"(?P<target>[^"]+)"[ \t]*$', re.M)
 RECORDED = "docs/recorded/"
+SNAPSHOT = re.compile(r"^tools/versions/(?P<chapter>ch\d\d)/(?P<path>[^:]+)")
+# A fenced code block: its opening line (indent, fence, info string), body and closing fence.
+CODE_BLOCK = re.compile(
+    r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^\n`]*)\n(?P<body>(?:.*\n)*?)"
+    r"(?P=indent)(?P=fence)[ \t]*$",
+    re.M,
+)
 FILES_YOU_WILL_WRITE = re.compile(r"<!--\s*files-you-will-write\s*-->")
 # The bold run-in head the template puts before the tree is folded into the generated line.
 FILES_SO_FAR = re.compile(
@@ -178,6 +189,7 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
     markdown = PRACTICE_LIST.sub(lambda m: practice_list(b), markdown)
     markdown = USAGE.sub(lambda m: usage_text(b, m.group("path"), src), markdown)
     markdown = ENV_VARS.sub(lambda m: env_vars(b), markdown)
+    markdown = captioned_snapshots(b, markdown, src)
     return SNIPPET_LINE.sub(lambda m: checked_recording(b, m, src), markdown)
 
 
@@ -305,6 +317,48 @@ def checked_recording(b: Book, m: re.Match[str], src: str) -> str:
         command = f"python tools/steps.py check {name[:4]} --record{gpu}"
     log.warning(f"{src}: {target} has not been recorded; run `{command}`")
     return f"{m.group('indent')}(not recorded yet: run {command})"
+
+
+def snapshot_caption(b: Book, target: str) -> str | None:
+    """ "<path> as of chapter N (changed in chapters X, Y)" for an include of
+    `tools/versions/chNN/<path>[:region]`; None for any other include."""
+    m = SNAPSHOT.match(target)
+    if m is None:
+        return None
+    path = m.group("path")
+    try:
+        ch = b.manifest.chapter(m.group("chapter"))
+    except ValueError as exc:  # steps.ManifestError: no such chapter
+        log.warning(f"{target}: {exc}")
+        return f"{path}, an earlier version"
+    later = [c.number for c in b.manifest.chapters if c.number > ch.number and path in c.modified]
+    if not later:
+        return f"{path} as of chapter {ch.number}"
+    word = "chapter" if len(later) == 1 else "chapters"
+    return f"{path} as of chapter {ch.number} (changed in {word} {', '.join(map(str, later))})"
+
+
+def captioned_snapshots(b: Book, markdown: str, src: str) -> str:
+    """Give every code block that includes a snapshot a title saying which chapter's version
+    it shows; warn (fatal under --strict) about a snapshot included outside a code block."""
+
+    def caption(block: re.Match[str]) -> str:
+        titles = [t for s in SNIPPET_LINE.finditer(block.group("body"))
+                  if (t := snapshot_caption(b, s.group("target"))) is not None]
+        if not titles or "title=" in block.group("info"):
+            return block.group(0)
+        title = "; ".join(dict.fromkeys(titles)).replace('"', "'")
+        opening = f'{block.group("indent")}{block.group("fence")}{block.group("info").rstrip()}'
+        closing = block.group(0).rsplit("\n", 1)[1]
+        return f'{opening} title="{title}"\n{block.group("body")}{closing}'
+
+    markdown = CODE_BLOCK.sub(caption, markdown)
+    outside = CODE_BLOCK.sub("", markdown)
+    for s in SNIPPET_LINE.finditer(outside):
+        if SNAPSHOT.match(s.group("target")):
+            log.warning(f"{src}: {s.group('target')} is included outside a code block, so it "
+                        "cannot say which chapter's version it shows; put it in a ```python block")
+    return markdown
 
 
 # --------------------------------------------------------------------------- practice
