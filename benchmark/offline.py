@@ -752,8 +752,10 @@ def run_ablations(args: argparse.Namespace, names: Sequence[str], vocab_size: in
               f"{'on' if use_fused else 'off'}, for {', '.join(a.label for a in group)}",
               flush=True)
         with fused.use_fused(use_fused):
+            # Rows (and captured graph sizes) for the largest batch the workloads make.
+            rows = max(args.num_requests, args.short_requests + args.long_requests)
             llm = LLM(args.model, device=args.device, dtype=args.dtype,
-                      **{"prefix_cache": "radix", **dict(options)})
+                      **{"prefix_cache": "radix", "max_running_reqs": rows, **dict(options)})
             warm_up_minisgl(llm)
             for arm in group:
                 if arm.run_key in done:  # the same measurement, read by another ablation
