@@ -730,7 +730,7 @@ def fused_active(arm: Arm) -> bool:
     """Whether the arm's layers called the fused kernels (they need CUDA and bf16/fp16)."""
     from minisgl.layers import fused
 
-    return arm.fused and any(status == "ok" for status in fused.kernel_status().values())
+    return arm.fused and any(status == "on" for status in fused.kernel_status().values())
 
 
 def run_ablations(args: argparse.Namespace, names: Sequence[str], vocab_size: int,
