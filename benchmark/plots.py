@@ -51,6 +51,10 @@ def nice_ticks(low: float, high: float, count: int = 5) -> list[float]:
     return ticks
 
 
+def value_label(value: float) -> str:
+    return f"{value:,.0f}" if abs(value) >= 1000 else f"{value:.4g}"
+
+
 def tick_label(value: float) -> str:
     return f"{value:g}" if abs(value) < 1e6 else f"{value:.1e}"
 
@@ -60,6 +64,7 @@ class Series:
     name: str
     points: list[tuple[float, float]]
     dashed: bool = False
+    labels: Sequence[str] = ()  # a note beside each point, e.g. the request rate
 
 
 class Canvas:
@@ -145,6 +150,8 @@ def line_chart(title: str, x_label: str, y_label: str, series: Sequence[Series],
             for x, y in s.points:
                 canvas.add(f'<circle cx="{fmt(x_axis(x))}" cy="{fmt(y_axis(y))}" r="3" '
                            f'fill="{colour}"/>')
+        for (x, y), note in zip(s.points, s.labels):
+            canvas.text(x_axis(x) + 6, y_axis(y) + 16, note, anchor="start", size=10)
         legend_y = TOP + 4 + 16 * k
         canvas.line(LEFT + 12, legend_y, LEFT + 32, legend_y, colour, s.dashed)
         canvas.text(LEFT + 38, legend_y + 4, s.name, anchor="start")
@@ -183,7 +190,7 @@ def bar_panels(title: str, panels: Sequence[tuple[str, Sequence[tuple[str, float
             canvas.text(label_w, y + 14, label, anchor="end")
             canvas.add(f'<rect x="{label_w + 6}" y="{fmt(y + 3)}" width="{fmt(width)}" '
                        f'height="{row - 6}" fill="{COLOURS[k % len(COLOURS)]}"/>')
-            canvas.text(label_w + 12 + width, y + 14, f"{value:.4g}", anchor="start")
+            canvas.text(label_w + 12 + width, y + 14, value_label(value), anchor="start")
             y += row
         y += 4
     return canvas.svg()
@@ -198,7 +205,9 @@ def latency_throughput(online: dict[str, Any]) -> str:
     """Median and p99 end-to-end latency against the output throughput each rate reached."""
     results = [r for r in online["results"] if r["e2e_s"] is not None]
     series = [Series(f"E2E {q}", [(r["output_throughput"], r["e2e_s"][q]) for r in results],
-                     dashed=q == "p99") for q in ("p50", "p99")]
+                     dashed=q == "p99",
+                     labels=[f"{x} req/s" for x in rate_labels(results)] if q == "p50" else ())
+              for q in ("p50", "p99")]
     return line_chart("Latency against throughput (one point per request rate)",
                       "output tokens per second", "end-to-end latency (s)", series)
 
