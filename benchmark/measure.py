@@ -90,7 +90,7 @@ def parse_objectives(text: str) -> Objectives:
         if not sep or name not in OBJECTIVE_NAMES:
             raise ValueError(f"bad objective {part.strip()!r} in {text!r}: expected NAME=MS "
                              f"with NAME one of {', '.join(OBJECTIVE_NAMES)}")
-        if name in bounds:
+        if f"{name}_ms" in bounds:
             raise ValueError(f"objective {name} given twice in {text!r}")
         try:
             bound = float(value)
