@@ -391,23 +391,37 @@ def run_transformers(args: argparse.Namespace, workload: Workload, model: Any,
     size = args.hf_batch_size or workload.num_requests
     print(f"transformers: generate in {-(-workload.num_requests // size)} padded batch(es) of "
           f"up to {size} requests", flush=True)
-    hf_generate(model, workload.prompts[:2], WARMUP_OUTPUT_LEN)  # warm-up
+    run = generate_padded(model, workload.prompts, workload.output_lens, size)
+    emit(SystemResult(system="transformers", config=f"padded batches of {size}",
+                      num_requests=workload.num_requests, output_tokens=run.useful,
+                      wall_s=run.wall_s, computed_tokens=run.computed, output_lens_ok=run.ok))
+
+
+@dataclass
+class PaddedRun:
+    useful: int  # each row's own tokens
+    computed: int  # every row run to its batch's longest output
+    ok: bool  # every request got its whole output
+    wall_s: float
+
+
+def generate_padded(model: Any, prompts: Sequence[list[int]], output_lens: Sequence[int],
+                    size: int) -> PaddedRun:
+    """``generate`` on ``size`` requests at a time after a short warm-up, timed."""
+    hf_generate(model, prompts[:2], WARMUP_OUTPUT_LEN)  # warm-up
     synchronize(model.device)
     useful = computed = 0
     ok = True
     start = time.perf_counter()
-    for first in range(0, workload.num_requests, size):
-        wanted = workload.output_lens[first:first + size]
-        new = hf_generate(model, workload.prompts[first:first + size], max(wanted))
+    for first in range(0, len(prompts), size):
+        wanted = output_lens[first:first + size]
+        new = hf_generate(model, prompts[first:first + size], max(wanted))
         computed += new.numel()
         got = [min(new.shape[1], n) for n in wanted]
         useful += sum(got)
-        ok &= got == wanted
+        ok &= got == list(wanted)
     synchronize(model.device)
-    wall = time.perf_counter() - start
-    emit(SystemResult(system="transformers", config=f"padded batches of {size}",
-                      num_requests=workload.num_requests, output_tokens=useful, wall_s=wall,
-                      computed_tokens=computed, output_lens_ok=ok))
+    return PaddedRun(useful, computed, ok, time.perf_counter() - start)
 
 
 def cb_unavailable_reason(model: Any) -> str | None:
@@ -779,26 +793,17 @@ def run_transformers_alongside(args: argparse.Namespace, names: Sequence[str],
     load = make_workload(args.num_requests, lens, lens, args.seed)
     prompts = load.prompts(vocab_size, 0)
     model = load_hf_model(Path(args.model), device, dtype)
-    hf_generate(model, prompts[:2], WARMUP_OUTPUT_LEN)  # warm-up
     size = args.hf_batch_size or load.num_requests
-    useful = 0
-    synchronize(device)
-    start = time.perf_counter()
-    for first in range(0, load.num_requests, size):
-        wanted = load.output_lens[first:first + size]
-        new = hf_generate(model, prompts[first:first + size], max(wanted))
-        useful += sum(min(new.shape[1], n) for n in wanted)
-    synchronize(device)
-    wall = time.perf_counter() - start
+    run = generate_padded(model, prompts, load.output_lens, size)
     del model
     free_device_memory(device)
     throughput = [n for n in names if HEADLINES[n][0] == "tok_per_s"]
     return AblationResult(
         arms=dict.fromkeys(throughput, "transformers"), workload="random",
-        engine={"system": f"transformers generate, padded batches of {size}"}, wall_s=wall,
-        output_tokens=useful, prompt_tokens=sum(load.input_lens),
+        engine={"system": f"transformers generate, padded batches of {size}"},
+        wall_s=run.wall_s, output_tokens=run.useful, prompt_tokens=sum(load.input_lens),
         prefill_tokens=sum(load.input_lens), decode_steps=0, measured="throughput only",
-        ttft_ms=None, itl_ms=None, output_lens_ok=useful == sum(load.output_lens))
+        ttft_ms=None, itl_ms=None, output_lens_ok=run.ok)
 
 
 @dataclass
