@@ -31,6 +31,7 @@ from __future__ import annotations
 import argparse
 import gc
 import inspect
+import itertools
 import json
 import platform
 import sys
@@ -41,6 +42,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the benchmark's sibling modules, also when imported by path
+    sys.path.insert(0, str(HERE))
 SYSTEMS = ("minisgl", "transformers", "transformers-cb")
 # (overlap, prefix cache): the four minisgl configurations, in the order they run.
 MINISGL_CONFIGS = ("overlap+radix", "sync+radix", "overlap+naive", "sync+naive")
@@ -283,7 +287,7 @@ def run_minisgl(args: argparse.Namespace, workload: Workload, configs: Sequence[
         print(f"minisgl: starting an engine with the {cache} prefix cache", flush=True)
         llm = LLM(args.model, device=args.device, dtype=args.dtype, prefix_cache=cache)
         engine = llm.engine
-        warm_up_minisgl(llm, workload)
+        warm_up_minisgl(llm)
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
         kv_bytes = engine.model_config.kv_bytes_per_token(engine.dtype)
         for config in wanted:
@@ -311,7 +315,7 @@ def run_minisgl(args: argparse.Namespace, workload: Workload, configs: Sequence[
         free_device_memory(resolve_device(args.device), say=f"minisgl ({cache}) freed")
 
 
-def warm_up_minisgl(llm: Any, workload: Workload) -> None:
+def warm_up_minisgl(llm: Any) -> None:
     """A few short requests first, so that no timed run pays for first-use costs (kernel
     compilation, allocator growth)."""
     from minisgl.core import SamplingParams
@@ -387,23 +391,37 @@ def run_transformers(args: argparse.Namespace, workload: Workload, model: Any,
     size = args.hf_batch_size or workload.num_requests
     print(f"transformers: generate in {-(-workload.num_requests // size)} padded batch(es) of "
           f"up to {size} requests", flush=True)
-    hf_generate(model, workload.prompts[:2], WARMUP_OUTPUT_LEN)  # warm-up
+    run = generate_padded(model, workload.prompts, workload.output_lens, size)
+    emit(SystemResult(system="transformers", config=f"padded batches of {size}",
+                      num_requests=workload.num_requests, output_tokens=run.useful,
+                      wall_s=run.wall_s, computed_tokens=run.computed, output_lens_ok=run.ok))
+
+
+@dataclass
+class PaddedRun:
+    useful: int  # each row's own tokens
+    computed: int  # every row run to its batch's longest output
+    ok: bool  # every request got its whole output
+    wall_s: float
+
+
+def generate_padded(model: Any, prompts: Sequence[list[int]], output_lens: Sequence[int],
+                    size: int) -> PaddedRun:
+    """``generate`` on ``size`` requests at a time after a short warm-up, timed."""
+    hf_generate(model, prompts[:2], WARMUP_OUTPUT_LEN)  # warm-up
     synchronize(model.device)
     useful = computed = 0
     ok = True
     start = time.perf_counter()
-    for first in range(0, workload.num_requests, size):
-        wanted = workload.output_lens[first:first + size]
-        new = hf_generate(model, workload.prompts[first:first + size], max(wanted))
+    for first in range(0, len(prompts), size):
+        wanted = output_lens[first:first + size]
+        new = hf_generate(model, prompts[first:first + size], max(wanted))
         computed += new.numel()
         got = [min(new.shape[1], n) for n in wanted]
         useful += sum(got)
-        ok &= got == wanted
+        ok &= got == list(wanted)
     synchronize(model.device)
-    wall = time.perf_counter() - start
-    emit(SystemResult(system="transformers", config=f"padded batches of {size}",
-                      num_requests=workload.num_requests, output_tokens=useful, wall_s=wall,
-                      computed_tokens=computed, output_lens_ok=ok))
+    return PaddedRun(useful, computed, ok, time.perf_counter() - start)
 
 
 def cb_unavailable_reason(model: Any) -> str | None:
@@ -490,6 +508,404 @@ def cb_result(workload: Workload, wall: float, lens: list[int]) -> SystemResult:
         num_requests=workload.num_requests,
         output_tokens=sum(min(n, want) for n, want in zip(lens, workload.output_lens)),
         wall_s=wall, computed_tokens=sum(lens), output_lens_ok=lens == workload.output_lens)
+
+
+# ----------------------------------------------------------------------------- ablations
+ABLATIONS = ("cuda-graph", "overlap", "fused", "prefix-cache", "chunked-prefill")
+# What each ablation is read by: (a field of AblationResult, its label, higher is better).
+HEADLINES = {
+    "cuda-graph": ("tok_per_s", "output tok/s", True),
+    "overlap": ("tok_per_s", "output tok/s", True),
+    "fused": ("tok_per_s", "output tok/s", True),
+    "prefix-cache": ("ttft_p50_ms", "TTFT p50 ms", False),
+    "chunked-prefill": ("itl_p99_ms", "running ITL p99 ms", False),
+}
+SHORT_LONG_FIRST_ARRIVAL = 8  # decode steps of the short requests before the first long prompt
+SHORT_LONG_ARRIVAL_GAP = 32  # decode steps between two long prompts
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One side of an ablation: an engine (options over the base ones, fused kernels on or
+    off), the scheduler's overlap, and the workload it runs. Arms that agree on all of these
+    are one measurement, run once and reported under each ablation they belong to."""
+
+    ablation: str
+    label: str
+    workload: str  # "random", "shared-prefix" or "short-long"
+    options: tuple[tuple[str, Any], ...] = ()
+    overlap: bool = True
+    fused: bool = True
+
+    @property
+    def engine_key(self) -> tuple[tuple[tuple[str, Any], ...], bool]:
+        return self.options, self.fused
+
+    @property
+    def run_key(self) -> tuple[Any, ...]:
+        return self.engine_key, self.overlap, self.workload
+
+
+# --8<-- [start:ablation_arms]
+def ablation_arms(names: Sequence[str], chunk_size: int) -> list[Arm]:
+    """The arms of the chosen ablations. The base engine has CUDA graphs, fused kernels, the
+    radix cache and overlap on, and chunked prefill off; each arm changes one thing."""
+    budget = (("max_prefill_tokens", chunk_size),)
+    arms = {
+        "cuda-graph": [Arm("cuda-graph", "graphs on", "random"),
+                       Arm("cuda-graph", "graphs off", "random", (("cuda_graph", False),))],
+        "overlap": [Arm("overlap", "overlap on", "random"),
+                    Arm("overlap", "overlap off", "random", overlap=False)],
+        "fused": [Arm("fused", "fused on", "random"),
+                  Arm("fused", "fused off", "random", fused=False)],
+        "prefix-cache": [Arm("prefix-cache", "radix", "shared-prefix"),
+                         Arm("prefix-cache", "naive", "shared-prefix",
+                             (("prefix_cache", "naive"),))],
+        "chunked-prefill": [Arm("chunked-prefill", "chunked", "short-long",
+                                budget + (("chunked_prefill", True),)),
+                            Arm("chunked-prefill", "unchunked", "short-long", budget)],
+    }
+    return [arm for name in names for arm in arms[name]]
+# --8<-- [end:ablation_arms]
+
+
+@dataclass
+class Trace:
+    """When each request was added and when each of its tokens reached the host."""
+
+    added_s: dict[int, float] = field(default_factory=dict)
+    token_s: dict[int, list[float]] = field(default_factory=dict)
+    prompt_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens the prefill steps computed (a cache hit skips some)
+    decode_steps: int = 0
+    wall_s: float = 0.0
+
+    def ttft_s(self, uid: int) -> float:
+        return self.token_s[uid][0] - self.added_s[uid]
+
+    def itl_s(self, uid: int) -> list[float]:
+        times = self.token_s[uid]
+        return [b - a for a, b in zip(times, times[1:])]
+
+
+# --8<-- [start:run_traced]
+def run_traced(scheduler: Any, waves: Sequence[tuple[int | None, list[Any]]]) -> Trace:
+    """Step ``scheduler`` until every request of every wave has finished, timing each token.
+
+    A wave ``(after, reqs)`` is added once the scheduler has run ``after`` decode steps, or,
+    with ``after=None``, once everything added before it has finished; a wave whose moment
+    never comes (nothing left to decode) is added when the scheduler falls idle. A token's
+    time is when the host first sees it in its request's ``output_ids``, after the step that
+    brought it there, as a server would see it."""
+    trace = Trace()
+    pending = list(waves)
+    live: list[Any] = []
+    start = time.perf_counter()
+    while pending or live:
+        while pending and (not scheduler.has_work or (
+                pending[0][0] is not None and trace.decode_steps >= pending[0][0])):
+            now = time.perf_counter() - start
+            for req in pending.pop(0)[1]:
+                scheduler.add(req)
+                trace.added_s[req.uid], trace.token_s[req.uid] = now, []
+                trace.prompt_tokens += len(req.prompt_ids)
+                live.append(req)
+        result = scheduler.step()
+        if result.phase == "prefill":
+            trace.prefill_tokens += result.num_tokens
+        elif result.phase == "decode":
+            trace.decode_steps += 1
+        now = time.perf_counter() - start
+        for req in live:
+            times = trace.token_s[req.uid]
+            times += [now] * (len(req.output_ids) - len(times))
+        live = [req for req in live if not req.is_finished]
+    trace.wall_s = time.perf_counter() - start
+    return trace
+# --8<-- [end:run_traced]
+
+
+@dataclass
+class AblationResult:
+    """One measured arm; ``ttft_ms`` and ``itl_ms`` cover the requests ``measured`` names.
+    ``arms`` names it in each ablation that reads it (ablation -> the arm's label)."""
+
+    arms: dict[str, str]
+    workload: str
+    engine: dict[str, Any]  # what actually ran: graphs, fused kernels, cache, chunking
+    wall_s: float
+    output_tokens: int
+    prompt_tokens: int
+    prefill_tokens: int
+    decode_steps: int
+    measured: str
+    ttft_ms: dict[str, float] | None
+    itl_ms: dict[str, float] | None
+    predicted_saving: int | None = None
+    output_lens_ok: bool = True
+
+    @property
+    def tok_per_s(self) -> float:
+        return self.output_tokens / self.wall_s
+
+    @property
+    def ablations(self) -> list[str]:
+        return list(self.arms)
+
+    @property
+    def ttft_p50_ms(self) -> float | None:
+        return None if self.ttft_ms is None else self.ttft_ms["p50"]
+
+    @property
+    def itl_p99_ms(self) -> float | None:
+        return None if self.itl_ms is None else self.itl_ms["p99"]
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["tok_per_s"] = self.tok_per_s
+        out["saved_tokens"] = self.prompt_tokens - self.prefill_tokens
+        return out
+
+
+def ablation_workloads(args: argparse.Namespace, vocab_size: int) -> dict[str, Any]:
+    """The three workloads of the ablations, from the workload options, all seeded."""
+    from workloads import make_shared_prefix, make_workload
+
+    lens = (args.min_len, args.max_len)
+    random_load = make_workload(args.num_requests, lens, lens, args.seed)
+    shared = make_shared_prefix(args.num_requests, args.num_prefixes, args.prefix_len, lens,
+                                lens, args.seed)
+    shorts = make_workload(args.short_requests, lens, (args.max_len, args.max_len), args.seed)
+    return {"random": (random_load, random_load.prompts(vocab_size, 0)),
+            "shared-prefix": (shared, shared.prompts(vocab_size, 0)),
+            "short-long": (shorts, shorts.prompts(vocab_size, 0)
+                           + make_workload(args.long_requests, (args.long_len, args.long_len),
+                                           (1, 1), args.seed).prompts(vocab_size, 1))}
+
+
+def measure_arm(llm: Any, arm: Arm, args: argparse.Namespace, loads: dict[str, Any],
+                uids: Any) -> AblationResult:
+    """Run one arm's workload on a warmed-up engine and reduce its trace."""
+    from measure import summarize
+    from minisgl.core import Req, SamplingParams
+
+    scheduler = llm.scheduler
+    set_overlap(scheduler, arm.overlap)
+    empty_prefix_cache(scheduler)
+    workload, prompts = loads[arm.workload]
+
+    def reqs(indices: Sequence[int], output_len: Callable[[int], int]) -> list[Any]:
+        return [Req(next(uids), prompts[i],
+                    SamplingParams(max_tokens=output_len(i), ignore_eos=True)) for i in indices]
+
+    drawn = lambda i: workload.output_lens[i]  # noqa: E731
+    predicted = None
+    if arm.workload == "shared-prefix":
+        # Each system prompt's first request runs to its end; then the rest, together.
+        seeds = workload.first_of_each_group()
+        rest = [i for i in range(workload.num_requests) if i not in seeds]
+        waves = [(None, reqs(seeds, drawn)), (None, reqs(rest, drawn))]
+        measured, timed = "requests after the first of each system prompt", waves[1][1]
+        if scheduler.config.prefix_cache == "radix":
+            predicted = workload.predicted_prefill_savings(scheduler.config.page_size)
+    elif arm.workload == "short-long":
+        shorts = reqs(range(workload.num_requests), drawn)
+        longs = reqs(range(workload.num_requests, len(prompts)), lambda i: LONG_OUTPUT_LEN)
+        waves = [(0, shorts)] + [(SHORT_LONG_FIRST_ARRIVAL + k * SHORT_LONG_ARRIVAL_GAP, [r])
+                                 for k, r in enumerate(longs)]
+        measured, timed = "ITL: the short requests; TTFT: the long prompts", shorts
+    else:
+        waves = [(0, reqs(range(workload.num_requests), drawn))]
+        measured, timed = "every request", waves[0][1]
+    synchronize(llm.engine.device)
+    trace = run_traced(scheduler, waves)
+    everyone = [r for _, wave in waves for r in wave]
+    ttft_of = longs if arm.workload == "short-long" else timed
+    config = scheduler.config
+    return AblationResult(
+        arms={arm.ablation: arm.label}, workload=arm.workload,
+        engine={"cuda_graph": bool(llm.engine.graph_runner.enabled), "fused": fused_active(arm),
+                "overlap": arm.overlap, "prefix_cache": config.prefix_cache,
+                "chunked_prefill": config.chunked_prefill,
+                "max_prefill_tokens": config.max_prefill_tokens},
+        wall_s=trace.wall_s, output_tokens=sum(len(r.output_ids) for r in everyone),
+        prompt_tokens=trace.prompt_tokens, prefill_tokens=trace.prefill_tokens,
+        decode_steps=trace.decode_steps, measured=measured,
+        ttft_ms=summarize([trace.ttft_s(r.uid) for r in ttft_of], 1e3),
+        itl_ms=summarize([g for r in timed for g in trace.itl_s(r.uid)], 1e3),
+        predicted_saving=predicted,
+        output_lens_ok=all(len(r.output_ids) == r.params.max_tokens for r in everyone))
+
+
+LONG_OUTPUT_LEN = 8  # the long prompts' outputs: their point is the prefill
+
+
+def fused_active(arm: Arm) -> bool:
+    """Whether the arm's layers called the fused kernels (they need CUDA and bf16/fp16)."""
+    from minisgl.layers import fused
+
+    return arm.fused and any(status == "on" for status in fused.kernel_status().values())
+
+
+def run_ablations(args: argparse.Namespace, names: Sequence[str], vocab_size: int,
+                  emit: Callable[[AblationResult, bool], None]) -> None:
+    """Every arm, grouped by engine so that each engine starts once; ``emit`` gets each
+    result, and whether it is new or an earlier one that another ablation reads too."""
+    from minisgl.layers import fused
+    from minisgl.llm import LLM
+
+    loads = ablation_workloads(args, vocab_size)
+    arms = ablation_arms(names, args.chunk_size)
+    done: dict[tuple[Any, ...], AblationResult] = {}
+    uids = itertools.count(1_000_000)  # apart from the warm-up's
+    for key in dict.fromkeys(arm.engine_key for arm in arms):
+        options, use_fused = key
+        group = [arm for arm in arms if arm.engine_key == key]
+        described = ", ".join(f"{k}={v}" for k, v in options) or "the base options"
+        print(f"ablations: an engine with {described}, fused kernels "
+              f"{'on' if use_fused else 'off'}, for {', '.join(a.label for a in group)}",
+              flush=True)
+        with fused.use_fused(use_fused):
+            # Rows (and captured graph sizes) for the largest batch the workloads make.
+            rows = max(args.num_requests, args.short_requests + args.long_requests)
+            llm = LLM(args.model, device=args.device, dtype=args.dtype,
+                      **{"prefix_cache": "radix", "max_running_reqs": rows, **dict(options)})
+            warm_up_minisgl(llm)
+            for arm in group:
+                if arm.run_key in done:  # the same measurement, read by another ablation
+                    done[arm.run_key].arms[arm.ablation] = arm.label
+                    emit(done[arm.run_key], False)
+                    continue
+                result = measure_arm(llm, arm, args, loads, uids)
+                done[arm.run_key] = result
+                emit(result, True)
+        del llm
+        free_device_memory(resolve_device(args.device))
+
+
+def run_transformers_alongside(args: argparse.Namespace, names: Sequence[str],
+                               vocab_size: int, device: Any, dtype: Any) -> AblationResult:
+    """transformers' ``generate`` on the ablations' random workload, in padded batches: the
+    reference the throughput ablations are read against."""
+    from workloads import make_workload
+
+    lens = (args.min_len, args.max_len)
+    load = make_workload(args.num_requests, lens, lens, args.seed)
+    prompts = load.prompts(vocab_size, 0)
+    model = load_hf_model(Path(args.model), device, dtype)
+    size = args.hf_batch_size or load.num_requests
+    run = generate_padded(model, prompts, load.output_lens, size)
+    del model
+    free_device_memory(device)
+    throughput = [n for n in names if HEADLINES[n][0] == "tok_per_s"]
+    return AblationResult(
+        arms=dict.fromkeys(throughput, "transformers"), workload="random",
+        engine={"system": f"transformers generate, padded batches of {size}"},
+        wall_s=run.wall_s, output_tokens=run.useful, prompt_tokens=sum(load.input_lens),
+        prefill_tokens=sum(load.input_lens), decode_steps=0, measured="throughput only",
+        ttft_ms=None, itl_ms=None, output_lens_ok=run.ok)
+
+
+@dataclass
+class AblationReport:
+    """Everything an ablation run measured; written to ``--out`` after every arm."""
+
+    header: dict[str, Any]
+    workload: dict[str, Any]
+    results: list[AblationResult] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"header": self.header, "workload": self.workload,
+                "headlines": {k: {"field": f, "label": label, "higher_is_better": up}
+                              for k, (f, label, up) in HEADLINES.items()},
+                "results": [r.to_json() for r in self.results]}
+
+
+def describe_ablation(result: AblationResult) -> str:
+    arms = ", ".join(f"{k} [{v}]" for k, v in result.arms.items())
+    text = (f"{arms}: {result.output_tokens} output "
+            f"tokens in {result.wall_s:.2f} s = {result.tok_per_s:.1f} tok/s")
+    if result.decode_steps:
+        text += (f"; {result.prefill_tokens} of {result.prompt_tokens} prompt tokens "
+                 f"computed, {result.decode_steps} decode steps")
+    if result.predicted_saving is not None:
+        text += (f"; saved {result.prompt_tokens - result.prefill_tokens} "
+                 f"(predicted {result.predicted_saving})")
+    if result.ttft_ms is not None:
+        text += f"; TTFT p50/p99 {result.ttft_ms['p50']:.1f}/{result.ttft_ms['p99']:.1f} ms"
+    if result.itl_ms is not None:
+        text += (f"; ITL p50/p99/max {result.itl_ms['p50']:.1f}/{result.itl_ms['p99']:.1f}/"
+                 f"{result.itl_ms['max']:.1f} ms")
+    if not result.output_lens_ok:
+        text += "  [WARNING: output lengths differ from the asked ones]"
+    return text
+
+
+def format_ablation_table(report: AblationReport) -> str:
+    rows = [("ablation", "arm", "tok/s", "prefill tok", "TTFT p50/p99 ms",
+             "ITL p50/p99/max ms", "headline")]
+    for name in ABLATIONS:
+        field_name, label, _ = HEADLINES[name]
+        for r in (r for r in report.results if name in r.ablations):
+            value = getattr(r, field_name)
+            rows.append((name, r.arms[name], f"{r.tok_per_s:.1f}",
+                         f"{r.prefill_tokens}/{r.prompt_tokens}",
+                         "-" if r.ttft_ms is None else
+                         f"{r.ttft_ms['p50']:.1f}/{r.ttft_ms['p99']:.1f}",
+                         "-" if r.itl_ms is None else
+                         f"{r.itl_ms['p50']:.1f}/{r.itl_ms['p99']:.1f}/{r.itl_ms['max']:.1f}",
+                         "-" if value is None else f"{label} {value:.1f}"))
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = []
+    for k, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i < 2 else c.rjust(w)
+                               for i, (c, w) in enumerate(zip(row, widths))).rstrip())
+        if k == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def ablation_main(args: argparse.Namespace, model_path: Path, config: dict[str, Any],
+                  device: Any, dtype: Any) -> AblationReport:
+    names = list(ABLATIONS) if "all" in args.ablations else \
+        [n for n in ABLATIONS if n in args.ablations]
+    lens = f"[{args.min_len}, {args.max_len}]"
+    report = AblationReport(header=header_info(model_path, config, device, dtype), workload={
+        "ablations": names, "num_requests": args.num_requests, "min_len": args.min_len,
+        "max_len": args.max_len, "seed": args.seed, "num_prefixes": args.num_prefixes,
+        "prefix_len": args.prefix_len, "short_requests": args.short_requests,
+        "long_requests": args.long_requests, "long_len": args.long_len,
+        "chunk_size": args.chunk_size})
+    h = report.header
+    print(f"device: {h['device']}; model: {h['model']} ({h['architecture']}), {h['dtype']}")
+    print(f"versions: python {h['python']}, torch {h['torch']}, transformers "
+          f"{h['transformers']}, flashinfer {h['flashinfer'] or 'not installed'}")
+    print(f"ablations: {', '.join(names)}; greedy, end-of-sequence ignored")
+    print(f"  random: {args.num_requests} requests, prompts and outputs uniform in {lens}")
+    print(f"  shared-prefix: {args.num_requests} requests over {args.num_prefixes} system "
+          f"prompts of {args.prefix_len} tokens, suffixes and outputs in {lens}; the first "
+          "request of each system prompt runs alone first, the rest then together")
+    print(f"  short-long: {args.short_requests} short requests (prompts in {lens}, "
+          f"{args.max_len} tokens out), joined by {args.long_requests} prompts of "
+          f"{args.long_len} tokens after {SHORT_LONG_FIRST_ARRIVAL} decode steps and every "
+          f"{SHORT_LONG_ARRIVAL_GAP} after; prefill budget {args.chunk_size} tokens a step")
+    print(flush=True)
+
+    def emit(result: AblationResult, new: bool) -> None:
+        if new:
+            report.results.append(result)
+            print(describe_ablation(result), flush=True)
+        save(report, args.out)
+
+    run_ablations(args, names, config["vocab_size"], emit)
+    if "transformers" in args.systems and any(HEADLINES[n][0] == "tok_per_s" for n in names):
+        print("transformers: generate on the random workload, alongside", flush=True)
+        emit(run_transformers_alongside(args, names, config["vocab_size"], device, dtype),
+             True)
+    print()
+    print(format_ablation_table(report))
+    save(report, args.out)
+    return report
 
 
 # ----------------------------------------------------------------------------- printing
@@ -584,6 +1000,28 @@ def build_parser() -> argparse.ArgumentParser:
                         help="requests per padded transformers batch (default: all in one)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write the header, workload and results here as JSON")
+    ablation = parser.add_argument_group(
+        "ablations: one switch at a time, against the base engine (CUDA graphs, fused "
+        "kernels, radix cache and overlap on, chunked prefill off)")
+    ablation.add_argument("--ablations", nargs="+", choices=(*ABLATIONS, "all"), default=None,
+                          metavar="NAME",
+                          help=f"run these instead of the throughput comparison: "
+                               f"{', '.join(ABLATIONS)} or all; transformers runs alongside "
+                               "the throughput ones when --systems names it")
+    ablation.add_argument("--num-prefixes", type=int, default=4,
+                          help="prefix-cache: system prompts (default: %(default)s)")
+    ablation.add_argument("--prefix-len", type=int, default=2048,
+                          help="prefix-cache: tokens per system prompt (default: %(default)s)")
+    ablation.add_argument("--short-requests", type=int, default=32,
+                          help="chunked-prefill: requests decoding when the long prompts "
+                               "arrive (default: %(default)s)")
+    ablation.add_argument("--long-requests", type=int, default=4,
+                          help="chunked-prefill: long prompts (default: %(default)s)")
+    ablation.add_argument("--long-len", type=int, default=8192,
+                          help="chunked-prefill: tokens per long prompt (default: %(default)s)")
+    ablation.add_argument("--chunk-size", type=int, default=2048,
+                          help="chunked-prefill: the prefill token budget of both arms "
+                               "(default: %(default)s)")
     parser.add_argument("--no-progress", action="store_true",
                         help="no progress bars (one line per system is still printed)")
     return parser
@@ -594,11 +1032,18 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
         parser.error(f"--num-requests must be >= 1, got {args.num_requests}")
     if not 1 <= args.min_len <= args.max_len:
         parser.error(f"need 1 <= --min-len <= --max-len, got {args.min_len} and {args.max_len}")
+    for flag in ("num_prefixes", "prefix_len", "short_requests", "long_requests", "long_len",
+                 "chunk_size"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if args.ablations and args.num_prefixes > args.num_requests:
+        parser.error(f"--num-prefixes ({args.num_prefixes}) must not exceed --num-requests "
+                     f"({args.num_requests})")
     if args.hf_batch_size is not None and args.hf_batch_size < 1:
         parser.error(f"--hf-batch-size must be >= 1, got {args.hf_batch_size}")
 
 
-def main(argv: Sequence[str] | None = None) -> Report:
+def main(argv: Sequence[str] | None = None) -> Report | AblationReport:
     parser = build_parser()
     args = parser.parse_args(argv)
     check_args(parser, args)
@@ -614,6 +1059,8 @@ def main(argv: Sequence[str] | None = None) -> Report:
     device = resolve_device(args.device)
     dtype = resolve_dtype(args.dtype, device)
     config = load_hf_config(model_path)
+    if args.ablations:
+        return ablation_main(args, model_path, config, device, dtype)
     workload = make_workload(args.num_requests, args.min_len, args.max_len, args.seed,
                              config["vocab_size"])
 

@@ -32,6 +32,15 @@ What is measured, per request, on the client's clock:
 - errors: an HTTP error, an error event in the stream, a stream without a usage, or a usage
   whose ``completion_tokens`` differs from the drawn output length.
 
+**Goodput** (``--goodput``, default ``ttft=500,tpot=50``): the requests that met every stated
+latency objective, per second of the rate, and their share of all requests.
+
+Besides random prompts, ``--workload`` offers ``shared-prefix`` (a few long system prompts
+shared by many requests), ``long-context`` (prompts of thousands of tokens) and ``sharegpt``
+(conversations from a ``--dataset`` file in the ShareGPT JSON format); see ``workloads.py``.
+``--max-concurrency N`` keeps at most N requests in flight: with ``--rates inf`` the load is a
+closed loop, each ending request letting the next one in.
+
 Each rate prints its result as soon as it finishes; a table closes the run, and ``--out
 results.json`` writes everything (every request's numbers too) after every rate.
 
@@ -49,7 +58,6 @@ import json
 import math
 import os
 import platform
-import random
 import shlex
 import signal
 import sys
@@ -69,54 +77,24 @@ except ImportError:  # run from a checkout that was not pip-installed
 from minisgl.server.process import ServerError, ServerProcess, parse_metrics
 from minisgl.utils.hf import load_hf_config
 
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # the benchmark's sibling modules, also when imported by path
+    sys.path.insert(0, str(HERE))
+from measure import Objectives, goodput, parse_objectives, percentile  # noqa: E402,F401
+from measure import summarize as stats  # noqa: E402
+from workloads import (KINDS, Workload, load_sharegpt, make_long_context,  # noqa: E402,F401
+                       make_shared_prefix, make_workload, poisson_arrivals)
+
 DEFAULT_MODEL = "models/tiny-qwen3"
 DEFAULT_STARTUP_TIMEOUT_S = 600.0  # a large checkpoint, CUDA graph capture: minutes at worst
 WARMUP_PROMPT_LEN = 32
 WARMUP_OUTPUT_LEN = 8
-PERCENTILES = (50.0, 90.0, 99.0)
+DEFAULT_OBJECTIVES = "ttft=500,tpot=50"  # a chat reply that starts fast and reads smoothly
 MIN_METRIC_SAMPLES = 5  # /metrics samples of one rate below which they are not summarised
 LAG_WARNING_S = 0.1  # the client sent a request this late: its own clock is not to be trusted
 
 
 # ----------------------------------------------------------------------------- helpers
-def percentile(values: Sequence[float], q: float) -> float:
-    """The ``q``-th percentile (0 <= q <= 100) of ``values``, interpolating linearly between
-    the two nearest ranks (numpy's default method), so it always lies within [min, max]."""
-    if not 0.0 <= q <= 100.0:
-        raise ValueError(f"percentile q must be in [0, 100], got {q!r}")
-    if not values:
-        raise ValueError("percentile of no values")
-    ordered = sorted(values)
-    pos = (len(ordered) - 1) * q / 100.0
-    low = math.floor(pos)
-    high = min(low + 1, len(ordered) - 1)
-    frac = pos - low
-    # min() keeps rounding from stepping past the larger of the two neighbours.
-    return min(ordered[low] + (ordered[high] - ordered[low]) * frac, ordered[high])
-
-
-def poisson_arrivals(num_requests: int, rate: float, seed: int) -> list[float]:
-    """When each request is sent, in seconds from the start: a Poisson process of ``rate``
-    requests per second, the first at 0. ``rate=inf`` sends them all at 0.
-
-    The gaps are one seeded draw of exponential gaps of mean 1, divided by ``rate``: every rate
-    sees the same pattern of arrivals, compressed or stretched.
-    """
-    if num_requests < 0:
-        raise ValueError(f"num_requests must be >= 0, got {num_requests}")
-    if not rate > 0:  # also catches NaN
-        raise ValueError(f"the request rate must be > 0 (or inf), got {rate!r}")
-    if math.isinf(rate):
-        return [0.0] * num_requests
-    rng = random.Random(f"{seed}:arrivals")
-    times, now = [], 0.0
-    for i in range(num_requests):
-        if i:
-            now += rng.expovariate(1.0) / rate
-        times.append(now)
-    return times
-
-
 def parse_rates(text: str) -> list[float]:
     """``"4,16,inf"`` -> ``[4.0, 16.0, inf]``; every rate must be > 0."""
     rates = []
@@ -137,36 +115,6 @@ def rate_label(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
 
 
-@dataclass(frozen=True)
-class Workload:
-    """The requests of every rate: their lengths, and the arrival pattern at rate 1."""
-
-    input_lens: list[int]
-    output_lens: list[int]
-    seed: int
-
-    @property
-    def num_requests(self) -> int:
-        return len(self.input_lens)
-
-    def arrivals(self, rate: float) -> list[float]:
-        return poisson_arrivals(self.num_requests, rate, self.seed)
-
-    def prompts(self, vocab_size: int, round_index: int) -> list[list[int]]:
-        """Random token ids, drawn afresh for every round (a rate, or the warm-up)."""
-        rng = random.Random(f"{self.seed}:prompts:{round_index}")
-        return [[rng.randrange(vocab_size) for _ in range(n)] for n in self.input_lens]
-
-
-def make_workload(num_requests: int, input_range: tuple[int, int],
-                  output_range: tuple[int, int], seed: int) -> Workload:
-    """Input lengths, then output lengths, uniform in their inclusive ranges."""
-    rng = random.Random(f"{seed}:lengths")
-    inputs = [rng.randint(*input_range) for _ in range(num_requests)]
-    outputs = [rng.randint(*output_range) for _ in range(num_requests)]
-    return Workload(inputs, outputs, seed)
-
-
 # ----------------------------------------------------------------------------- results
 @dataclass
 class RequestResult:
@@ -176,6 +124,7 @@ class RequestResult:
     output_len: int  # drawn: what max_tokens asked for
     arrival_s: float  # when the schedule said to send it
     sent_s: float = 0.0  # when it was sent
+    queued_s: float = 0.0  # of which waiting for a free slot under --max-concurrency
     ttft_s: float | None = None
     e2e_s: float | None = None
     completion_tokens: int | None = None
@@ -206,16 +155,6 @@ class RequestResult:
         return out
 
 
-def stats(values: Sequence[float], scale: float = 1.0) -> dict[str, float] | None:
-    """Mean, min, max and percentiles of ``values`` times ``scale``; None without values."""
-    if not values:
-        return None
-    scaled = [v * scale for v in values]
-    out = {"mean": sum(scaled) / len(scaled), "min": min(scaled), "max": max(scaled)}
-    out.update({f"p{q:g}": percentile(scaled, q) for q in PERCENTILES})
-    return out
-
-
 @dataclass
 class RateResult:
     """One rate: the requests, and what they add up to."""
@@ -224,6 +163,7 @@ class RateResult:
     requests: list[RequestResult]
     duration_s: float  # from the first arrival to the end of the last stream
     server: dict[str, Any] | None = None  # what /metrics showed during the run
+    objectives: Objectives = field(default_factory=Objectives)
 
     @property
     def completed(self) -> list[RequestResult]:
@@ -262,8 +202,16 @@ class RateResult:
         raise KeyError(name)
 
     @property
+    def goodput(self) -> dict[str, float]:
+        """The requests that met every objective: how many, their share, per second."""
+        return goodput([(r.ttft_s, r.tpot_s, r.e2e_s) for r in self.completed],
+                       len(self.requests), self.objectives, self.duration_s)
+
+    @property
     def max_lag_s(self) -> float:
-        return max((r.sent_s - r.arrival_s for r in self.requests), default=0.0)
+        """How late the client sent a request, not counting a wait the concurrency cap
+        imposed on purpose."""
+        return max((r.sent_s - r.arrival_s - r.queued_s for r in self.requests), default=0.0)
 
     def to_json(self) -> dict[str, Any]:
         errors = [r.error for r in self.requests if r.error is not None]
@@ -275,6 +223,7 @@ class RateResult:
             "output_tokens": self.output_tokens,
             "request_throughput": self.request_throughput,
             "output_throughput": self.output_throughput,
+            "objectives": dict(self.objectives.items()), "goodput": self.goodput,
             "ttft_ms": self.metric("ttft_ms"), "tpot_ms": self.metric("tpot_ms"),
             "itl_ms": self.metric("itl_ms"), "e2e_s": self.metric("e2e_s"),
             "max_send_lag_s": self.max_lag_s, "server": self.server,
@@ -463,10 +412,15 @@ class MetricsWatch:
 
 async def run_round(client: httpx.AsyncClient, url: str, model: str | None,
                     prompts: list[list[int]], output_lens: list[int], arrivals: list[float],
-                    progress: bool, desc: str, watch: MetricsWatch | None = None
+                    progress: bool, desc: str, watch: MetricsWatch | None = None,
+                    max_concurrency: int | None = None
                     ) -> tuple[list[RequestResult], float, dict[str, Any] | None]:
     """Send every request at its arrival time; returns the results, the duration (first
-    arrival to the last stream's end) and what ``/metrics`` showed."""
+    arrival to the last stream's end) and what ``/metrics`` showed.
+
+    With ``max_concurrency``, a request that arrives while that many are in flight waits for
+    one of them to end (closed loop: with every arrival at 0, each end lets the next request
+    in). Its latencies count from when it is sent, the wait is kept apart in ``queued_s``."""
     bar = None
     if progress:
         try:
@@ -480,10 +434,20 @@ async def run_round(client: httpx.AsyncClient, url: str, model: str | None,
     if watch is not None:
         await watch.start()
 
+    slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
+
+    # --8<-- [start:concurrency_cap]
     async def one(i: int, start: float) -> None:
-        await send_request(client, url, model, prompts[i], results[i], start)
+        if slots is None:
+            await send_request(client, url, model, prompts[i], results[i], start)
+        else:
+            queued = time.perf_counter()
+            async with slots:
+                results[i].queued_s = time.perf_counter() - queued
+                await send_request(client, url, model, prompts[i], results[i], start)
         if bar is not None:
             bar.update(1)
+    # --8<-- [end:concurrency_cap]
 
     tasks: list[asyncio.Task[None]] = []
     start = time.perf_counter()
@@ -561,6 +525,11 @@ def describe(result: RateResult) -> str:
          f"TPOT {fmt_ms(result.metric('tpot_ms'))} ms; "
          f"ITL {fmt_ms(result.metric('itl_ms'))} ms; "
          f"E2E p50/p99 {fmt_s(result.metric('e2e_s'))} s")]
+    good = result.goodput
+    if result.objectives.items():
+        lines.append(f"  goodput: {good['met']} of {len(result.requests)} requests met "
+                     f"{result.objectives.describe()} = {good['per_s']:.2f} req/s "
+                     f"({100 * good['fraction']:.0f}%)")
     server = result.server
     if server is not None:
         text = f"  server: {server['generation_tokens_total']:.0f} tokens generated"
@@ -582,13 +551,14 @@ def describe(result: RateResult) -> str:
 
 def format_table(report: Report) -> str:
     rows = [("rate", "reqs", "err", "dur s", "req/s", "out tok/s", "TTFT p50/p90/p99 ms",
-             "TPOT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "E2E p50/p99 s")]
+             "TPOT p50/p90/p99 ms", "ITL p50/p90/p99 ms", "E2E p50/p99 s", "good req/s")]
     for r in report.results:
         rows.append((rate_label(r.rate), str(len(r.requests)), str(r.errors),
                      f"{r.duration_s:.2f}", f"{r.request_throughput:.2f}",
                      f"{r.output_throughput:.1f}", fmt_ms(r.metric("ttft_ms")),
                      fmt_ms(r.metric("tpot_ms")), fmt_ms(r.metric("itl_ms")),
-                     fmt_s(r.metric("e2e_s"))))
+                     fmt_s(r.metric("e2e_s")),
+                     f"{r.goodput['per_s']:.2f}" if r.objectives.items() else "-"))
     widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for k, row in enumerate(rows):
@@ -641,6 +611,30 @@ def build_parser() -> argparse.ArgumentParser:
                       help="most output tokens (default: %(default)s)")
     load.add_argument("--seed", type=int, default=0,
                       help="seed of the lengths, arrivals and prompts (default: %(default)s)")
+    load.add_argument("--workload", choices=KINDS, default="random",
+                      help="random: prompts of random ids, lengths in --min/--max-input; "
+                           "shared-prefix: --num-prefixes system prompts of --prefix-len "
+                           "tokens, each request one of them then a suffix with a length in "
+                           "--min/--max-input; long-context: prompts in [--context-len / 2, "
+                           "--context-len]; sharegpt: conversations from --dataset "
+                           "(default: %(default)s)")
+    load.add_argument("--num-prefixes", type=int, default=4,
+                      help="shared-prefix: system prompts (default: %(default)s)")
+    load.add_argument("--prefix-len", type=int, default=1024,
+                      help="shared-prefix: tokens per system prompt (default: %(default)s)")
+    load.add_argument("--context-len", type=int, default=8192,
+                      help="long-context: the longest prompt (default: %(default)s)")
+    load.add_argument("--dataset", type=Path, default=None,
+                      help="sharegpt: a JSON file in the ShareGPT format (a list of "
+                           "{\"conversations\": [{\"from\": \"human\", \"value\": ...}, "
+                           "{\"from\": \"gpt\", ...}]}); prompts longer than --max-input "
+                           "are passed over, and the same prompts run at every rate")
+    load.add_argument("--max-concurrency", type=int, default=None,
+                      help="at most this many requests in flight; the next waits for one to "
+                           "end (closed loop with --rates inf; default: no cap)")
+    load.add_argument("--goodput", default=DEFAULT_OBJECTIVES,
+                      help="the latency objectives of goodput, in ms: NAME=MS,... with NAME "
+                           "ttft, tpot or e2e; 'none' for none (default: %(default)s)")
     load.add_argument("--warmup-requests", type=int, default=4,
                       help=f"requests sent at once before the first rate, not measured "
                            f"({WARMUP_PROMPT_LEN}-token prompts, {WARMUP_OUTPUT_LEN} tokens "
@@ -671,6 +665,19 @@ def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Non
     if not 1 <= args.min_output <= args.max_output:
         parser.error(f"need 1 <= --min-output <= --max-output, got {args.min_output} and "
                      f"{args.max_output}")
+    for flag in ("num_prefixes", "prefix_len", "context_len"):
+        if getattr(args, flag) < 1:
+            parser.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    if (args.workload == "sharegpt") != (args.dataset is not None):
+        parser.error("--workload sharegpt and --dataset PATH go together")
+    if args.dataset is not None and not args.dataset.is_file():
+        parser.error(f"--dataset {args.dataset}: no such file")
+    if args.max_concurrency is not None and args.max_concurrency < 1:
+        parser.error(f"--max-concurrency must be >= 1, got {args.max_concurrency}")
+    try:
+        args.goodput = parse_objectives(args.goodput)
+    except ValueError as exc:
+        parser.error(f"--goodput: {exc}")
     if args.warmup_requests < 0:
         parser.error(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
     if args.vocab_size is not None and args.vocab_size < 1:
@@ -725,6 +732,47 @@ async def served_model(client: httpx.AsyncClient, url: str) -> dict[str, Any]:
                           f"{exc}); is it an OpenAI-compatible server?") from None
 
 
+def build_workload(args: argparse.Namespace, model_dir: str | None) -> Workload:
+    """The requests the options ask for (``--workload`` and its options)."""
+    inputs, outputs = (args.min_input, args.max_input), (args.min_output, args.max_output)
+    if args.workload == "shared-prefix":
+        return make_shared_prefix(args.num_requests, args.num_prefixes, args.prefix_len,
+                                  inputs, outputs, args.seed)
+    if args.workload == "long-context":
+        return make_long_context(args.num_requests, args.context_len, outputs, args.seed)
+    if args.workload == "sharegpt":
+        if model_dir is None or not Path(model_dir).is_dir():
+            raise ServerError("the sharegpt workload tokenizes the dataset with the model's "
+                              "tokenizer: give --model as a local checkpoint directory")
+        from transformers import AutoTokenizer
+
+        tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        try:
+            return load_sharegpt(args.dataset, lambda text: tokenizer.encode(
+                text, add_special_tokens=False), args.num_requests, args.seed, args.max_input)
+        except ValueError as exc:
+            raise ServerError(str(exc)) from None
+    return make_workload(args.num_requests, inputs, outputs, args.seed)
+
+
+def describe_workload(args: argparse.Namespace, workload: Workload) -> str:
+    outputs = f"outputs in [{args.min_output}, {args.max_output}] tokens"
+    if workload.kind == "shared-prefix":
+        return (f"{args.num_prefixes} system prompts of {args.prefix_len} random ids, each "
+                f"request one of them in turn then a suffix uniform in [{args.min_input}, "
+                f"{args.max_input}] tokens, {outputs}, new ids for every rate; a prefix cache "
+                f"could skip {workload.predicted_prefill_savings()} prompt tokens per rate "
+                "if each system prompt were cached before the rest of its group arrived")
+    if workload.kind == "long-context":
+        return (f"random-id prompts uniform in [{max(1, args.context_len // 2)}, "
+                f"{args.context_len}] tokens, {outputs}, new for every rate")
+    if workload.kind == "sharegpt":
+        return (f"the first exchanges of {args.dataset.name} (prompt up to {args.max_input} "
+                "tokens, output as long as the recorded reply), the same at every rate")
+    return (f"random-id prompts uniform in [{args.min_input}, {args.max_input}] tokens, "
+            f"{outputs}, new for every rate")
+
+
 async def run(args: argparse.Namespace, report: Report, server: ServerProcess | None) -> None:
     """Everything after the server is ready: the model, the warm-up, every rate."""
     url = server.url if server is not None else args.url
@@ -750,19 +798,23 @@ async def run(args: argparse.Namespace, report: Report, server: ServerProcess | 
         h.update({"model": served.get("id"), "model_root": served.get("root"),
                   "architecture": ", ".join((config or {}).get("architectures", [])) or None,
                   "vocab_size": vocab_size})
-        workload = make_workload(args.num_requests, (args.min_input, args.max_input),
-                                 (args.min_output, args.max_output), args.seed)
-        report.workload.update({"input_lens": workload.input_lens,
+        workload = build_workload(args, args.model or served.get("root"))
+        report.workload.update({"kind": workload.kind, "input_lens": workload.input_lens,
                                 "output_lens": workload.output_lens})
+        if workload.kind == "shared-prefix":
+            report.workload.update({
+                "num_prefixes": args.num_prefixes, "prefix_len": args.prefix_len,
+                "predicted_prefill_savings": workload.predicted_prefill_savings()})
         print(f"model: {h['model']} ({h['architecture'] or 'architecture not known'}), "
               f"vocabulary {vocab_size}")
         print(f"workload: {args.num_requests} requests per rate at "
               f"{', '.join(rate_label(r) for r in args.rates)} req/s (Poisson arrivals; inf = "
-              f"all at once), prompts uniform in [{args.min_input}, {args.max_input}], outputs "
-              f"in [{args.min_output}, {args.max_output}] tokens (seed {args.seed}): "
+              f"all at once), {describe_workload(args, workload)} (seed {args.seed}): "
               f"{sum(workload.input_lens)} prompt and {sum(workload.output_lens)} output "
-              "tokens per rate; random token ids, new for every rate; greedy, end-of-sequence "
-              "ignored, streamed")
+              "tokens per rate; greedy, end-of-sequence ignored, streamed")
+        if args.max_concurrency:
+            print(f"concurrency: at most {args.max_concurrency} requests in flight")
+        print(f"goodput objectives: {args.goodput.describe()}")
         print("TTFT: send -> first text; TPOT: (E2E - TTFT) / (tokens - 1) per request; ITL: "
               "gaps between text chunks, pooled; E2E: send -> end of stream", flush=True)
         model_name = served.get("id")
@@ -788,8 +840,9 @@ async def run(args: argparse.Namespace, report: Report, server: ServerProcess | 
             results, duration, server_stats = await run_round(
                 client, url, model_name, workload.prompts(vocab_size, k), workload.output_lens,
                 workload.arrivals(rate), progress=not args.no_progress,
-                desc=f"rate {rate_label(rate)}", watch=watch)
-            result = RateResult(rate, results, duration, server_stats)
+                desc=f"rate {rate_label(rate)}", watch=watch,
+                max_concurrency=args.max_concurrency)
+            result = RateResult(rate, results, duration, server_stats, args.goodput)
             report.results.append(result)
             print(describe(result), flush=True)
             save(report, args.out)
@@ -805,7 +858,9 @@ def main(argv: Sequence[str] | None = None) -> Report:
         "rates": [rate_label(r) if math.isinf(r) else r for r in args.rates],
         "num_requests": args.num_requests, "min_input": args.min_input,
         "max_input": args.max_input, "min_output": args.min_output,
-        "max_output": args.max_output, "seed": args.seed})
+        "max_output": args.max_output, "seed": args.seed,
+        "max_concurrency": args.max_concurrency,
+        "objectives": dict(args.goodput.items())})
     server: ServerProcess | None = None
     keep_log = True  # a temporary server log is kept when the run fails: the error names it
     previous_sigterm = signal.getsignal(signal.SIGTERM)
