@@ -38,8 +38,8 @@ def page(chapter: str) -> str:
 
 
 def number(text: str) -> float:
-    """`"4,096"`, `"16.0 MiB"`, `"0.0688"` -> the number at the start."""
-    match = re.match(r"-?[\d,]*\.?\d+", text.strip())
+    """`"4,096"`, `"16.0 MiB"`, `"1.79e-06"` -> the number at the start."""
+    match = re.match(r"-?[\d,]*\.?\d+(?:e[+-]?\d+)?", text.strip())
     assert match, f"no number at the start of {text!r}"
     return float(match.group().replace(",", ""))
 
@@ -71,3 +71,33 @@ def test_ch01_kv_figures() -> None:
     tokens = budget // tiny_fp32
     assert f"holds {tokens:,} tokens of tiny-qwen3 in fp32" in rec[""][0]
     assert f"{budget:,} bytes divided by {tiny_fp32:,} bytes per token holds {tokens:,}" in text
+
+
+def test_ch02_layer_differences() -> None:
+    rec = recording("ch02_layers-cpu")
+    text = page("ch02")
+    diffs = {label: number(values[-1]) for label, values in rec.items()
+             if values and re.fullmatch(r"\d\.\d\de[+-]\d\d", values[-1])}
+    exact = [label for label, diff in diffs.items() if diff == 0]
+    inexact = {label: diff for label, diff in diffs.items() if diff != 0}
+    assert len(diffs) == 13, f"expected 13 comparisons, read {sorted(diffs)}"
+    assert len(exact) == 12 and "thirteen comparisons" in text and "twelve come out bit" in text
+    (label, diff), = inexact.items()
+    assert label.startswith("RowParallelLinear, 2 ranks")
+    assert f"reads {diff:.2e}" in text
+    # "under four units in the last place" for outputs of about 5: float32 spacing in [4, 8)
+    ulp = 2.0 ** (2 - 23)
+    assert f"{ulp:.1e}".replace("e-0", "e-") in text and diff / ulp < 4
+
+
+def test_ch03_logits_figures() -> None:
+    rec = recording("ch03_qwen3-cpu")
+    text = page("ch03")
+    params = re.search(r"([\d,]+) parameters", rec[""][0]).group(1)
+    assert f"**{params}**" in text, "the table's total is the recorded parameter count"
+    rows, vocab = map(int, re.search(r"logits \((\d+), (\d+)\)", rec[""][0]).groups())
+    prompt = re.search(r"-> (\d+) tokens", rec[""][0]).group(1)
+    assert int(prompt) == rows and f"The prompt is {rows} tokens" in text
+    assert f"the {rows * vocab:,} differences" in text
+    absolute, relative = re.search(r"max abs diff (\S+), relative (\S+)", rec[""][0]).groups()
+    assert f"is {absolute};" in text and f"that is {relative}," in text
