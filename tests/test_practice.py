@@ -67,8 +67,10 @@ def test_calling_the_engine_inside_a_function_is_refused(tmp_path: Path) -> None
                "    return engine.ModelConfig.kv_bytes_per_token(config, dtype)\n\n")
     learner = tmp_path / exercise.file
     learner.write_text(solution[:start] + wrapper + solution[end:], encoding="utf-8")
-    results = judge.judge(exercise, learner)
-    assert results and all(not r.passed and judge.REFUSAL in r.message for r in results)
+    results = {r.name: r for r in judge.judge(exercise, learner)}
+    failed = [r for r in results.values() if not r.passed]
+    assert not results["test_query_heads_do_not_count"].passed
+    assert failed and all(judge.REFUSAL in r.message for r in failed), [r.message for r in failed]
 
 
 @pytest.mark.slow
