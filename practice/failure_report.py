@@ -1,4 +1,4 @@
-"""A pytest plugin the judge loads: for each failed test, what went in, what was expected, what came out.
+"""A pytest plugin the judge loads: for a failed test, what went in, was expected, came out.
 
 An assertion's message says what the test expected; pytest's rewritten assertion adds the
 values it compared. To show the *input* as well, this plugin keeps the local variables of the

@@ -101,3 +101,43 @@ def test_ch03_logits_figures() -> None:
     assert f"the {rows * vocab:,} differences" in text
     absolute, relative = re.search(r"max abs diff (\S+), relative (\S+)", rec[""][0]).groups()
     assert f"is {absolute};" in text and f"that is {relative}," in text
+
+
+def test_ch04_sampling_and_cache_figures() -> None:
+    rec = recording("ch04_generate-cpu")
+    text = page("ch04")
+    whole = rec[""][0]
+    first_step = {m.group(1).strip(): (int(m.group(2)), float(m.group(3)))
+                  for m in re.finditer(r"^  (\S.*?)\s+kept\s+(\d+)\s+p\(top\) (\S+)", whole, re.M)}
+    kept_t1, top_t1 = first_step["temperature 1.0"]
+    assert f"keeps all {kept_t1:,} tokens, the best at {top_t1}" in text
+    assert f"sharpens that best to {first_step['temperature 0.3'][1]}" in text
+    kept_k, top_k = first_step["top-k 5"]
+    assert f"{top_t1} / {top_k:.4f} ≈ {round(100 * top_t1 / top_k)}%" in text
+    kept_p, top_p = first_step["top-p 0.5"]
+    assert round(top_p / top_t1) == 2
+    assert f"keeps {kept_p}, its best at {top_p}, twice {top_t1}" in text
+    kept_min_p, _ = first_step["min-p 0.2"]
+    assert f"keeps the {kept_min_p} tokens above 0.2 × {top_t1} = {0.2 * top_t1:.4f}" in text
+
+    # the settings that share the seed part where a filter removed the token the noise favoured
+    runs = [list(map(int, re.findall(r"\d+", m.group(1))))
+            for m in re.finditer(r"ids \[([\d, ]+)\]", whole)]
+    _greedy, t1, _t03, topk, topp = runs[:5]
+    shared = next(i for i, (a, b) in enumerate(zip(t1, topp)) if a != b)
+    assert shared == 5 and f"same five tokens ({', '.join(map(str, t1[:5]))})" in text
+    assert f"the nucleus lacked {t1[5]}" in text
+    assert topk[1] != t1[1] and f"where {t1[1]} was not among the five best" in text
+    assert all(run[0] == t1[0] for run in runs[1:]) and f"starts with {t1[0]}" in text
+
+    # token passes with and without the cache, and the measured speed-up
+    prompt = int(re.search(r"-> (\d+) tokens", whole).group(1))
+    new = int(re.search(r"greedy, (\d+) new tokens", whole).group(1))
+    without = new * prompt + new * (new - 1) // 2
+    with_cache = prompt + new - 1
+    passes = f"**{without:,}** against **{with_cache:,}**, {without // with_cache} times fewer"
+    assert passes in text
+    slow = number(rec["no cache (re-run every token)"][0])
+    fast = number(rec["contiguous KV cache"][0])
+    assert f"speed-up: {fast / slow:.1f}x" in whole
+    assert f"{fast / slow:.1f} times faster: {slow} tokens per second without, {fast} with" in text

@@ -1,4 +1,4 @@
-"""The practice judge: every exercise refuses the engine's own answer, and failures explain themselves.
+"""The practice judge: every exercise refuses the engine's own answer; failures explain themselves.
 
 For each exercise under practice/ (found from the directory, so a new one is covered the day it
 lands) the test hands the judge the "import the engine's function" shortcut, the reference

@@ -32,7 +32,7 @@ def config(name: str) -> ModelConfig:
 @pytest.mark.parametrize("dtype", list(BYTES))
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_kv_bytes_per_token_matches_the_engine(name, dtype) -> None:
-    expected = config(name).kv_bytes_per_token(dtype)  # the engine's answer; your file may not call it
+    expected = config(name).kv_bytes_per_token(dtype)  # the engine's; your file may not call it
     got = kv_bytes_per_token(config(name), dtype)
     assert got == expected, f"{name} in {dtype}: expected {expected:,} bytes per token, got {got:,}"
 

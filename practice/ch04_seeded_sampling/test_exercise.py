@@ -56,7 +56,8 @@ def test_a_greedy_row_takes_the_argmax_and_draws_nothing() -> None:
     generator = stream(3)
     before = generator.get_state()
     got = gumbel_race(logits, [0.0], [generator]).tolist()
-    assert got == [1], f"logits {logits.tolist()} at temperature 0: expected [1] (first argmax), got {got}"
+    assert got == [1], (f"logits {logits.tolist()} at temperature 0: expected [1] (the first "
+                        f"argmax), got {got}")
     assert torch.equal(generator.get_state(), before), "a greedy row advanced its generator"
 
 
