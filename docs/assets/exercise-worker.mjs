@@ -55,13 +55,13 @@ self.onmessage = async ({ data }) => {
     const root = writeBundle(pyodide, bundle);
     self.postMessage({ kind: "status", text: "Running the tests…" });
     output = [];
-    const scope = pyodide.toPy({ root, file: bundle.file, code });
+    const scope = pyodide.toPy({ root, file: bundle.file, code, answer: bundle.engine_answer });
     const json = await pyodide.runPythonAsync(`
 import sys
 if root not in sys.path:
     sys.path.insert(0, root)
 import browser_run
-browser_run.run(root, file, code)
+browser_run.run(root, file, code, answer)
 `, { globals: scope });
     scope.destroy();
     self.postMessage({ kind: "done", results: JSON.parse(json), output: output.join("\n") });

@@ -82,9 +82,12 @@
         const head = document.createElement("code");
         head.textContent = MARK[r.outcome] + " " + r.name;
         item.append(head);
-        if (r.message) {
+        const values = Object.entries(r.values || {}).map(([k, v]) => `  ${k} = ${v}`);
+        if (r.message || values.length) {
           const why = document.createElement("pre");
-          why.textContent = r.message;
+          why.textContent = r.message + (values.length ?
+            "\nthe test's values when it failed (its input, expected, actual):\n" +
+            values.join("\n") : "");
           item.append(why);
         }
         list.append(item);

@@ -40,7 +40,7 @@ RUNTIME = ROOT / ".browser"
 BROWSER_EXERCISES = re.compile(r"<!--\s*browser-exercises\s*-->")
 EXERCISE_PAGE = re.compile(r"^practice/(?P<name>[^/]+)\.md$")
 # Files of the staged judge layout a browser run needs (the rest is examples and tools).
-BUNDLED = re.compile(r"^(minisgl/.*\.py|exercise/[^/]+\.py)$")
+BUNDLED = re.compile(r"^(minisgl/.*\.py|exercise/[^/]+\.py|judge_plugins/[^/]+\.py)$")
 TINY_MODEL = "models/tiny-qwen3"
 TINY_MODEL_FILES = ("config.json", "generation_config.json")  # what a test without torch reads
 RUNNER_FILES = ("results.py", "browser_run.py")  # from practice/, at the bundle's root
@@ -161,4 +161,4 @@ def exercise_bundle(judge: ModuleType, ex: Any) -> dict[str, Any]:
     for name in RUNNER_FILES:
         files[name] = (ROOT / "practice" / name).read_text(encoding="utf-8")
     return {"exercise": ex.id, "file": ex.file, "starter": ex.starter.read_text(encoding="utf-8"),
-            "files": files}
+            "engine_answer": ex.engine_answer, "files": files}

