@@ -128,6 +128,7 @@ def read_plays(archive: Path) -> dict[str, str]:
 
 
 SPEAKER = re.compile(r"^[A-Z][A-Za-z' -]{0,30}\.$")  # "HAMLET.", "First Witch.", "Ber."
+CAST_NAME = re.compile(r"^[A-Z][A-Z' -]+\.$")  # "LADY MACDUFF.": a line of the cast list
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ def speeches(play: str) -> list[Speech | None]:
         if len(lines) >= 2 and SPEAKER.match(lines[0]):
             spoken = [ln for ln in lines[1:] if not ln.lstrip().startswith("[")]
             # A list of names (the cast at the top of a play) is no speech.
-            if spoken and not any(SPEAKER.match(ln) for ln in spoken):
+            if spoken and not any(CAST_NAME.match(ln) for ln in spoken):
                 found.append(Speech(lines[0][:-1], "\n".join(spoken).strip()))
                 continue
         if not block.strip().startswith("["):  # an entrance or exit does not break a dialogue
@@ -230,8 +231,8 @@ class TrainSettings:
     min_lr_ratio: float = 0.1
     warmup_steps: int = 100
     weight_decay: float = 0.1
-    dropout: float = 0.1
-    max_steps: int = 1500
+    dropout: float = 0.2
+    max_steps: int = 2000
     eval_every: int = 50
     eval_windows: int = 256  # windows of seq_len tokens the two losses are measured on
     patience: int = 5  # evaluations without a better held-out loss before stopping
@@ -434,7 +435,8 @@ def loss_curve_svg(history: Sequence[Evaluation], best: Evaluation) -> str:
         tx = x(i * unit)
         parts.append(f'<line x1="{tx:.1f}" y1="{height - bottom}" x2="{tx:.1f}" '
                      f'y2="{height - bottom + 4}" stroke="black"/><text x="{tx:.1f}" '
-                     f'y="{height - bottom + 18}" text-anchor="middle">{i * unit / 1e6:g}M</text>')
+                     f'y="{height - bottom + 18}" text-anchor="middle">{i * unit / 1e6:g}'
+                     f'{"M" if i else ""}</text>')
     parts.append(f'<polyline fill="none" stroke="black" points="{left},{top} {left},'
                  f'{height - bottom} {width - right},{height - bottom}"/>')
     parts.append(f'<text x="{(left + width - right) / 2}" y="{height - 12}" '
@@ -449,7 +451,7 @@ def loss_curve_svg(history: Sequence[Evaluation], best: Evaluation) -> str:
                      f'points="{points}"/>')
     bx, by = x(best.tokens), y(best.held_out_loss)
     parts.append(f'<circle cx="{bx:.1f}" cy="{by:.1f}" r="4" fill="#d4541c"/>'
-                 f'<text x="{bx:.1f}" y="{by - 10:.1f}" text-anchor="middle">kept: step '
+                 f'<text x="{bx:.1f}" y="{by - 10:.1f}" text-anchor="end">kept: step '
                  f'{best.step}, held-out {best.held_out_loss:.2f}</text>')
     legend_x = width - right - 150
     for i, (name, colour) in enumerate((("train", "#1f4e9c"), ("held-out plays", "#d4541c"))):
