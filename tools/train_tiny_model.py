@@ -480,8 +480,8 @@ class Readability:
 def measure_readability(model_dir: Path, prompts: Sequence[str], words: set[str],
                         seed: int = READABILITY_SEED) -> Readability:
     """Sample READABILITY_TOKENS tokens after each prompt with `transformers` on the CPU in
-    float32 (temperature 0.8, nothing else filtered, a fixed seed per prompt) and count the
-    continuations' words that are in `words`."""
+    float32 (temperature 0.8, nothing else filtered, a fixed seed per prompt, no stop at an
+    end token) and count the continuations' words that are in `words`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -494,7 +494,7 @@ def measure_readability(model_dir: Path, prompts: Sequence[str], words: set[str]
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
                                  temperature=READABILITY_TEMPERATURE, top_k=0, top_p=1.0,
-                                 max_new_tokens=READABILITY_TOKENS, eos_token_id=None,
+                                 max_new_tokens=READABILITY_TOKENS, eos_token_id=[],
                                  pad_token_id=tokenizer.pad_token_id)
         text = tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
         found = WORD.findall(text.lower())
