@@ -41,7 +41,8 @@ def tiny_model_dir() -> Path:
 
 
 # The same tests as chapters 3 and 4 (their fixtures come along), on the trained weights.
-test_logits_match_transformers_on_prompts = ch03.test_tiny_qwen3_logits_match_transformers_on_prompts
+test_logits_match_transformers_on_prompts = (
+    ch03.test_tiny_qwen3_logits_match_transformers_on_prompts)
 tokenizer, prompt_ids, model, reference_greedy = (
     ch04.tokenizer, ch04.prompt_ids, ch04.model, ch04.reference_greedy)
 test_greedy_generation_matches_transformers = ch04.test_greedy_generation_matches_transformers

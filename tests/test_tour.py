@@ -1,9 +1,10 @@
 """The Tour page shows real output: ``tools/tour.py`` still produces it, and it still holds.
 
 One run of ``python tools/tour.py --record`` (into a temporary file, never over the committed
-recording) starts the server on the book's small trained model, sends one chat request streamed and once more
-through the ``openai`` client, reads ``/v1/models``, ``/metrics`` and the log, and stops the
-server with SIGINT. The tests read that recording the way the page's reader does:
+recording) starts the server on the book's small trained model, sends one chat request
+streamed and once more through the ``openai`` client, reads ``/v1/models``, ``/metrics`` and
+the log, and stops the server with SIGINT. The tests read that recording the way the page's
+reader does:
 
 - the SSE stream is well formed, ends with ``data: [DONE]``, and the model ended its turn
   itself (finish reason ``stop``, well before ``max_tokens``);

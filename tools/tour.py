@@ -4,8 +4,9 @@ The book's Tour page (docs/tour.md) follows a single request from the HTTP clien
 API server, a tokenizer worker, the scheduler and the detokenizer, and back. This script does
 what that page describes and prints what comes back, so that the page can show real output:
 
-1. start ``python -m minisgl`` on the book's small trained model, on the CPU, on a free loopback port, with
-   ``MINISGL_LOG_LEVEL=DEBUG`` and its log in a file, and wait for ``GET /health``;
+1. start ``python -m minisgl`` on the book's small trained model, on the CPU, on a free
+   loopback port, with ``MINISGL_LOG_LEVEL=DEBUG`` and its log in a file, and wait for
+   ``GET /health``;
 2. send one streamed chat completion (greedy, a few tokens) and print the ``curl`` command that
    sends the same bytes, then the raw Server-Sent Events that come back;
 3. send the same request, not streamed, with the ``openai`` client, and print the JSON body;

