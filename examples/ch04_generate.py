@@ -4,7 +4,9 @@
                                      [--tokens 256]
 
 The tiny model has random weights, so its "text" is noise; what matters is which tokens each
-setting allows, that seeded runs repeat exactly, and how fast the loop runs.
+setting allows, that seeded runs repeat exactly, and how fast the loop runs. With
+``--model models/tiny-shakespeare``, the book's small trained model, the settings continue the
+prompt in words, and their differences can be read.
 """
 
 from __future__ import annotations

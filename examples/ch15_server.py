@@ -5,7 +5,10 @@ answers ``/health``, and then uses it like any OpenAI-compatible endpoint: a cha
 the same streamed, a plain completion, 8 requests at once, a client that walks away in the
 middle of a stream. Last it stops the server with SIGTERM and checks that no process is left.
 
-    python examples/ch15_server.py [--model models/tiny-qwen3] [--device auto|cpu|cuda]
+    python examples/ch15_server.py [--model models/tiny-shakespeare] [--device auto|cpu|cuda]
+
+The default model is the book's small trained one, so the replies are words (in the manner of
+Shakespeare's plays, the only text it has read); any checkpoint directory works.
 """
 
 from __future__ import annotations
@@ -26,7 +29,7 @@ from minisgl.utils.torch_utils import resolve_device
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="models/tiny-qwen3")
+    parser.add_argument("--model", default="models/tiny-shakespeare")
     parser.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
     args = parser.parse_args()
     example_checkpoint(args.model)

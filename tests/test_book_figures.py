@@ -660,9 +660,10 @@ def ch15_stream(text: str) -> tuple[int, int, int, int]:
 def test_ch15_usage_and_chunks_on_the_cpu() -> None:
     prompt, completion, total, chunks = ch15_stream(recording("ch15_server-cpu"))
     pieces = number(recording("ch15_server-cpu"), r"a role, (\d+) pieces of text")
-    assert (prompt, completion, total) == (21, 16, 37) and prompt + completion == total
-    assert chunks == 1 + pieces + 1 == 18 and pieces == completion
-    assert_on_page("ch15", "usage 21 + 16 = 37", "18 chunks", "16 pieces of text")
+    assert prompt + completion == total
+    assert chunks == 1 + pieces + 1  # the role, one piece per token of text, the finish
+    assert_on_page("ch15", f"usage {prompt} + {completion} = {total}", f"{chunks} chunks",
+                   f"{pieces} pieces of text")
 
 
 def test_ch15_usage_and_chunks_on_the_h200() -> None:

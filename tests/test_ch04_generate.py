@@ -433,7 +433,8 @@ def reference_greedy(tiny_model_dir: Path, prompt_ids: list[list[int]]) -> list[
 
     hf_model = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
     config = GenerationConfig(
-        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=None, pad_token_id=0
+        # [], not None: None falls back to the checkpoint's generation_config.json
+        max_new_tokens=NEW_TOKENS, do_sample=False, eos_token_id=[], pad_token_id=0
     )
     outputs = []
     with torch.inference_mode():

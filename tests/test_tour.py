@@ -1,11 +1,13 @@
 """The Tour page shows real output: ``tools/tour.py`` still produces it, and it still holds.
 
 One run of ``python tools/tour.py --record`` (into a temporary file, never over the committed
-recording) starts the server on the tiny model, sends one chat request streamed and once more
-through the ``openai`` client, reads ``/v1/models``, ``/metrics`` and the log, and stops the
-server with SIGINT. The tests read that recording the way the page's reader does:
+recording) starts the server on the book's small trained model, sends one chat request
+streamed and once more through the ``openai`` client, reads ``/v1/models``, ``/metrics`` and
+the log, and stops the server with SIGINT. The tests read that recording the way the page's
+reader does:
 
-- the SSE stream is well formed and ends with ``data: [DONE]``;
+- the SSE stream is well formed, ends with ``data: [DONE]``, and the model ended its turn
+  itself (finish reason ``stop``, well before ``max_tokens``);
 - the streamed text equals the text of the same request not streamed (and of the offline
   ``LLM``), and the token counts agree everywhere they are shown;
 - after the requests, every gauge of ``/metrics`` is back to zero (no live request, no KV page
@@ -63,7 +65,7 @@ def sections(text: str) -> dict[str, list[str]]:
 
 
 @pytest.fixture(scope="module")
-def fresh(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
+def fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """One run of the tour: its recording, its sections and its server's process ids."""
     tmp = tmp_path_factory.mktemp("tour")
     out, pids = tmp / "tour-cpu.txt", tmp / "pids.json"
@@ -110,7 +112,7 @@ def test_the_stream_is_well_formed_and_ends_with_done(fresh: dict) -> None:
     assert payloads[-1] == "[DONE]", f"the stream ends with {payloads[-1]!r}"
     chunks = [json.loads(p.replace("<created>", "0")) for p in payloads[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
-    assert chunks[-1]["choices"][0]["finish_reason"] == "length"
+    assert chunks[-1]["choices"][0]["finish_reason"] == "stop", "the reply did not end itself"
     assert {c["id"] for c in chunks} == {"chatcmpl-0"}, "one response, one id, for uid 0"
 
 
@@ -126,17 +128,20 @@ def test_streamed_and_whole_answers_are_the_same_text_and_token_counts(fresh: di
     usage = body["usage"]
     assert prompt_ids and usage["prompt_tokens"] == int(prompt_ids[1]), (
         "the usage does not count the tokens the chat template makes")
-    assert usage["completion_tokens"] == 8 == len(chunks) - 2, "one chunk per token expected"
+    # One chunk per token after the role's: the end token's chunk carries the finish reason.
+    request = json.loads(re.search(r"-d '(\{.*\})'", "\n".join(found["curl"]))[1])
+    assert usage["completion_tokens"] == len(chunks) - 1 < request["max_tokens"]
     assert "  the same as the server's text: True" in found["offline_chat"]
     # The page says each token became one piece of the stream (no character spans two).
     pieces = re.search(r"each token decoded alone: (\[.*\])$", "\n".join(found["offline_chat"]),
                        re.MULTILINE)
     deltas = [c["choices"][0]["delta"]["content"] for c in chunks[1:-1]]
-    assert pieces and ast.literal_eval(pieces[1]) == deltas
+    assert pieces and ast.literal_eval(pieces[1]) == [*deltas, "<|im_end|>"]
 
 
 def test_metrics_are_back_to_zero_after_the_requests(fresh: dict) -> None:
     table = metrics_table(fresh["sections"]["metrics"])
+    reply_tokens = openai_body(fresh["sections"]["openai"])["usage"]["completion_tokens"]
     gauges = ["minisgl_running_requests", "minisgl_waiting_requests", "minisgl_kv_pages_in_use",
               "minisgl_detokenizer_live_states", "minisgl_frontend_live_requests",
               "minisgl_frontend_buffered_replies"]
@@ -144,15 +149,17 @@ def test_metrics_are_back_to_zero_after_the_requests(fresh: dict) -> None:
         assert table[name] == (0, 0), f"{name} before/after: {table[name]}"
     assert table["minisgl_frontend_requests_total"] == (0, 2)
     assert table["minisgl_frontend_finished_total"] == (0, 2)
-    assert table["minisgl_generation_tokens_total"] == (0, 16)
+    assert table["minisgl_generation_tokens_total"] == (0, 2 * reply_tokens)
     assert table["minisgl_frontend_aborted_total"] == table["minisgl_frontend_failed_total"] \
         == (0, 0)
 
 
 def test_the_log_names_each_request_by_the_uid_in_its_response_id(fresh: dict) -> None:
     lines = [line for line in fresh["sections"]["log"] if line.startswith(LOG_LINE)]
-    assert any("request 0 finished (length) after 8 token(s)" in line for line in lines), lines
-    assert any("request 1 finished (length) after 8 token(s)" in line for line in lines), lines
+    n = openai_body(fresh["sections"]["openai"])["usage"]["completion_tokens"]
+    for uid in (0, 1):
+        finished = f"request {uid} finished (stop) after {n} token(s)"
+        assert any(finished in line for line in lines), lines
 
 
 def test_the_server_stopped_on_sigint_and_left_no_process(fresh: dict) -> None:

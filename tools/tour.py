@@ -4,8 +4,9 @@ The book's Tour page (docs/tour.md) follows a single request from the HTTP clien
 API server, a tokenizer worker, the scheduler and the detokenizer, and back. This script does
 what that page describes and prints what comes back, so that the page can show real output:
 
-1. start ``python -m minisgl`` on the tiny model, on the CPU, on a free loopback port, with
-   ``MINISGL_LOG_LEVEL=DEBUG`` and its log in a file, and wait for ``GET /health``;
+1. start ``python -m minisgl`` on the book's small trained model, on the CPU, on a free
+   loopback port, with ``MINISGL_LOG_LEVEL=DEBUG`` and its log in a file, and wait for
+   ``GET /health``;
 2. send one streamed chat completion (greedy, a few tokens) and print the ``curl`` command that
    sends the same bytes, then the raw Server-Sent Events that come back;
 3. send the same request, not streamed, with the ``openai`` client, and print the JSON body;
@@ -52,14 +53,14 @@ import httpx
 from minisgl.server.process import ServerProcess
 
 ROOT = Path(__file__).resolve().parent.parent
-MODEL = "models/tiny-qwen3"  # what the page shows; its code snippets name it too
+MODEL = "models/tiny-shakespeare"  # what the page shows; its code snippets name it too
 DEFAULT_OUT = Path("docs/recorded/tour-cpu.txt")
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 
 # --8<-- [start:request]
 MESSAGES = [{"role": "user", "content": "What is a KV cache?"}]
-MAX_TOKENS = 8  # a short answer: the tiny model's weights are random, so are its words
+MAX_TOKENS = 32  # room for a whole reply: the model ends its turn itself
 # --8<-- [end:request]
 
 
@@ -177,7 +178,7 @@ def ask_openai(url: str) -> tuple[Any, dict[str, Any]]:
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused")
     raw = client.chat.completions.with_raw_response.create(
-        model="models/tiny-qwen3", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
+        model="models/tiny-shakespeare", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
     reply = raw.parse()  # what the openai package makes of it: a ChatCompletion
     body = raw.http_response.json()  # the JSON the server sent
     # --8<-- [end:openai_client]
@@ -210,7 +211,7 @@ def offline(prompt_ids: list[int]) -> tuple[str, dict[str, Any]]:
         from minisgl.core import SamplingParams
         from minisgl.llm import LLM
 
-        llm = LLM("models/tiny-qwen3")
+        llm = LLM("models/tiny-shakespeare")
         print(llm.generate(["The capital of France is"], SamplingParams(max_tokens=16)))
         # --8<-- [end:offline]
     chat = llm.generate([prompt_ids], SamplingParams(max_tokens=MAX_TOKENS))[0]
@@ -309,7 +310,7 @@ def run_requests(out: Recorder, server: ServerProcess, model: str) -> str:
 
 @functools.cache
 def steps_module() -> ModuleType:
-    """``tools/steps.py``, whose recording header and tiny-model builder the Tour shares."""
+    """``tools/steps.py``, whose recording header the Tour shares."""
     spec = importlib.util.spec_from_file_location("_tour_steps", ROOT / "tools" / "steps.py")
     assert spec is not None and spec.loader is not None
     steps = importlib.util.module_from_spec(spec)
@@ -321,8 +322,8 @@ def steps_module() -> ModuleType:
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python tools/tour.py",
-        description="Run the Tour: one chat request through the server on the tiny model "
-                    f"({MODEL}, built if missing), on the CPU, and what each process shows "
+        description="Run the Tour: one chat request through the server on the book's small "
+                    f"trained model ({MODEL}), on the CPU, and what each process shows "
                     "of it.")
     parser.add_argument("--record", action="store_true",
                         help=f"also write the output, with its sections, to --out "
@@ -344,7 +345,6 @@ def main(argv: list[str] | None = None) -> int:
         signal.signal(signal.SIGINT, signal.default_int_handler)
     if args.out is not None and not args.record:
         build_parser().error("--out is where --record writes; add --record")
-    steps_module().ensure_tiny_model(ROOT)  # it is not committed; built if missing
     out = Recorder(Normalizer())
     out.say("$ python tools/tour.py")
     out.say(f"The Tour, for real: one chat request to the server on {MODEL}, on the CPU.")

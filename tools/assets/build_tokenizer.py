@@ -166,8 +166,9 @@ def build_corpus() -> list[str]:
     return texts
 
 
-def train_tokenizer(texts: list[str]) -> Tokenizer:
-    """Train the byte-level BPE on `texts` and add Qwen3's added tokens after it."""
+def train_tokenizer(texts: list[str], num_ordinary: int = NUM_ORDINARY_TOKENS) -> Tokenizer:
+    """Train a byte-level BPE of `num_ordinary` tokens on `texts` and add Qwen3's added tokens
+    after it (tools/train_tiny_model.py trains a larger one on its own corpus the same way)."""
     tokenizer = Tokenizer(models.BPE(unk_token=None, fuse_unk=False, byte_fallback=False))
     tokenizer.normalizer = None
     tokenizer.pre_tokenizer = pre_tokenizers.Sequence(
@@ -179,7 +180,7 @@ def train_tokenizer(texts: list[str]) -> Tokenizer:
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.post_processor = processors.ByteLevel(trim_offsets=False)
     trainer = trainers.BpeTrainer(
-        vocab_size=NUM_ORDINARY_TOKENS,
+        vocab_size=num_ordinary,
         min_frequency=2,
         show_progress=False,
         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
@@ -187,8 +188,8 @@ def train_tokenizer(texts: list[str]) -> Tokenizer:
     )
     tokenizer.train_from_iterator(texts, trainer=trainer, length=len(texts))
     got = tokenizer.get_vocab_size(with_added_tokens=False)
-    if got != NUM_ORDINARY_TOKENS:
-        raise RuntimeError(f"trained {got} ordinary tokens, wanted {NUM_ORDINARY_TOKENS}")
+    if got != num_ordinary:
+        raise RuntimeError(f"trained {got} ordinary tokens, wanted {num_ordinary}")
     for content, special in ADDED_TOKENS:
         token = AddedToken(content, special=special, normalized=False)
         # add_special_tokens vs add_tokens only differs in the `special` flag; both append the

@@ -1,0 +1,164 @@
+"""The book's trained model, models/tiny-shakespeare: it loads, the engine runs it exactly, and
+it writes readable text.
+
+- `transformers` loads the committed checkpoint, whose tokenizer keeps the tiny tokenizer's
+  added tokens and chat template;
+- the parity tests of chapters 3 and 4 run on it unchanged: they are imported from those
+  files and given this checkpoint through their `tiny_model_dir` fixture, overridden here;
+- the offline engine's greedy chat reply is `transformers`' greedy reply, token for token;
+- readability: sampled continuations of 20 held-out prompts are nearly all words of the plays,
+  and the random tiny-qwen3's are not (the figure the training log reports, measured again);
+- the training script's pieces: its chat turns are what the chat template renders, and a few
+  steps of its training loop lower the loss.
+"""
+from __future__ import annotations
+
+import json
+import xml.etree.ElementTree as ET
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+import torch
+
+from conftest import load_repo_script
+
+ROOT = Path(__file__).resolve().parent.parent
+SHAKESPEARE = ROOT / "models" / "tiny-shakespeare"
+MAX_WEIGHT_BYTES = 10_000_000
+MIN_READABLE = 0.90
+
+ch03 = load_repo_script("tests/test_ch03_qwen3.py")
+ch04 = load_repo_script("tests/test_ch04_generate.py")
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir() -> Path:
+    """The checkpoint the imported chapter tests below run on: this one, not tiny-qwen3."""
+    assert (SHAKESPEARE / "model.safetensors").exists(), f"{SHAKESPEARE} is missing"
+    return SHAKESPEARE
+
+
+# The same tests as chapters 3 and 4 (their fixtures come along), on the trained weights.
+test_logits_match_transformers_on_prompts = (
+    ch03.test_tiny_qwen3_logits_match_transformers_on_prompts)
+tokenizer, prompt_ids, model, reference_greedy = (
+    ch04.tokenizer, ch04.prompt_ids, ch04.model, ch04.reference_greedy)
+test_greedy_generation_matches_transformers = ch04.test_greedy_generation_matches_transformers
+
+
+@pytest.fixture(scope="module")
+def trainer(repo_script: Callable[[str], ModuleType]) -> ModuleType:
+    return repo_script("tools/train_tiny_model.py")
+
+
+def test_transformers_loads_it_and_its_weights_are_small_bfloat16(tiny_model_dir: Path) -> None:
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    assert (tiny_model_dir / "model.safetensors").stat().st_size <= MAX_WEIGHT_BYTES
+    with safe_open(tiny_model_dir / "model.safetensors", "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"BF16"}
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32)
+    assert type(hf).__name__ == "Qwen3ForCausalLM"
+    assert len(AutoTokenizer.from_pretrained(tiny_model_dir)) == hf.config.vocab_size
+
+
+def test_its_tokenizer_keeps_the_tiny_tokenizers_special_tokens_and_chat_template(
+        tiny_model_dir: Path) -> None:
+    assets = ROOT / "tools" / "assets"
+    base = json.loads((assets / "tokenizer.json").read_text(encoding="utf-8"))
+    ours = json.loads((tiny_model_dir / "tokenizer.json").read_text(encoding="utf-8"))
+    strip = [{k: v for k, v in t.items() if k != "id"} for t in base["added_tokens"]]
+    assert [{k: v for k, v in t.items() if k != "id"} for t in ours["added_tokens"]] == strip
+    assert ours["pre_tokenizer"] == base["pre_tokenizer"]
+    config = json.loads((tiny_model_dir / "tokenizer_config.json").read_text(encoding="utf-8"))
+    template = (assets / "chat_template.jinja").read_text(encoding="utf-8").rstrip("\n")
+    assert config["chat_template"] == template and config["eos_token"] == "<|im_end|>"
+
+
+def test_the_engine_answers_a_chat_request_as_transformers_does(tiny_model_dir: Path) -> None:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    messages = [{"role": "user", "content": "What is a KV cache?"}]
+    ids = tok.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    ids = tok.encode(ids)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_model_dir, dtype=torch.float32).eval()
+    with torch.inference_mode():
+        out = hf.generate(torch.tensor([ids]), attention_mask=torch.ones(1, len(ids)).long(),
+                          do_sample=False, max_new_tokens=64)
+    expected = out[0, len(ids):].tolist()
+    got = LLM(str(tiny_model_dir), device="cpu").generate([ids], SamplingParams(max_tokens=64))[0]
+    assert got["token_ids"] == expected
+    assert got["finish_reason"] == "stop", "a trained model ends its turn with <|im_end|>"
+    assert got["text"].strip(), "an empty reply"
+
+
+def test_sampled_continuations_are_words_of_the_plays(trainer: ModuleType,
+                                                      tiny_model_dir: Path,
+                                                      tmp_path: Path) -> None:
+    prompts, words = trainer.read_readability_inputs(tiny_model_dir)
+    assert len(prompts) == 20
+    ours = trainer.measure_readability(tiny_model_dir, prompts, words)
+    random = trainer.measure_readability(trainer.random_tiny_model(tmp_path), prompts, words)
+    print(f"\nwords of the plays: tiny-shakespeare {ours.known}/{ours.total} = "
+          f"{ours.fraction:.1%}; random tiny-qwen3 {random.known}/{random.total} = "
+          f"{random.fraction:.1%}")
+    assert ours.total >= 20 * 30, "100 tokens per prompt should hold many words"
+    assert ours.fraction >= MIN_READABLE
+    assert random.fraction < MIN_READABLE, "the measure no longer tells noise from text"
+
+
+def test_a_chat_turn_is_what_the_chat_template_renders(trainer: ModuleType,
+                                                       tiny_model_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir)
+    speech, reply = "Who's there?", "Nay, answer me: stand, and unfold yourself."
+    turn = trainer.chat_turn(speech, reply)
+    # A chat request's prompt is the start of the turn, and the turn is what the template
+    # writes for an earlier exchange of a conversation.
+    prompt = tok.apply_chat_template([{"role": "user", "content": speech}], tokenize=False,
+                                     add_generation_prompt=True)
+    history = tok.apply_chat_template(
+        [{"role": "user", "content": speech}, {"role": "assistant", "content": reply},
+         {"role": "user", "content": "Bernardo?"}], tokenize=False)
+    assert turn.startswith(prompt) and history.startswith(turn)
+
+
+def test_speeches_are_split_at_speakers_and_the_cast_list_is_not_a_speech(
+        trainer: ModuleType) -> None:
+    play = ("MACBETH\n\nDUNCAN, King of Scotland.\n\nLADY MACBETH.\nLADY MACDUFF.\n\n"
+            "ACT I.\n\nFIRST WITCH.\nWhen shall we three meet again?\nIn thunder?\n\n"
+            "[Thunder.]\n\nSECOND WITCH.\nWhen the hurlyburly's done.\nFarewell.\n\n"
+            "Scene II.\n\nDUNCAN.\nWhat bloody man is that?\n")
+    spoken = [s for s in trainer.speeches(play) if s is not None]
+    assert [s.speaker for s in spoken] == ["FIRST WITCH", "SECOND WITCH", "DUNCAN"]
+    assert spoken[1].text == "When the hurlyburly's done.\nFarewell."
+    # The witches answer each other; the scene heading stops Duncan answering them.
+    turns = trainer.chat_turns(play)
+    assert turns == [trainer.chat_turn(spoken[0].text, spoken[1].text)]
+
+
+def test_training_lowers_the_loss_and_keeps_the_best_weights(trainer: ModuleType) -> None:
+    config = dict(json.loads((SHAKESPEARE / "config.json").read_text(encoding="utf-8")),
+                  hidden_size=64, intermediate_size=128, num_hidden_layers=1, vocab_size=64)
+    torch.manual_seed(0)
+    model = trainer.build_model(config, dropout=0.0)
+    stream = torch.arange(4000) % 37  # a pattern a model learns in a few steps
+    settings = trainer.TrainSettings(batch_size=8, seq_len=32, lr=1e-2, warmup_steps=2,
+                                     max_steps=30, eval_every=10, eval_windows=8, patience=5)
+    lines: list[str] = []
+    result, best = trainer.train(model, stream, stream, settings, torch.device("cpu"),
+                                 lines.append)
+    first, last = result.history[0], result.history[-1]
+    assert last.held_out_loss < first.held_out_loss < 4.2  # log(64) = 4.16 at the start
+    assert result.best.held_out_loss == min(e.held_out_loss for e in result.history)
+    assert set(best) == set(model.state_dict()) and len(lines) == len(result.history)
+    svg = ET.fromstring(trainer.loss_curve_svg(result.history, result.best))
+    assert len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == 3  # axes, two curves
