@@ -15,7 +15,10 @@ takes one GPU and they talk through NCCL (``--device cuda --tp 2`` needs two GPU
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import time
+
+import torch
 
 from minisgl.core import SamplingParams
 from minisgl.layers.base import first_local_kv_head, local_kv_heads
@@ -23,6 +26,7 @@ from minisgl.layers.embedding import VocabShard
 from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
 from minisgl.utils.hf import example_checkpoint
+from minisgl.utils.torch_utils import resolve_device, resolve_dtype
 
 PROMPTS = [
     "The first rank holds",
@@ -38,9 +42,8 @@ OPTIONS = {"page_size": 4, "num_pages": 256, "max_running_reqs": 4, "prefix_cach
            "chunked_prefill": True, "max_prefill_tokens": 16}
 
 
-def print_split(config: ModelConfig, tp: int) -> None:
+def print_split(config: ModelConfig, tp: int, dtype: torch.dtype) -> None:
     """What rank r of ``tp`` holds, computed by the functions the layers use."""
-    d = config.head_dim
     print(f"{'rank':>4}  {'q heads':>9}  {'kv heads':>9}  {'mlp cols':>11}  {'vocab rows':>13}  "
           f"{'KV B/token':>10}")
     for rank in range(tp):
@@ -49,13 +52,13 @@ def print_split(config: ModelConfig, tp: int) -> None:
         kv0 = first_local_kv_head(config.num_kv_heads, rank, tp)
         cols = config.intermediate_size // tp
         shard = VocabShard.for_rank(config.vocab_size, rank, tp)
-        kv_bytes = 2 * config.num_layers * kv * d * 4  # float32
+        kv_bytes = dataclasses.replace(config, num_kv_heads=kv).kv_bytes_per_token(dtype)
         print(f"{rank:>4}  {rank * q:>4}..{(rank + 1) * q - 1:<3}  {kv0:>4}..{kv0 + kv - 1:<3}  "
               f"{rank * cols:>5}..{(rank + 1) * cols - 1:<5}  {shard.start:>6}..{shard.end - 1:<6}"
               f"  {kv_bytes:>10}")
     print(f"(whole model: {config.num_qo_heads} q heads, {config.num_kv_heads} kv heads, "
           f"{config.intermediate_size} mlp cols, {config.vocab_size} vocab rows, "
-          f"{2 * config.num_layers * config.num_kv_heads * d * 4} KV bytes/token)")
+          f"{config.kv_bytes_per_token(dtype)} KV bytes/token in {str(dtype)[6:]})")
 
 
 def generate(model_dir: str, device: str, tp: int) -> tuple[list[list[int]], float, str]:
@@ -81,7 +84,7 @@ def main() -> None:
     print(f"model: {args.model} ({config.architectures[0]}), device: {args.device}, "
           f"tp: 1 vs {args.tp}\n")
     print(f"what each of {args.tp} ranks holds:")
-    print_split(config, args.tp)
+    print_split(config, args.tp, resolve_dtype("auto", resolve_device(args.device)))
 
     single, single_s, single_pool = generate(model_dir, args.device, 1)
     split, split_s, split_pool = generate(model_dir, args.device, args.tp)

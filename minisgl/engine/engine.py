@@ -17,6 +17,10 @@ the pages. The :class:`Engine` puts them together and owns them:
 The engine decides nothing about *which* requests run together or when: that is the
 scheduler's job (chapter 9), which calls these methods. Examples and tests of this chapter call
 them by hand.
+
+Chapter 17: under tensor parallelism every rank runs an engine of its own, on its own device,
+holding its share of the heads in its pool; the ranks agree on the pool's size, and rank 0's
+sampled tokens are everyone's.
 """
 
 from __future__ import annotations
@@ -140,9 +144,11 @@ class Engine:
     # --8<-- [start:engine_init]
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
+        # --8<-- [start:rank_device]
         # Chapter 17: under tensor parallelism this process is one rank (GPU r for rank r).
         self.tp = get_tp_info()
         self.device = device_for_rank(resolve_device(config.device), self.tp.rank, self.tp.size)
+        # --8<-- [end:rank_device]
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cuda":
             if self.device.index is None:  # "cuda" means the current device: name it
@@ -151,11 +157,13 @@ class Engine:
         self.model = load_model(config.model_path, self.device, self.dtype)
         self.model_config: ModelConfig = self.model.config
         self.eos_token_ids = self.model_config.eos_token_ids
+        # --8<-- [start:rank_config]
         # The attention heads this device holds (all of them unless tensor-parallel): what
         # the KV pool stores and the attention backend computes.
         self.rank_config = dataclasses.replace(
             self.model_config, num_qo_heads=self.model_config.num_qo_heads // self.tp.size,
             num_kv_heads=local_kv_heads(self.model_config.num_kv_heads, self.tp.size))
+        # --8<-- [end:rank_config]
 
         # Size the cache *after* loading the model: what the weights took is no longer free.
         model_max_len = self._model_max_seq_len()
@@ -184,6 +192,7 @@ class Engine:
         return limit if wanted is None else wanted
 
     # --8<-- [start:plan_kv_budget]
+    # --8<-- [start:agreed_budget]
     def _plan_kv_budget(self, max_pages_per_req: int) -> KVBudget:
         """This rank's budget, lowered to the smallest any rank can hold (chapter 17): every
         rank makes the same paging decisions, so every rank must have the same pages."""
@@ -194,6 +203,7 @@ class Engine:
                 budget, num_pages=agreed,
                 source=f"{budget.source}, lowered to the smallest of {self.tp.size} ranks")
         return budget
+    # --8<-- [end:agreed_budget]
 
     def _plan_local_kv_budget(self, max_pages_per_req: int) -> KVBudget:
         """Decide the pool's memory: a fixed page count, free GPU memory, or the CPU setting."""
@@ -350,6 +360,7 @@ class Engine:
         with use_attention_backend(self.attn_backend):
             return self.model.forward(ctx.input_ids, meta.positions, meta.last_indices)
 
+    # --8<-- [start:sample]
     def sample(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
         """One token per row of ``logits``, each with its request's parameters and generator.
 
@@ -362,6 +373,7 @@ class Engine:
         tokens = sample_batch(logits, [req.params for req in batch.reqs],
                               [req.generator for req in batch.reqs])
         return broadcast_from_rank0(tokens)
+    # --8<-- [end:sample]
     # --8<-- [end:forward]
 
     # ----------------------------------------------------------------------- bookkeeping

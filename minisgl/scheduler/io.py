@@ -22,6 +22,10 @@ than the context, or a token id outside the vocabulary, and every request of a s
 raised, leave with an :class:`~minisgl.message.AbortRequest` carrying a
 :class:`~minisgl.message.RequestError`; the detokenizer turns it into the request's last
 reply, and the scheduler serves on.
+
+Chapter 17: under tensor parallelism this process is rank 0. Its scheduler passes every request
+and step on to the other ranks (:class:`~minisgl.scheduler.tp.TPLeaderScheduler`), and a step
+that fails ends the process instead: the ranks could no longer be trusted to agree.
 """
 
 from __future__ import annotations

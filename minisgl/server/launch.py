@@ -17,6 +17,9 @@ Start-up order (:func:`launch`):
 4. serve HTTP with uvicorn (or run the shell) until SIGINT or SIGTERM;
 5. stop every worker, whatever the way out: a normal return, a signal or an error.
 
+Chapter 17: with ``--tp N`` the scheduler is N processes, one per rank: the one above is rank
+0, and ranks 1..N-1 (``scheduler-rank1`` ...) repeat what it does (``minisgl.scheduler.tp``).
+
 Chapter 16: the workers live in process groups of their own, so a Ctrl-C in the terminal
 reaches the launcher alone, which decides what it means (the shell stops the answer being
 written; the server shuts down in order). On SIGINT or SIGTERM the server stops taking
