@@ -49,7 +49,7 @@ from minisgl.distributed.group import (
     init_tp_group,
 )
 from minisgl.llm import LLM
-from minisgl.server.process import ServerProcess
+from minisgl.server.process import ServerProcess, still_running
 
 RANK_TIMEOUT_S = 240.0
 STARTUP_TIMEOUT_S = 240.0
@@ -461,6 +461,7 @@ def test_a_killed_rank_gives_503s_and_the_server_still_stops_cleanly(
             daemon=True)
         waiter.start()
         server.wait_for(lambda m: m["minisgl_rank1_running"] == 2)
+        rank0 = psutil.Process(server.worker_pid("scheduler"))
         killed = time.monotonic()
         psutil.Process(server.worker_pid("scheduler-rank1")).kill()
         for thread in (stream, waiter):
@@ -470,6 +471,8 @@ def test_a_killed_rank_gives_503s_and_the_server_still_stops_cleanly(
         assert "scheduler" in whole[0].json()["error"]["message"]
         assert results[0][-1] == "data: [DONE]"
         assert json.loads(results[0][-2][len("data: "):])["error"]["code"] == "worker_died"
+        # Rank 0 does not hang in its all-reduce: the dead peer's socket fails it, and it exits.
+        assert not still_running([rank0], wait_s=15), "rank 0 hangs on its dead peer"
         refused = httpx.post(f"{server.url}/v1/completions", timeout=30,
                              json={"prompt": "anyone?", "max_tokens": 2})
         assert refused.status_code == 503

@@ -55,8 +55,9 @@ def device_for_rank(device: torch.device, rank: int, size: int) -> torch.device:
     """
     if device.type != "cuda":
         return device
-    if size == 1:
-        return device
+    if size == 1:  # NCCL binds a rank to one numbered GPU: "cuda" means the current one
+        return device if device.index is not None else torch.device(
+            "cuda", torch.cuda.current_device())
     if device.index is not None:
         raise ValueError(f"device {device} names one GPU, but {size} tensor-parallel ranks need "
                          f"one GPU each: pass device 'cuda' (rank r uses cuda:r)")
