@@ -10,7 +10,9 @@ What these tests pin down, each on real processes (spawned ranks, one CPU thread
   with seeded sampling, the radix cache and chunked prefill on, and the KV budget is the
   smallest any rank can hold;
 - ``LLM(tp=2)`` gives ``LLM(tp=1)``'s and transformers' greedy tokens for 18 prompts through
-  the overlapping scheduler (continuous batching, radix cache, chunked prefill);
+  the overlapping scheduler (continuous batching, radix cache, chunked prefill); a follower
+  out of step stops instead of hanging; a script holding ``LLM(tp=2)`` stopped by Ctrl-C or
+  SIGTERM leaves no rank behind;
 - the server at ``--tp 2``: the ``openai`` client gets ``--tp 1``'s text, streamed or not; a
   client that disconnects frees its pages on both ranks; SIGTERM leaves no process; a rank
   killed mid-request gives 503s and a server that still stops cleanly;
@@ -22,10 +24,13 @@ from __future__ import annotations
 import ast
 import json
 import multiprocessing
+import os
 import pickle
 import re
 import shutil
 import signal
+import subprocess
+import sys
 import threading
 import time
 import traceback
@@ -286,6 +291,56 @@ def test_llm_tp2_equals_tp1_and_transformers(tiny_model_dir: Path) -> None:
                                          generation_config=config)[0, len(prompt):].tolist()
             assert tokens == expected, f"prompt of {len(prompt)} tokens"
 # --8<-- [end:test_llm]
+
+
+def test_a_follower_that_is_not_where_rank_0_is_stops_at_once() -> None:
+    """A follower checks rank 0's step count (and that it has work) before it steps: a rank
+    that missed an input would otherwise enter a collective the others never do, and hang."""
+    from types import SimpleNamespace
+
+    from minisgl.scheduler.tp import RankFailed, RankStep, follow_step
+
+    stepped = []
+    follower = SimpleNamespace(num_steps=4, has_work=True, step=lambda: stepped.append(1))
+    follow_step(follower, RankStep(4), rank=1)
+    assert stepped == [1]
+    with pytest.raises(RankFailed, match="rank 1 has run 4 steps.*step 5"):
+        follow_step(follower, RankStep(5), rank=1)
+    with pytest.raises(RankFailed, match="has no work"):
+        follow_step(SimpleNamespace(num_steps=4, has_work=False), RankStep(4), rank=1)
+    assert stepped == [1], "a follower out of step must not step"
+
+
+LLM_SCRIPT = """
+import os, sys, time
+from minisgl.llm import LLM
+if __name__ == "__main__":
+    llm = LLM(sys.argv[1], device="cpu", tp=2, num_pages=64)
+    print(" ".join(str(p.pid) for p in llm._followers), flush=True)
+    time.sleep(600)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_a_script_holding_llm_tp2_stopped_by_a_signal_leaves_no_rank(
+        sig: signal.Signals, tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Ctrl-C ends the script normally (its daemon ranks are stopped on the way out); SIGTERM
+    ends it without clean-up, and the ranks notice their parent is gone."""
+    script = tmp_path / "hold.py"
+    script.write_text(LLM_SCRIPT)
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    proc = subprocess.Popen([sys.executable, str(script), str(tiny_model_dir)],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, env=env, text=True)
+    try:
+        line = proc.stdout.readline()
+        followers = [psutil.Process(int(pid)) for pid in line.split()]
+        assert len(followers) == 1, f"expected one follower rank, got {line!r}"
+        proc.send_signal(sig)
+        proc.wait(30)
+        assert not still_running(followers, wait_s=15), "a follower rank outlived the script"
+    finally:
+        proc.kill()
 
 
 # =========================================================================== refusals
