@@ -106,7 +106,9 @@ class ServerArgs:
         _check_int("--port", self.port, 1, 65535)
         _check_int("--num-tokenizers", self.num_tokenizers, 1)
         _check_int("--shell-max-tokens", self.shell_max_tokens, 1)
-        _check_int("--tp", self.tp, 1)  # whether the model splits N ways: once it is found
+        # Whether the model splits --tp ways is checked by the launcher, once the checkpoint
+        # is found (chapter 17).
+        _check_int("--tp", self.tp, 1)
         if not (math.isfinite(self.startup_timeout_s) and self.startup_timeout_s > 0):
             raise ValueError(f"--startup-timeout must be a number of seconds > 0, "
                              f"got {self.startup_timeout_s!r}")
