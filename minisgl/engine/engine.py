@@ -17,10 +17,15 @@ the pages. The :class:`Engine` puts them together and owns them:
 The engine decides nothing about *which* requests run together or when: that is the
 scheduler's job (chapter 9), which calls these methods. Examples and tests of this chapter call
 them by hand.
+
+Chapter 17: under tensor parallelism every rank runs an engine of its own, on its own device,
+holding its share of the heads in its pool; the ranks agree on the pool's size, and rank 0's
+sampled tokens are everyone's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import gc
 from dataclasses import dataclass
 from typing import Protocol
@@ -30,11 +35,14 @@ import torch
 from minisgl.attention import BatchLayout, ReqSpan, create_attention_backend
 from minisgl.attention.utils import pages_for
 from minisgl.core import Batch, Context, Req
+from minisgl.distributed import get_tp_info
+from minisgl.distributed.group import broadcast_from_rank0, device_for_rank, min_over_ranks
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import GraphRunner, capture_batch_sizes, cuda_graph_disabled_reason
 from minisgl.engine.sample import make_generator, sample_batch
 from minisgl.kvcache import MHAKVPool, OutOfPagesError, PageAllocator
 from minisgl.layers.attention import use_attention_backend
+from minisgl.layers.base import local_kv_heads
 from minisgl.models import load_model
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.table import PageTable
@@ -136,7 +144,11 @@ class Engine:
     # --8<-- [start:engine_init]
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        self.device = resolve_device(config.device)
+        # --8<-- [start:rank_device]
+        # Chapter 17: under tensor parallelism this process is one rank (GPU r for rank r).
+        self.tp = get_tp_info()
+        self.device = device_for_rank(resolve_device(config.device), self.tp.rank, self.tp.size)
+        # --8<-- [end:rank_device]
         self.dtype = resolve_dtype(config.dtype, self.device)
         if self.device.type == "cuda":
             if self.device.index is None:  # "cuda" means the current device: name it
@@ -145,12 +157,19 @@ class Engine:
         self.model = load_model(config.model_path, self.device, self.dtype)
         self.model_config: ModelConfig = self.model.config
         self.eos_token_ids = self.model_config.eos_token_ids
+        # --8<-- [start:rank_config]
+        # The attention heads this device holds (all of them unless tensor-parallel): what
+        # the KV pool stores and the attention backend computes.
+        self.rank_config = dataclasses.replace(
+            self.model_config, num_qo_heads=self.model_config.num_qo_heads // self.tp.size,
+            num_kv_heads=local_kv_heads(self.model_config.num_kv_heads, self.tp.size))
+        # --8<-- [end:rank_config]
 
         # Size the cache *after* loading the model: what the weights took is no longer free.
         model_max_len = self._model_max_seq_len()
         self.kv_budget = self._plan_kv_budget(max_pages_per_req=pages_for(model_max_len,
                                                                           config.page_size))
-        self.kv_pool = MHAKVPool.from_config(self.model_config, self.kv_budget.num_pages,
+        self.kv_pool = MHAKVPool.from_config(self.rank_config, self.kv_budget.num_pages,
                                              config.page_size, self.dtype, self.device)
         self.allocator = PageAllocator(self.kv_budget.num_pages)
         # One request can never outgrow the pool, so neither may its page-table row.
@@ -158,9 +177,8 @@ class Engine:
         self.page_table = PageTable(config.max_running_reqs,
                                     pages_for(self.max_seq_len, config.page_size),
                                     page_size=config.page_size, device=self.device)
-        # Without tensor parallelism this device holds every query head.
         self.attn_backend = create_attention_backend(
-            config.attention_backend, self.kv_pool, self.page_table, self.model_config.num_qo_heads)
+            config.attention_backend, self.kv_pool, self.page_table, self.rank_config.num_qo_heads)
         self._log_kv_budget()
         self.graph_runner: DecodeGraphs | None = self._make_graph_runner()
     # --8<-- [end:engine_init]
@@ -174,26 +192,39 @@ class Engine:
         return limit if wanted is None else wanted
 
     # --8<-- [start:plan_kv_budget]
+    # --8<-- [start:agreed_budget]
     def _plan_kv_budget(self, max_pages_per_req: int) -> KVBudget:
+        """This rank's budget, lowered to the smallest any rank can hold (chapter 17): every
+        rank makes the same paging decisions, so every rank must have the same pages."""
+        budget = self._plan_local_kv_budget(max_pages_per_req)
+        agreed = min_over_ranks(budget.num_pages)
+        if agreed < budget.num_pages:
+            budget = dataclasses.replace(
+                budget, num_pages=agreed,
+                source=f"{budget.source}, lowered to the smallest of {self.tp.size} ranks")
+        return budget
+    # --8<-- [end:agreed_budget]
+
+    def _plan_local_kv_budget(self, max_pages_per_req: int) -> KVBudget:
         """Decide the pool's memory: a fixed page count, free GPU memory, or the CPU setting."""
         config = self.config
         # More pages than every row of the page table can map would never be used (+1: the
         # spare page chapter 8's CUDA graphs pad their batches with).
         max_useful = config.max_running_reqs * max_pages_per_req + 1
-        bytes_per_page = self.model_config.kv_bytes_per_token(self.dtype) * config.page_size
+        bytes_per_page = self.rank_config.kv_bytes_per_token(self.dtype) * config.page_size
         if config.num_pages is not None:
             return plan_kv_budget(config.num_pages * bytes_per_page, "the num_pages setting",
-                                  self.model_config, self.dtype, config.page_size, max_useful)
+                                  self.rank_config, self.dtype, config.page_size, max_useful)
         if self.device.type == "cuda":
             free = free_device_memory(self.device)
             return plan_kv_budget(int(free * config.memory_fraction),
                                   f"{config.memory_fraction:g} x {free / GiB:.2f} GiB free on "
                                   f"{self.device} after loading the model",
-                                  self.model_config, self.dtype, config.page_size, max_useful,
+                                  self.rank_config, self.dtype, config.page_size, max_useful,
                                   free_bytes=free)
         assert config.cpu_kv_memory is not None  # EngineConfig filled it in from the environment
         return plan_kv_budget(config.cpu_kv_memory, "cpu_kv_memory (MINISGL_CPU_KV_MEMORY)",
-                              self.model_config, self.dtype, config.page_size, max_useful)
+                              self.rank_config, self.dtype, config.page_size, max_useful)
     # --8<-- [end:plan_kv_budget]
 
     def _log_kv_budget(self) -> None:
@@ -329,10 +360,20 @@ class Engine:
         with use_attention_backend(self.attn_backend):
             return self.model.forward(ctx.input_ids, meta.positions, meta.last_indices)
 
+    # --8<-- [start:sample]
     def sample(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
-        """One token per row of ``logits``, each with its request's parameters and generator."""
-        return sample_batch(logits, [req.params for req in batch.reqs],
-                            [req.generator for req in batch.reqs])
+        """One token per row of ``logits``, each with its request's parameters and generator.
+
+        Chapter 17: with several ranks, rank 0 samples and the others receive its tokens, so
+        every rank's requests continue with the same token whatever their logits' last bits.
+        """
+        if not self.tp.is_primary:
+            return broadcast_from_rank0(torch.empty(len(batch.reqs), dtype=torch.int64,
+                                                    device=self.device))
+        tokens = sample_batch(logits, [req.params for req in batch.reqs],
+                              [req.generator for req in batch.reqs])
+        return broadcast_from_rank0(tokens)
+    # --8<-- [end:sample]
     # --8<-- [end:forward]
 
     # ----------------------------------------------------------------------- bookkeeping

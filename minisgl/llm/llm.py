@@ -12,6 +12,10 @@ what a script, a notebook or a test uses.
 From chapter 12 on the scheduler is the :class:`~minisgl.scheduler.overlap.OverlapScheduler`,
 so the host plans each step while the device runs the one before; ``LLM(path, overlap=False)``
 runs chapter 9's synchronous loop instead, for comparison.
+
+Chapter 17: ``LLM(path, tp=2)`` splits the model over two ranks. This process is rank 0, and
+each other rank is a process of its own that repeats what rank 0's scheduler does
+(:mod:`minisgl.scheduler.tp`); :meth:`LLM.close` (or leaving a ``with`` block) stops them.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from collections.abc import Sequence
+from multiprocessing.process import BaseProcess
 from numbers import Integral
 from typing import Any
 
@@ -27,11 +32,15 @@ from tqdm import tqdm
 from minisgl.core import Req, SamplingParams
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import OverlapScheduler
+from minisgl.scheduler.tp import TPLaunch, TPLeaderScheduler, check_tp, run_tp_follower
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import get_logger
+from minisgl.utils.mp import new_ready_queue, start_process, stop_processes, wait_ready
 
 logger = get_logger(__name__)
 
+# How long LLM(tp=N) waits for its other ranks to load the model and report ready.
+TP_STARTUP_TIMEOUT_S = 600.0
 # A progress bar is worth its lines on stderr only for batches that take a while.
 PROGRESS_MIN_PROMPTS = 32
 
@@ -47,6 +56,7 @@ class LLM:
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16`` or
             ``float16``.
+        tp: chapter 17: tensor-parallel ranks (on CPU with gloo; on CUDA rank r uses GPU r).
         **engine_options: any other field of :class:`~minisgl.scheduler.config.SchedulerConfig`
             (``page_size``, ``num_pages``, ``max_running_reqs``, ``max_prefill_tokens``,
             ``prefix_cache``, ``overlap``, ...).
@@ -58,14 +68,53 @@ class LLM:
 
     # --8<-- [start:llm_init]
     def __init__(self, model: str | os.PathLike[str], device: str = "auto", dtype: str = "auto",
-                 **engine_options: Any) -> None:
+                 tp: int = 1, **engine_options: Any) -> None:
         _check_engine_options(engine_options)
         path = resolve_model_path(model)
-        self.scheduler = OverlapScheduler(SchedulerConfig(path, device=device, dtype=dtype,
-                                                          **engine_options))
+        config = SchedulerConfig(path, device=device, dtype=dtype, **engine_options)
+        check_tp(path, tp)
+        self._followers: list[BaseProcess] = []
+        if tp == 1:
+            self.scheduler: OverlapScheduler = OverlapScheduler(config)
+        else:
+            self.scheduler = self._start_tp(config, tp)
         self.tokenizer = _load_tokenizer(path)
         self._next_uid = 0  # uids stay unique across generate() calls
     # --8<-- [end:llm_init]
+
+    # --8<-- [start:start_tp]
+    def _start_tp(self, config: SchedulerConfig, tp: int) -> TPLeaderScheduler:
+        """Start ranks 1..tp-1, become rank 0, and wait until every rank has loaded."""
+        launch = TPLaunch.new(tp)
+        ready = new_ready_queue()
+        scheduler = None
+        try:
+            for rank in range(1, tp):
+                self._followers.append(start_process(
+                    run_tp_follower, f"minisgl-scheduler-rank{rank}", args=(config, launch, rank),
+                    kwargs={"ready": ready}, own_process_group=True))
+            scheduler = TPLeaderScheduler(config, launch)  # returns once every rank joined
+            wait_ready(ready, self._followers, timeout_s=TP_STARTUP_TIMEOUT_S)
+        except BaseException:
+            stop_processes(self._followers)
+            if scheduler is not None:
+                scheduler.close()
+            raise
+        return scheduler
+    # --8<-- [end:start_tp]
+
+    def close(self) -> None:
+        """Stop the other ranks (tensor parallelism) and leave their group; idempotent."""
+        if isinstance(self.scheduler, TPLeaderScheduler):
+            stop_processes(self._followers)
+            self._followers = []
+            self.scheduler.close()
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
 
     @property
     def engine(self):  # the Engine: for its device, dtype and KV budget

@@ -22,6 +22,10 @@ than the context, or a token id outside the vocabulary, and every request of a s
 raised, leave with an :class:`~minisgl.message.AbortRequest` carrying a
 :class:`~minisgl.message.RequestError`; the detokenizer turns it into the request's last
 reply, and the scheduler serves on.
+
+Chapter 17: under tensor parallelism this process is rank 0. Its scheduler passes every request
+and step on to the other ranks (:class:`~minisgl.scheduler.tp.TPLeaderScheduler`), and a step
+that fails ends the process instead: the ranks could no longer be trusted to agree.
 """
 
 from __future__ import annotations
@@ -42,6 +46,7 @@ from minisgl.message import (
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import OverlapScheduler, num_sampled
 from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.tp import TPLaunch, TPLeaderScheduler
 from minisgl.scheduler.utils import output_room
 from minisgl.utils.logger import get_logger
 from minisgl.utils.mp import (
@@ -254,7 +259,7 @@ class SchedulerIO:
 # --8<-- [start:run_scheduler]
 def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
                   ready: multiprocessing.Queue | None = None,
-                  stats: SharedCounters | None = None) -> None:
+                  stats: SharedCounters | None = None, tp: TPLaunch | None = None) -> None:
     """The scheduler process: serve requests from ``inbox`` until SIGTERM or SIGINT (or,
     chapter 16, until its parent dies: ``signals.requested`` is checked after every step).
 
@@ -266,14 +271,16 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
         ready: a queue from :func:`~minisgl.utils.mp.new_ready_queue` to report start-up on,
             or None.
         stats: counters named :data:`SCHEDULER_COUNTERS` to publish, or None.
+        tp: chapter 17: the tensor-parallel group this process leads as rank 0, or None.
     """
     signals = ShutdownSignals()
-    receive = send = None
+    receive = send = scheduler = None
     try:
         with signals.interruptible(), reporting_readiness(ready, "scheduler"):
             receive = ZmqPullQueue(inbox, BackendMessage, bind=True)
             send = ZmqPushQueue(detokenizer_addr, DetokenizerMessage, bind=False)
-            io = SchedulerIO(OverlapScheduler(config), stats)
+            scheduler = OverlapScheduler(config) if tp is None else TPLeaderScheduler(config, tp)
+            io = SchedulerIO(scheduler, stats)
         while not signals.requested:
             messages = []
             if not io.has_work:  # idle: sleep until a message (or a signal) comes
@@ -285,6 +292,8 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
     except ShutdownRequested:
         pass
     finally:
+        if isinstance(scheduler, TPLeaderScheduler):
+            scheduler.close()
         close_queues(receive, send)
     logger.info("scheduler stopped")
 # --8<-- [end:run_scheduler]

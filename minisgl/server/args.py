@@ -10,7 +10,7 @@ Three groups of options:
 - **the engine**: every field of :class:`~minisgl.scheduler.config.SchedulerConfig` that a
   user may want to set (``--page-size``, ``--num-pages``, ``--prefix-cache`` ...). An option
   left out keeps the engine's own default, so the defaults live in one place only;
-- **tensor parallelism** (``--tp``), which chapter 17 brings; until then only 1 is accepted.
+- **tensor parallelism** (``--tp``, chapter 17): the model split over N scheduler processes.
 
 :func:`parse_args` checks everything before a single process starts: a bad value stops the
 program with argparse's usage line and a message naming the option and what it accepts,
@@ -66,7 +66,7 @@ class ServerArgs:
         model: a checkpoint directory or a Hugging Face hub id, as given.
         host, port: where the HTTP server listens.
         device, dtype: as for :class:`~minisgl.scheduler.config.SchedulerConfig`.
-        tp: tensor-parallel ranks (chapter 17); 1 until then.
+        tp: tensor-parallel ranks (chapter 17): one scheduler process per rank.
         shell: run the interactive chat in the terminal instead of the HTTP server.
         shell_max_tokens: the longest reply the shell asks for.
         num_tokenizers: tokenizer worker processes; request ``uid`` goes to ``uid % N``.
@@ -106,10 +106,9 @@ class ServerArgs:
         _check_int("--port", self.port, 1, 65535)
         _check_int("--num-tokenizers", self.num_tokenizers, 1)
         _check_int("--shell-max-tokens", self.shell_max_tokens, 1)
+        # Whether the model splits --tp ways is checked by the launcher, once the checkpoint
+        # is found (chapter 17).
         _check_int("--tp", self.tp, 1)
-        if self.tp != 1:
-            raise ValueError(f"--tp {self.tp}: tensor parallelism is not available yet "
-                             "(chapter 17 adds it); run with --tp 1")
         if not (math.isfinite(self.startup_timeout_s) and self.startup_timeout_s > 0):
             raise ValueError(f"--startup-timeout must be a number of seconds > 0, "
                              f"got {self.startup_timeout_s!r}")
@@ -167,7 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=("auto", "float32", "bfloat16", "float16"),
                         help="auto is float32 on CPU, bfloat16 on CUDA (default: %(default)s)")
     parser.add_argument("--tp", type=int, default=1, metavar="N",
-                        help="tensor-parallel ranks (chapter 17; default: %(default)s)")
+                        help="tensor-parallel ranks: gloo on CPU, one GPU per rank on CUDA "
+                             "(default: %(default)s)")
     parser.add_argument("--shell", action="store_true",
                         help="chat in the terminal instead of serving HTTP")
     parser.add_argument("--shell-max-tokens", type=int, default=DEFAULT_SHELL_MAX_TOKENS,

@@ -17,6 +17,9 @@ Start-up order (:func:`launch`):
 4. serve HTTP with uvicorn (or run the shell) until SIGINT or SIGTERM;
 5. stop every worker, whatever the way out: a normal return, a signal or an error.
 
+Chapter 17: with ``--tp N`` the scheduler is N processes, one per rank: the one above is rank
+0, and ranks 1..N-1 (``scheduler-rank1`` ...) repeat what it does (``minisgl.scheduler.tp``).
+
 Chapter 16: the workers live in process groups of their own, so a Ctrl-C in the terminal
 reaches the launcher alone, which decides what it means (the shell stops the answer being
 written; the server shuts down in order). On SIGINT or SIGTERM the server stops taking
@@ -113,9 +116,12 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
             ready within ``args.startup_timeout_s``. Every worker started is stopped first.
     """
     from minisgl.scheduler.io import run_scheduler, scheduler_counters
+    from minisgl.scheduler.tp import TPLaunch, check_tp, follower_counters, run_tp_follower
     from minisgl.tokenizer.server import detokenizer_counters, run_detokenizer, run_tokenizer
 
     model_path = str(config.model_path)
+    check_tp(model_path, args.tp)  # chapter 17: a model that cannot be split fails here, at once
+    tp = TPLaunch.new(args.tp) if args.tp > 1 else None
     scheduler_addr, detokenizer_addr = ipc_address("scheduler"), ipc_address("detokenizer")
     workers = Workers(tokenizer_addrs=[ipc_address(f"tokenizer-{k}")
                                        for k in range(args.num_tokenizers)],
@@ -133,7 +139,11 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
 
     try:
         start("scheduler", run_scheduler, config, scheduler_addr, detokenizer_addr,
-              stats=workers.counters[0])
+              stats=workers.counters[0], tp=tp)
+        for rank in range(1, args.tp):  # chapter 17: the other ranks, each its own scheduler
+            workers.counters.append(follower_counters(rank))
+            start(f"scheduler-rank{rank}", run_tp_follower, config, tp, rank,
+                  stats=workers.counters[-1])
         start("detokenizer", run_detokenizer, model_path, detokenizer_addr,
               workers.frontend_addr, stats=workers.counters[1], scheduler_addr=scheduler_addr)
         for k, inbox in enumerate(workers.tokenizer_addrs):
@@ -201,7 +211,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         return launch(args)
-    except (ModelPathError, OSError, RuntimeError) as exc:  # start-up failures, said plainly
+    except (ModelPathError, OSError, RuntimeError, ValueError) as exc:  # start-up failures
         logger.error("%s", exc)
         return 1
 

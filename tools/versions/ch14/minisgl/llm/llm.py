@@ -1,0 +1,207 @@
+"""``LLM``: offline batch generation on the scheduler, in the calling process.
+
+This is the smallest complete way to use the engine: tokenize the prompts, hand them all to a
+:class:`~minisgl.scheduler.scheduler.Scheduler`, step it until every request has finished,
+detokenize the outputs. The scheduler does the rest: it admits as many prompts as the KV cache
+holds, batches them continuously, and takes in the waiting ones as the first ones finish. A list
+of a thousand prompts therefore needs no more memory than the pool it was given.
+
+Chapters 13 to 15 put the same scheduler behind a server, in a process of its own; this class is
+what a script, a notebook or a test uses.
+
+From chapter 12 on the scheduler is the :class:`~minisgl.scheduler.overlap.OverlapScheduler`,
+so the host plans each step while the device runs the one before; ``LLM(path, overlap=False)``
+runs chapter 9's synchronous loop instead, for comparison.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Sequence
+from numbers import Integral
+from typing import Any
+
+from tqdm import tqdm
+
+from minisgl.core import Req, SamplingParams
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.overlap import OverlapScheduler
+from minisgl.utils.hf import resolve_model_path
+from minisgl.utils.logger import get_logger
+
+logger = get_logger(__name__)
+
+# A progress bar is worth its lines on stderr only for batches that take a while.
+PROGRESS_MIN_PROMPTS = 32
+
+Prompt = str | Sequence[int]
+Completion = dict[str, Any]  # {"text": str, "token_ids": list[int], "finish_reason": str}
+
+
+class LLM:
+    """A model ready to complete prompts, offline.
+
+    Args:
+        model: a checkpoint directory, or a Hugging Face hub id (downloaded once).
+        device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
+        dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16`` or
+            ``float16``.
+        **engine_options: any other field of :class:`~minisgl.scheduler.config.SchedulerConfig`
+            (``page_size``, ``num_pages``, ``max_running_reqs``, ``max_prefill_tokens``,
+            ``prefix_cache``, ``overlap``, ...).
+
+    Attributes:
+        scheduler: the scheduler the requests run on (and through it, ``scheduler.engine``).
+        tokenizer: the checkpoint's tokenizer (a ``transformers`` tokenizer).
+    """
+
+    # --8<-- [start:llm_init]
+    def __init__(self, model: str | os.PathLike[str], device: str = "auto", dtype: str = "auto",
+                 **engine_options: Any) -> None:
+        _check_engine_options(engine_options)
+        path = resolve_model_path(model)
+        self.scheduler = OverlapScheduler(SchedulerConfig(path, device=device, dtype=dtype,
+                                                          **engine_options))
+        self.tokenizer = _load_tokenizer(path)
+        self._next_uid = 0  # uids stay unique across generate() calls
+    # --8<-- [end:llm_init]
+
+    @property
+    def engine(self):  # the Engine: for its device, dtype and KV budget
+        return self.scheduler.engine
+
+    # --8<-- [start:generate]
+    def generate(self, prompts: Prompt | Sequence[Prompt],
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 *, progress: bool | None = None) -> list[Completion]:
+        """Complete every prompt; the results come back in the order of ``prompts``.
+
+        Args:
+            prompts: strings (tokenized with the checkpoint's tokenizer) or lists of token ids,
+                mixed freely. A single string is one prompt.
+            sampling_params: one :class:`SamplingParams` for every prompt, a list with one per
+                prompt, or None for the defaults.
+            progress: show a progress bar on stderr; None shows one for batches of
+                ``PROGRESS_MIN_PROMPTS`` prompts or more.
+
+        Returns:
+            One dict per prompt: ``token_ids`` (every generated token, including the one that
+            stopped generation, as ``transformers.generate`` returns them), ``text`` (those
+            tokens decoded, without an end-of-sequence or stop token that ended the request)
+            and ``finish_reason`` (``"stop"`` or ``"length"``).
+        """
+        if isinstance(prompts, str):
+            prompts = [prompts]
+        prompt_ids = [self._encode(i, prompt) for i, prompt in enumerate(_as_list(prompts))]
+        params = _params_per_prompt(sampling_params, len(prompt_ids))
+        _refuse_stop_strings(params)
+        reqs = [Req(self._new_uid(), ids, p) for ids, p in zip(prompt_ids, params)]
+        show = len(reqs) >= PROGRESS_MIN_PROMPTS if progress is None else progress
+        self._run(reqs, show)
+        return [self._completion(req) for req in reqs]
+
+    def _run(self, reqs: list[Req], show_progress: bool) -> None:
+        """Add every request, then step the scheduler until all of them have finished."""
+        pending = {req.uid for req in reqs}
+        try:
+            for req in reqs:
+                self.scheduler.add(req)
+            with tqdm(total=len(reqs), desc="generate", unit="req",
+                      disable=not show_progress) as bar:
+                while pending:
+                    result = self.scheduler.step()
+                    # An overlapped step may launch nothing and only read the last batch's
+                    # tokens: idle, yet some requests finished.
+                    assert not result.idle or result.finished, \
+                        "requests pending, yet the scheduler had no work"
+                    for req in result.finished:
+                        pending.discard(req.uid)
+                    bar.update(len(result.finished))
+        finally:  # an error or Ctrl-C: drop what is left, so that no page stays taken
+            for uid in pending:
+                self.scheduler.abort(uid)
+    # --8<-- [end:generate]
+
+    # --8<-- [start:completion]
+    def _completion(self, req: Req) -> Completion:
+        assert req.finish_reason is not None, req
+        text_ids = req.output_ids
+        if req.finish_reason == "stop":  # an EOS or stop token is a signal, not text
+            text_ids = text_ids[:-1]
+        return {"text": self.tokenizer.decode(text_ids), "token_ids": list(req.output_ids),
+                "finish_reason": req.finish_reason}
+    # --8<-- [end:completion]
+
+    def _encode(self, index: int, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt)
+        elif isinstance(prompt, Sequence) and all(
+                isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+            ids = [int(t) for t in prompt]
+        else:
+            raise TypeError(f"prompt {index} must be a string or a list of token ids, "
+                            f"got {type(prompt).__name__}")
+        if not ids:
+            raise ValueError(f"prompt {index} is empty: a prompt needs at least one token")
+        return ids
+
+    def _new_uid(self) -> int:
+        uid, self._next_uid = self._next_uid, self._next_uid + 1
+        return uid
+
+    def __repr__(self) -> str:
+        return f"LLM({self.scheduler.engine!r})"
+
+
+def _as_list(prompts: Sequence[Prompt]) -> list[Prompt]:
+    if not isinstance(prompts, Sequence):
+        raise TypeError(f"prompts must be a list of strings or of token-id lists, "
+                        f"got {type(prompts).__name__}")
+    if prompts and all(isinstance(p, Integral) for p in prompts):
+        raise TypeError("prompts is a flat list of integers; for one prompt given as token ids "
+                        "pass a list holding that list: [[1, 2, 3]]")
+    return list(prompts)
+
+
+def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
+                       num_prompts: int) -> list[SamplingParams]:
+    if params is None:
+        return [SamplingParams()] * num_prompts
+    if isinstance(params, SamplingParams):
+        return [params] * num_prompts
+    params = list(params)
+    if len(params) != num_prompts:
+        raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} prompts; "
+                         "pass one SamplingParams for all, or one per prompt")
+    for i, p in enumerate(params):
+        if not isinstance(p, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be a SamplingParams, "
+                            f"got {type(p).__name__}")
+    return params
+
+
+def _refuse_stop_strings(params: Sequence[SamplingParams]) -> None:
+    """Stop strings are matched on text, by the server's detokenizer (chapter 14); ``LLM``
+    decodes only once a request has finished, so it could not stop there. Say so rather than
+    return text that runs past the stop string."""
+    for i, p in enumerate(params):
+        if p.stop:
+            raise ValueError(f"sampling_params[{i}].stop={p.stop!r}: stop strings are applied "
+                             "by the server's detokenizer; LLM.generate supports "
+                             "stop_token_ids (or cut the returned text yourself)")
+
+
+def _check_engine_options(options: dict[str, Any]) -> None:
+    allowed = sorted(f.name for f in dataclasses.fields(SchedulerConfig)
+                     if f.name not in ("model_path", "device", "dtype"))
+    unknown = sorted(set(options) - set(allowed))
+    if unknown:
+        raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; "
+                        f"the options are: {', '.join(allowed)}")
+
+
+def _load_tokenizer(path: os.PathLike[str]):
+    from transformers import AutoTokenizer  # imported here: importing transformers is slow
+
+    return AutoTokenizer.from_pretrained(path)

@@ -1,0 +1,290 @@
+"""The scheduler as a process: requests in from the tokenizer, tokens out to the detokenizer.
+
+Chapters 9 to 12 drive the scheduler from a loop in the caller's own process (``LLM``). Served,
+it runs in a process of its own, and its loop is :func:`run_scheduler`:
+
+1. wait for messages only when there is nothing to compute; otherwise take whatever has
+   arrived without waiting, so that a new request never stalls the running ones;
+2. add the new requests, abort the cancelled ones;
+3. run one step of the (chapter 12, overlapping) scheduler;
+4. send one frame holding a :class:`~minisgl.message.DetokenizeRequest` for every token the
+   step produced; the last token of a request carries its ``finish_reason`` and ``usage``.
+
+:class:`SchedulerIO` is the part of that loop that needs no socket (turning messages into
+requests, and a step's results into messages), so that a test can drive it directly.
+
+The scheduler publishes its state after every step in a
+:class:`~minisgl.utils.mp.SharedCounters` with the names :data:`SCHEDULER_COUNTERS`, which the
+API server reads for ``/metrics``.
+
+Chapter 16: a request the scheduler cannot serve is answered, never dropped. A prompt longer
+than the context, or a token id outside the vocabulary, and every request of a step that
+raised, leave with an :class:`~minisgl.message.AbortRequest` carrying a
+:class:`~minisgl.message.RequestError`; the detokenizer turns it into the request's last
+reply, and the scheduler serves on.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+
+from minisgl.core import Req
+from minisgl.message import (
+    AbortRequest,
+    BackendMessage,
+    DetokenizeRequest,
+    DetokenizerMessage,
+    RequestError,
+    TokenUsage,
+    UserRequest,
+    server_error,
+)
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.overlap import OverlapScheduler, num_sampled
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.utils import output_room
+from minisgl.utils.logger import get_logger
+from minisgl.utils.mp import (
+    SharedCounters,
+    ShutdownRequested,
+    ShutdownSignals,
+    ZmqPullQueue,
+    ZmqPushQueue,
+    close_queues,
+    reporting_readiness,
+)
+
+logger = get_logger(__name__)
+
+# --8<-- [start:counters]
+# What the scheduler publishes after each step. running / waiting / kv_pages_in_use are the
+# state now; prompt_tokens and generation_tokens are totals since start-up.
+SCHEDULER_COUNTERS = ("running", "waiting", "kv_pages_in_use", "prompt_tokens",
+                      "generation_tokens")
+
+
+def scheduler_counters() -> SharedCounters:
+    """Counters for :func:`run_scheduler`'s ``stats`` argument."""
+    return SharedCounters(SCHEDULER_COUNTERS)
+# --8<-- [end:counters]
+
+# Chapter 16: a step that raises fails the requests it was serving, and the scheduler goes on;
+# this many failed steps in a row mean it cannot recover, and the process exits (the API server
+# then reports it unhealthy and fails every waiting request).
+MAX_FAILED_STEPS = 3
+
+
+class SchedulerIO:
+    """A scheduler fed with messages, whose steps come out as messages.
+
+    Args:
+        scheduler: the scheduler (an :class:`OverlapScheduler` in the served engine).
+        stats: counters to publish after each step, or None.
+
+    Attributes:
+        live: uid -> request, for every request added and not finished or aborted yet.
+    """
+
+    def __init__(self, scheduler: Scheduler, stats: SharedCounters | None = None) -> None:
+        self.scheduler = scheduler
+        self.stats = stats
+        self.live: dict[int, Req] = {}
+        self._sent: dict[int, int] = {}  # uid -> tokens sent to the detokenizer so far
+        self._last_uids: tuple[int, ...] = ()  # the previous step's batch
+        self._failed_steps = 0  # chapter 16: steps in a row that raised
+
+    @property
+    def has_work(self) -> bool:
+        return self.scheduler.has_work
+
+    # --8<-- [start:receive]
+    def receive(self, messages: list[BackendMessage]) -> list[DetokenizerMessage]:
+        """Add and abort requests, in the order the messages came.
+
+        Returns the aborts to pass on to the detokenizer: one for each request an abort
+        actually dropped. It is the last message the detokenizer gets for that uid, so it can
+        forget the request. An abort that dropped nothing is not passed on: the request has
+        finished (its last token went out already) or finishes in the batch in flight (its
+        last token will).
+
+        Chapter 16: an abort that carries an error is always passed on (a tokenizer could not
+        serve the request, which the scheduler never saw: the client must still hear why), and
+        a request the scheduler refuses leaves the same way, with its own error.
+        """
+        forward: list[DetokenizerMessage] = []
+        for message in messages:
+            if isinstance(message, UserRequest):
+                error = self._add(message)
+                if error is not None:
+                    forward.append(AbortRequest(message.uid, error=error))
+            elif isinstance(message, AbortRequest):
+                if self.scheduler.abort(message.uid) is not None:
+                    self.live.pop(message.uid, None)
+                    self._sent.pop(message.uid, None)
+                    forward.append(message)
+                elif message.error is not None:
+                    forward.append(message)
+            else:  # the queue only lets BackendMessage through; a new kind needs code here
+                logger.error("the scheduler cannot handle a %s; dropped", type(message).__name__)
+        return forward
+    # --8<-- [end:receive]
+
+    # --8<-- [start:add]
+    def _add(self, message: UserRequest) -> RequestError | None:
+        """Queue a request; the error to answer it with if it cannot be served."""
+        limit = self.scheduler.max_seq_len  # the model's context, or what the KV pool holds
+        if len(message.input_ids) > limit:
+            return RequestError(
+                f"the prompt is {len(message.input_ids)} tokens long; this server serves at "
+                f"most {limit} tokens per request, prompt and output together",
+                param="prompt", code="context_length_exceeded")
+        room = output_room(len(message.input_ids), limit)
+        if message.strict_max_tokens and message.sampling_params.max_tokens > room:
+            # A limit the client chose is refused, as OpenAI does; a default one is lowered.
+            return RequestError(
+                f"max_tokens is {message.sampling_params.max_tokens}, but a prompt of "
+                f"{len(message.input_ids)} tokens leaves room for at most {room}: this server "
+                f"serves at most {limit} tokens per request, prompt and output together",
+                param="max_tokens", code="context_length_exceeded")
+        try:
+            req = Req(message.uid, message.input_ids, message.sampling_params)
+            self.scheduler.add(req)
+        except ValueError as exc:  # the scheduler's own checks: a token id outside the vocab
+            logger.warning("request %d refused: %s", message.uid, exc)
+            return RequestError(str(exc), param="prompt")
+        except Exception as exc:  # a bug: answer this request, serve the others
+            logger.exception("request %d could not be added", message.uid)
+            return server_error("the scheduler could not accept the request", exc)
+        self.live[req.uid] = req
+        self._sent[req.uid] = 0
+        return None
+    # --8<-- [end:add]
+
+    # --8<-- [start:step]
+    def step(self) -> list[DetokenizerMessage]:
+        """Run one scheduler step; one message per token it produced.
+
+        With overlap (chapter 12) a step reads the tokens of the batch launched the step
+        before, so the requests that may have a new token are those of this step's batch and
+        of the previous one. A request's output may end with a placeholder for a token still
+        on the device: only the tokens before it are real.
+        """
+        live = list(self.live)
+        try:
+            result = self.scheduler.step()
+            finished = {req.uid: req for req in result.finished}
+            messages: list[DetokenizerMessage] = []
+            for uid in dict.fromkeys((*self._last_uids, *result.uids, *finished)):
+                req = self.live.get(uid)
+                if req is not None:
+                    messages += self._new_tokens(req, finished.get(uid) is req)
+        except Exception as exc:  # noqa: BLE001 - chapter 16: fail the requests, not the process
+            return self._fail(live, exc)
+        self._failed_steps = 0
+        self._last_uids = result.uids
+        if self.stats is not None and messages:  # one shared-memory update per step
+            self.stats.add(generation_tokens=len(messages),  # one message per token
+                           prompt_tokens=sum(m.prompt_tokens for m in messages))
+        self._publish()
+        return messages
+
+    def _new_tokens(self, req: Req, finished: bool) -> list[DetokenizeRequest]:
+        out = req.output_ids
+        real = num_sampled(out)
+        sent = self._sent[req.uid]
+        assert real > sent or not finished, f"request {req.uid} finished without a new token"
+        messages = []
+        for i in range(sent, real):
+            last = finished and i == real - 1
+            first = i == 0
+            messages.append(DetokenizeRequest(
+                req.uid, out[i],
+                finish_reason=req.finish_reason if last else None,
+                usage=TokenUsage(len(req.prompt_ids), real) if last else None,
+                stop=req.params.stop if first else (),
+                prompt_tokens=len(req.prompt_ids) if first else 0,
+            ))
+        self._sent[req.uid] = real
+        if finished:
+            del self.live[req.uid], self._sent[req.uid]
+        return messages
+    # --8<-- [end:step]
+
+    # --8<-- [start:fail]
+    def _fail(self, uids: list[int], exc: Exception) -> list[DetokenizerMessage]:
+        """A step raised: end every request that was live before it with an error.
+
+        Which request made the step fail cannot be told, and their state (tokens, pages) may
+        be half-updated, so all of them go: aborted (their pages freed), and an error for each
+        sent on to the detokenizer, which answers their clients. Requests that come later are
+        served as usual, unless steps keep failing: then the process gives up (the error is
+        raised) and the API server, seeing it gone, fails what is left.
+        """
+        self._failed_steps += 1
+        logger.error("a scheduler step failed; failing its %d request(s)", len(uids),
+                     exc_info=exc)
+        if self._failed_steps >= MAX_FAILED_STEPS:
+            raise RuntimeError(f"{self._failed_steps} scheduler steps in a row failed; "
+                               "giving up") from exc
+        error = server_error("the scheduler failed while serving this request", exc)
+        for uid in uids:
+            try:
+                self.scheduler.abort(uid)
+            except Exception:  # keep freeing the others
+                logger.exception("request %d could not be aborted", uid)
+            self.live.pop(uid, None)
+            self._sent.pop(uid, None)
+        self._last_uids = ()
+        self._publish()
+        return [AbortRequest(uid, error=error) for uid in uids]
+    # --8<-- [end:fail]
+
+    def _publish(self) -> None:
+        if self.stats is None:
+            return
+        cache = self.scheduler.cache
+        self.stats.update(
+            running=self.scheduler.num_running,
+            waiting=self.scheduler.num_waiting,
+            # Held by requests; pages the prefix cache keeps but could evict are not in use.
+            kv_pages_in_use=cache.pages_in_use - cache.prefix_cache.num_evictable_pages,
+        )
+
+
+# --8<-- [start:run_scheduler]
+def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
+                  ready: multiprocessing.Queue | None = None,
+                  stats: SharedCounters | None = None) -> None:
+    """The scheduler process: serve requests from ``inbox`` until SIGTERM or SIGINT (or,
+    chapter 16, until its parent dies: ``signals.requested`` is checked after every step).
+
+    Args:
+        config: the engine's and the scheduler's settings.
+        inbox: the address this process binds, where the tokenizers send
+            :class:`UserRequest` and :class:`AbortRequest` messages.
+        detokenizer_addr: the detokenizer's inbox, where the tokens go.
+        ready: a queue from :func:`~minisgl.utils.mp.new_ready_queue` to report start-up on,
+            or None.
+        stats: counters named :data:`SCHEDULER_COUNTERS` to publish, or None.
+    """
+    signals = ShutdownSignals()
+    receive = send = None
+    try:
+        with signals.interruptible(), reporting_readiness(ready, "scheduler"):
+            receive = ZmqPullQueue(inbox, BackendMessage, bind=True)
+            send = ZmqPushQueue(detokenizer_addr, DetokenizerMessage, bind=False)
+            io = SchedulerIO(OverlapScheduler(config), stats)
+        while not signals.requested:
+            messages = []
+            if not io.has_work:  # idle: sleep until a message (or a signal) comes
+                messages.append(signals.receive(receive))
+            out = io.receive(messages + receive.drain())
+            if io.has_work:
+                out += io.step()
+            send.put_many(out)  # one frame per step
+    except ShutdownRequested:
+        pass
+    finally:
+        close_queues(receive, send)
+    logger.info("scheduler stopped")
+# --8<-- [end:run_scheduler]

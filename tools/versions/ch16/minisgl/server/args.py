@@ -1,0 +1,270 @@
+"""``python -m minisgl``'s command line: the options, and the :class:`ServerArgs` they become.
+
+Three groups of options:
+
+- **the service**: which checkpoint (``--model``), where to listen (``--host``, ``--port``),
+  how many tokenizer workers, the interactive ``--shell`` instead of HTTP; chapter 16 adds the
+  limits of the request lifecycle: how many replies a slow reader may leave unread
+  (``--reply-buffer-size``) and for how long (``--slow-reader-timeout``), and how long
+  requests in flight may take to finish when the server is stopped (``--shutdown-timeout``);
+- **the engine**: every field of :class:`~minisgl.scheduler.config.SchedulerConfig` that a
+  user may want to set (``--page-size``, ``--num-pages``, ``--prefix-cache`` ...). An option
+  left out keeps the engine's own default, so the defaults live in one place only;
+- **tensor parallelism** (``--tp``), which chapter 17 brings; until then only 1 is accepted.
+
+:func:`parse_args` checks everything before a single process starts: a bad value stops the
+program with argparse's usage line and a message naming the option and what it accepts,
+instead of an error from deep inside a worker a few seconds later.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.env import parse_mem_bytes
+from minisgl.scheduler.config import SchedulerConfig
+from minisgl.server.lifecycle import DEFAULT_REPLY_BUFFER_SIZE, DEFAULT_SLOW_READER_TIMEOUT_S
+
+DEFAULT_HOST = "127.0.0.1"  # loopback: serving on every interface is a choice to make explicitly
+DEFAULT_PORT = 1919
+DEFAULT_STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint from a slow disk takes minutes
+DEFAULT_SHELL_MAX_TOKENS = 2048  # room for a reasoning model to think, then answer
+# Chapter 16: on SIGINT/SIGTERM, requests in flight get this long to finish; what is left then
+# is ended with an error (a stream gets an error event), never cut off without a word.
+DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
+
+# The SchedulerConfig fields the command line sets, with their flags' help. The flag is the
+# field name with dashes; the default shown is the engine's own.
+ENGINE_OPTIONS: dict[str, str] = {
+    "attention_backend": "attention kernels: auto, torch or flashinfer",
+    "page_size": "token slots per KV page",
+    "num_pages": "a fixed number of KV pages (default: sized from free memory)",
+    "memory_fraction": "CUDA: share of the free GPU memory the KV pool takes",
+    "cpu_kv_memory": "CPU: bytes for the KV pool, e.g. 512MiB (default: MINISGL_CPU_KV_MEMORY)",
+    "max_running_reqs": "the most requests running at once",
+    "max_seq_len": "the longest sequence (prompt + output) of one request "
+                   "(default: the model's context)",
+    "max_prefill_tokens": "prompt tokens one prefill step computes at most",
+    "prefix_cache": "the prefix cache: naive (none) or radix (shares common prefixes)",
+    "chunked_prefill": "cut prompts longer than --max-prefill-tokens into chunks",
+    "cuda_graph": "capture decode steps as CUDA graphs (CUDA only)",
+    "cuda_graph_max_bs": "the largest decode batch replayed as a CUDA graph",
+    "overlap": "overlap scheduling (chapter 12) (default: on unless MINISGL_DISABLE_OVERLAP is set)",
+}
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Everything the launcher needs, checked.
+
+    Attributes:
+        model: a checkpoint directory or a Hugging Face hub id, as given.
+        host, port: where the HTTP server listens.
+        device, dtype: as for :class:`~minisgl.scheduler.config.SchedulerConfig`.
+        tp: tensor-parallel ranks (chapter 17); 1 until then.
+        shell: run the interactive chat in the terminal instead of the HTTP server.
+        shell_max_tokens: the longest reply the shell asks for.
+        num_tokenizers: tokenizer worker processes; request ``uid`` goes to ``uid % N``.
+        served_model_name: the model name the API reports; None means ``model`` as given.
+        startup_timeout_s: how long the launcher waits for the workers to report ready.
+        reply_buffer_size: chapter 16: the most replies the API server holds for one reader.
+        slow_reader_timeout_s: chapter 16: how long a reader may stay behind the engine
+            before its request is aborted.
+        shutdown_timeout_s: chapter 16: how long requests in flight may run on after SIGINT
+            or SIGTERM.
+        engine_options: the engine options given on the command line (field -> value); the
+            others keep the engine's defaults.
+    """
+
+    model: str
+    host: str = DEFAULT_HOST
+    port: int = DEFAULT_PORT
+    device: str = "auto"
+    dtype: str = "auto"
+    tp: int = 1
+    shell: bool = False
+    shell_max_tokens: int = DEFAULT_SHELL_MAX_TOKENS
+    num_tokenizers: int = 1
+    served_model_name: str | None = None
+    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    reply_buffer_size: int = DEFAULT_REPLY_BUFFER_SIZE
+    slow_reader_timeout_s: float = DEFAULT_SLOW_READER_TIMEOUT_S
+    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    engine_options: Mapping[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.model, str) or not self.model.strip():
+            raise ValueError(f"--model must name a checkpoint directory or a hub id, "
+                             f"got {self.model!r}")
+        if not self.host:
+            raise ValueError("--host must be an address to listen on, e.g. 127.0.0.1")
+        _check_int("--port", self.port, 1, 65535)
+        _check_int("--num-tokenizers", self.num_tokenizers, 1)
+        _check_int("--shell-max-tokens", self.shell_max_tokens, 1)
+        _check_int("--tp", self.tp, 1)
+        if self.tp != 1:
+            raise ValueError(f"--tp {self.tp}: tensor parallelism is not available yet "
+                             "(chapter 17 adds it); run with --tp 1")
+        if not (math.isfinite(self.startup_timeout_s) and self.startup_timeout_s > 0):
+            raise ValueError(f"--startup-timeout must be a number of seconds > 0, "
+                             f"got {self.startup_timeout_s!r}")
+        _check_int("--reply-buffer-size", self.reply_buffer_size, 1)
+        _check_seconds("--slow-reader-timeout", self.slow_reader_timeout_s, minimum=0.0,
+                       inclusive=False)
+        _check_seconds("--shutdown-timeout", self.shutdown_timeout_s, minimum=0.0,
+                       inclusive=True)
+        unknown = sorted(set(self.engine_options) - set(ENGINE_OPTIONS))
+        if unknown:
+            raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; "
+                             f"the options are: {', '.join(ENGINE_OPTIONS)}")
+        object.__setattr__(self, "engine_options", dict(self.engine_options))
+
+    @property
+    def model_name(self) -> str:
+        """The name the API reports for the model (``/v1/models``, every response's ``model``)."""
+        return self.served_model_name or self.model
+
+    @property
+    def url(self) -> str:
+        """Where the HTTP server listens."""
+        host = f"[{self.host}]" if ":" in self.host else self.host  # an IPv6 literal
+        return f"http://{host}:{self.port}"
+
+    def scheduler_config(self, model_path: str) -> SchedulerConfig:
+        """The scheduler process's config, for the checkpoint directory ``model_path``.
+
+        The shell serves one conversation, so unless told otherwise it keeps one request
+        slot (on CUDA that also means capturing a single decode graph instead of dozens).
+        """
+        options = dict(self.engine_options)
+        if self.shell:
+            options.setdefault("max_running_reqs", 1)
+        return SchedulerConfig(model_path, device=self.device, dtype=self.dtype, **options)
+
+
+# --8<-- [start:build_parser]
+def build_parser() -> argparse.ArgumentParser:
+    """The parser of ``python -m minisgl`` (the Reference page shows its ``--help``)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m minisgl",
+        description="Serve a model behind an OpenAI-compatible HTTP API "
+                    "(or chat with it in the terminal with --shell).")
+    parser.add_argument("--model", required=True, metavar="PATH_OR_HUB_ID",
+                        help="a checkpoint directory, or a Hugging Face hub id such as "
+                             "Qwen/Qwen3-0.6B (downloaded on first use)")
+    parser.add_argument("--host", default=DEFAULT_HOST,
+                        help="the address to listen on (default: %(default)s)")
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+                        help="the port to listen on (default: %(default)s)")
+    parser.add_argument("--device", default="auto",
+                        help="auto, cpu, cuda or cuda:N (default: %(default)s)")
+    parser.add_argument("--dtype", default="auto",
+                        choices=("auto", "float32", "bfloat16", "float16"),
+                        help="auto is float32 on CPU, bfloat16 on CUDA (default: %(default)s)")
+    parser.add_argument("--tp", type=int, default=1, metavar="N",
+                        help="tensor-parallel ranks (chapter 17; default: %(default)s)")
+    parser.add_argument("--shell", action="store_true",
+                        help="chat in the terminal instead of serving HTTP")
+    parser.add_argument("--shell-max-tokens", type=int, default=DEFAULT_SHELL_MAX_TOKENS,
+                        metavar="N", help="the longest reply in the shell (default: %(default)s)")
+    parser.add_argument("--num-tokenizers", type=int, default=1, metavar="N",
+                        help="tokenizer worker processes (default: %(default)s)")
+    parser.add_argument("--served-model-name", metavar="NAME",
+                        help="the model name the API reports (default: --model as given)")
+    parser.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
+                        metavar="SECONDS", dest="startup_timeout_s",
+                        help="how long to wait for the workers to start (default: %(default)s)")
+    # --8<-- [start:lifecycle_options]
+    lifecycle = parser.add_argument_group(
+        "request lifecycle", "limits that keep one client from holding the server's memory "
+        "or its shutdown")
+    lifecycle.add_argument("--reply-buffer-size", type=int, default=DEFAULT_REPLY_BUFFER_SIZE,
+                           metavar="N", help="the most replies (about one per token) held "
+                           "for a client that reads slowly; beyond, its request is aborted "
+                           "(default: %(default)s)")
+    lifecycle.add_argument("--slow-reader-timeout", type=float, metavar="SECONDS",
+                           default=DEFAULT_SLOW_READER_TIMEOUT_S, dest="slow_reader_timeout_s",
+                           help="abort the request of a client that stays behind the engine "
+                           "this long (default: %(default)s)")
+    lifecycle.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",
+                           default=DEFAULT_SHUTDOWN_TIMEOUT_S, dest="shutdown_timeout_s",
+                           help="on SIGINT/SIGTERM, how long requests in flight may take to "
+                           "finish before they are ended with an error (default: %(default)s)")
+    # --8<-- [end:lifecycle_options]
+
+    engine = parser.add_argument_group(
+        "engine options", "left out, each keeps the engine's default (shown in brackets)")
+    for name, help_text in ENGINE_OPTIONS.items():
+        _add_engine_option(engine, name, help_text)
+    return parser
+# --8<-- [end:build_parser]
+
+
+def _add_engine_option(group: argparse._ArgumentGroup, name: str, help_text: str) -> None:
+    """One flag per SchedulerConfig field, typed like the field's default."""
+    default = next(f.default for f in dataclasses.fields(SchedulerConfig) if f.name == name)
+    flag = "--" + name.replace("_", "-")
+    shown = help_text if default is None else f"{help_text} [{default}]"
+    # default=None means "not given": the engine then applies its own default.
+    # overlap's default is None (on unless MINISGL_DISABLE_OVERLAP), still a switch.
+    if isinstance(default, bool) or name == "overlap":
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
+                           help=shown)
+    elif name == "cpu_kv_memory":
+        group.add_argument(flag, type=_mem_bytes, default=None, metavar="SIZE", help=shown)
+    elif name == "memory_fraction":
+        group.add_argument(flag, type=float, default=None, metavar="F", help=shown)
+    elif isinstance(default, str):
+        group.add_argument(flag, default=None, metavar="NAME", help=shown)
+    else:  # the integer options (some default to None: sized by the engine)
+        group.add_argument(flag, type=int, default=None, metavar="N", help=shown)
+
+
+def _mem_bytes(text: str) -> int:
+    try:
+        return parse_mem_bytes(text)
+    except ValueError as exc:  # argparse turns this into "invalid _mem_bytes value"
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+# --8<-- [start:parse_args]
+def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
+    """``argv`` (default: ``sys.argv[1:]``) as checked :class:`ServerArgs`.
+
+    Every value is checked here, the engine options by building the scheduler's config once:
+    a mistake exits with status 2 and a message naming the option, before any process starts.
+    """
+    parser = build_parser()
+    ns = vars(parser.parse_args(argv))
+    engine = {name: ns.pop(name) for name in ENGINE_OPTIONS}
+    engine = {name: value for name, value in engine.items() if value is not None}
+    try:
+        args = ServerArgs(engine_options=engine, **ns)
+        args.scheduler_config(args.model)  # checks the engine options (not the path: later)
+    except (TypeError, ValueError) as exc:
+        parser.error(str(exc))
+    return args
+# --8<-- [end:parse_args]
+
+
+def _check_seconds(flag: str, value: object, minimum: float, inclusive: bool) -> None:
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+          and math.isfinite(value) and (value >= minimum if inclusive else value > minimum))
+    if not ok:
+        bound = f"{'>=' if inclusive else '>'} {minimum:g}"
+        raise ValueError(f"{flag} must be a number of seconds {bound}, got {value!r}")
+
+
+def _check_int(flag: str, value: object, minimum: int, maximum: int | None = None) -> None:
+    # bool is an int to Python; `port=True` is a bug, not a 1.
+    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
+    if ok and maximum is not None:
+        ok = value <= maximum
+    if not ok:
+        allowed = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
+        raise ValueError(f"{flag} must be an integer {allowed}, got {value!r}")
