@@ -53,6 +53,7 @@ from minisgl.utils.mp import (
     close_queues,
     reporting_readiness,
 )
+from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)
 
@@ -267,6 +268,7 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
             or None.
         stats: counters named :data:`SCHEDULER_COUNTERS` to publish, or None.
     """
+    configure_cpu_threads("model")  # the process that computes gets the cores
     signals = ShutdownSignals()
     receive = send = None
     try:
