@@ -47,7 +47,7 @@ import uvicorn
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.lifecycle import SHUTTING_DOWN
-from minisgl.utils.hf import ModelPathError, default_model, resolve_model_path
+from minisgl.utils.hf import ModelPathError, default_model, load_hf_config, resolve_model_path
 from minisgl.utils.logger import configure_logging, get_logger
 from minisgl.utils.mp import (
     SharedCounters,
@@ -184,7 +184,11 @@ def launch(args: ServerArgs) -> int:
 
                 run_shell(frontend, sampling_params_for(model_path, args.shell_max_tokens))
                 return 0
+            config = load_hf_config(model_path)
             app = create_app(frontend, args.model_name, model_root=str(model_path),
+                             aliases=[args.model], vocab_size=config.get("vocab_size"),
+                             max_seq_len=args.engine_options.get(
+                                 "max_seq_len", config.get("max_position_embeddings")),
                              metrics=workers.snapshot, health=workers.health)
             logger.info("minisgl serving %s on %s", args.model_name, args.url)
             serve_http(app, listener, args.shutdown_timeout_s)
