@@ -192,6 +192,22 @@ def check_model(request: Request, model: str | None) -> None:
                        code="model_not_found")
 
 
+def check_at_most(request: Request, name: str, value: int, limit: int | None) -> None:
+    if limit is not None and value > limit:
+        raise APIError(400, f"{name} is {value}, but this server serves at most {limit} tokens "
+                            "per request", name, code="context_length_exceeded")
+
+
+def check_token_ids(request: Request, name: str, token_ids: Sequence[int]) -> None:
+    """Token ids the client gives besides the prompt must be the model's (the scheduler
+    checks the prompt's)."""
+    vocab_size = request.app.state.vocab_size
+    bad = next((t for t in token_ids if vocab_size is not None and t >= vocab_size), None)
+    if bad is not None:
+        raise APIError(400, f"{name}: token id {bad} is outside the vocabulary "
+                            f"(0..{vocab_size - 1})", name)
+
+
 async def _observed(replies: AsyncIterator[UserReply],
                     record: AccessRecord) -> AsyncIterator[UserReply]:
     """``replies`` unchanged; each last reply is noted for the access log."""
@@ -260,6 +276,11 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     max_tokens = (body.max_tokens if body.max_completion_tokens is None
                   else body.max_completion_tokens)
     params = body.sampling_params(max_tokens, DEFAULT_CHAT_MAX_TOKENS)
+    if body.max_completion_tokens is not None and body.max_tokens is not None:
+        # Both given: max_completion_tokens counts (as in vLLM); the other must still be valid.
+        body.sampling_params(body.max_tokens, DEFAULT_CHAT_MAX_TOKENS)
+        check_at_most(request, "max_tokens", body.max_tokens, request.app.state.max_seq_len)
+    check_token_ids(request, "stop_token_ids", body.stop_token_ids or ())
     record = _access(request)
     uid = await frontend.submit(params, messages=[m.as_dict() for m in body.messages],
                                 strict_max_tokens=max_tokens is not None)
@@ -284,6 +305,7 @@ async def completions(body: CompletionRequest, request: Request):
     body.check_supported()
     prompts = body.prompts()
     params = body.sampling_params(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+    check_token_ids(request, "stop_token_ids", body.stop_token_ids or ())
     record = _access(request)
     uids = await submit_prompts(frontend, prompts, params, body.max_tokens is not None)
     record.uids += uids
@@ -435,7 +457,7 @@ async def health(request: Request):
     return {"status": "ok"}
 
 
-@router.get("/metrics")
+@router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request):
     """Prometheus text: the workers' shared counters and the frontend's own."""
     state = request.app.state
@@ -536,15 +558,19 @@ def access_line(method: str, path: str, status: int, seconds: float,
 
 
 # =========================================================================== the schema
-def openapi_schema(app: FastAPI, max_token_id: int | None, max_tokens: int | None
-                   ) -> dict[str, Any]:
-    """The OpenAPI schema, as this server answers: its errors (400, never FastAPI's 422) and
-    the limits of the model it serves (the largest token id, the most tokens a request may
-    ask for). Built once, on the first request for it."""
+def openapi_schema(app: FastAPI, model_name: str, max_token_id: int | None,
+                   max_tokens: int | None) -> dict[str, Any]:
+    """The OpenAPI schema, as this server answers: its errors (400, never FastAPI's 422), the
+    limits of the model it serves (the largest token id, the most tokens a request may ask
+    for) and its model's id as the example of ``/v1/models/{model_id}``. Built once, on the
+    first request for it."""
     schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
     for operations in schema["paths"].values():
         for operation in operations.values():
             operation.get("responses", {}).pop("422", None)
+            for parameter in operation.get("parameters", []):
+                if parameter["name"] == "model_id":
+                    parameter["schema"]["examples"] = [model_name]
     components = schema.get("components", {}).get("schemas", {})
     for unused in ("HTTPValidationError", "ValidationError"):
         components.pop(unused, None)
@@ -556,6 +582,8 @@ def openapi_schema(app: FastAPI, max_token_id: int | None, max_tokens: int | Non
                     properties[field_name]["maximum"] = max_tokens
         if max_token_id is not None and "prompt" in properties:
             properties["prompt"].update(prompt_schema(max_token_id))
+        if max_token_id is not None and "stop_token_ids" in properties:
+            properties["stop_token_ids"]["anyOf"][0]["items"]["maximum"] = max_token_id
     return schema
 
 
@@ -594,6 +622,7 @@ def create_app(frontend_factory: Callable[[], FrontendManager], model_name: str,
     app.state.model_name = model_name
     app.state.model_names = {model_name, *aliases}
     app.state.model_root = model_root or model_name
+    app.state.vocab_size, app.state.max_seq_len = vocab_size, max_seq_len
     app.state.started = int(time.time())
     app.state.metrics = metrics or dict
     app.state.health = health or (lambda: None)
@@ -603,7 +632,7 @@ def create_app(frontend_factory: Callable[[], FrontendManager], model_name: str,
 
     def schema() -> dict[str, Any]:
         if app.openapi_schema is None:
-            app.openapi_schema = openapi_schema(app, max_token_id, max_seq_len)
+            app.openapi_schema = openapi_schema(app, model_name, max_token_id, max_seq_len)
         return app.openapi_schema
 
     app.openapi = schema  # type: ignore[method-assign]

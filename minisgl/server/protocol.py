@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from minisgl.core import SamplingParams
 from minisgl.message import RequestError, TokenUsage, UserReply
@@ -126,9 +126,23 @@ class ErrorResponse(BaseModel):
 # =========================================================================== request bodies
 # --8<-- [start:body_types]
 # Chapter 16: integers must fit the wire (msgpack packs at most 64 bits); a larger value is the
-# client's mistake (HTTP 400 naming the field), not a failure to serialize (500).
-TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# client's mistake (HTTP 400 naming the field), not a failure to serialize (500). The bound is
+# the largest integer a JSON number holds exactly (2**53 - 1): many clients, and every tool that
+# reads the schema's bounds, parse JSON numbers as doubles, which would round 2**63 - 1 up.
+MAX_JSON_INT = 2**53 - 1
+
+
+def _whole_number(value: Any) -> Any:
+    """JSON has one number type: ``12.0`` is the integer 12 (as JSON Schema says), while
+    ``12.5`` and ``"12"`` stay what they are, and are refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_whole_number)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_JSON_INT), BeforeValidator(_whole_number)]
+Int64 = Annotated[int, Field(ge=-MAX_JSON_INT, le=MAX_JSON_INT), BeforeValidator(_whole_number)]
 # Chapter 16: strict types. Lax pydantic would take "12" for 12 and "yes" for true; OpenAI's API
 # refuses a value of the wrong JSON type, and so does this one (HTTP 400 naming the field).
 STRICT_BODY = ConfigDict(extra="forbid", strict=True)
@@ -144,7 +158,6 @@ def _documented(**constraints: Any) -> Any:
     return Field(None, json_schema_extra=constraints)
 
 
-MAX_SEED = 2**64 - 1  # SamplingParams' limit: a seed is an unsigned 64-bit integer
 
 
 class TextPart(BaseModel):
@@ -238,7 +251,7 @@ class _GenerationBody(BaseModel):
     top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
     top_k: Int64 | None = _documented(minimum=-1)  # an extension (vLLM, SGLang); -1, 0: off
     min_p: float | None = _documented(minimum=0, maximum=1)  # an extension
-    seed: int | None = _documented(minimum=0, maximum=MAX_SEED)
+    seed: JsonInt | None = _documented(minimum=0, maximum=MAX_JSON_INT)
     stop: str | list[str] | None = Field(None, json_schema_extra={
         "anyOf": [{"type": "string", "minLength": 1},
                   {"type": "array", "items": {"type": "string", "minLength": 1}},
@@ -274,6 +287,9 @@ class _GenerationBody(BaseModel):
     def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
         """The engine's :class:`SamplingParams`; a value it rejects becomes HTTP 400."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if self.seed is not None and not 0 <= self.seed <= MAX_JSON_INT:
+            raise APIError(400, f"seed must be None or an integer in [0, {MAX_JSON_INT}] (the "
+                                f"largest a JSON number holds exactly), got {self.seed}", "seed")
         values: dict[str, Any] = {
             "temperature": DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
@@ -314,7 +330,7 @@ class ChatCompletionRequest(_GenerationBody):
 Prompt = str | list[TokenId]
 
 
-def prompt_schema(max_token_id: int = 2**63 - 1) -> dict[str, Any]:
+def prompt_schema(max_token_id: int = MAX_JSON_INT) -> dict[str, Any]:
     """The schema of ``prompt``: non-empty text or token ids, or a non-empty list of either.
     The server knows its vocabulary (:func:`~minisgl.server.api_server.create_app`), so the
     schema it serves gives the largest token id the scheduler accepts."""
