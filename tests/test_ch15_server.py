@@ -265,7 +265,7 @@ def test_completion_of_text_and_of_token_ids(fake_client: TestClient) -> None:
 @pytest.mark.parametrize("path, body, message", [
     ("/v1/chat/completions", {"messages": []}, "messages: List should have at least 1 item"),
     ("/v1/chat/completions", {"messages": [{"role": "robot", "content": "hi"}]},
-     "messages.0.role: must be one of 'system', 'user'"),
+     "'system', 'user'"),  # the roles allowed, in either chapter's words
     ("/v1/completions", {"prompt": "x", "max_token": 5}, "max_token: Extra inputs are not"),
     ("/v1/completions", {"prompt": "x", "temperature": -1},
      "temperature must be a finite number >= 0"),
