@@ -386,7 +386,7 @@ class DefaultServer(ServerProcess):
 
     def __init__(self, log: Path) -> None:
         super().__init__("unused", device="cpu", log_path=log,
-                         args=("--max-seq-len", "64"), startup_timeout_s=STARTUP_TIMEOUT_S)
+                         args=("--max-seq-len", "16"), startup_timeout_s=STARTUP_TIMEOUT_S)
         at = self.command.index("--model")
         del self.command[at:at + 2]
 
@@ -429,7 +429,10 @@ def test_live_answers_and_their_log_lines(server: DefaultServer) -> None:
 
 @pytest.mark.slow
 def test_a_schema_driven_fuzzer_finds_nothing(server: DefaultServer, tmp_path: Path) -> None:
-    """schemathesis, every check, a few dozen cases per operation (tools/fuzz_api.py)."""
+    """schemathesis, every check, a bounded run (tools/fuzz_api.py): a few dozen generated
+    requests per operation. The boundary-value phase (coverage, ~700 requests, ~40 s on two
+    cores) is left to the full run: `python tools/fuzz_api.py --url ...`."""
     fuzz = load_repo_script("tools/fuzz_api.py")
-    failures = fuzz.run(server.url, max_examples=10, report=tmp_path / "fuzz.txt")
+    failures = fuzz.run(server.url, max_examples=30, report=tmp_path / "fuzz.txt",
+                        phases=("examples", "fuzzing", "stateful"))
     assert failures == [], "\n".join(failures)
