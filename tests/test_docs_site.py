@@ -193,7 +193,9 @@ window.addEventListener("load", () => {
 </script>"""
 
 
-def measure(site: Path, base: str, tmp_path: Path, page: str, figure_page: str) -> dict[str, list[str]]:
+def measure(site: Path, base: str, tmp_path: Path, page: str,
+            figure_page: str) -> dict[str, list[str]]:
+    """What MEASURE_PAGE finds: per frame, its numbers (see the script)."""
     (site / "measure.html").write_text(
         MEASURE_PAGE.replace("FIGURE_PAGE", figure_page).replace("PAGE", page), encoding="utf-8")
     dom = chromium(f"{base}/measure.html", tmp_path, "--window-size=3800,1000", "--dump-dom")

@@ -66,10 +66,12 @@ def run(url: str, max_examples: int = 25, seed: int = 1, report: Path | None = N
                "--max-examples", str(max_examples), "--seed", str(seed), "--no-color",
                "--workers", "1", "--phases", ",".join(phases)]
     env = dict(os.environ, SCHEMATHESIS_HOOKS=str(HERE))
-    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s)
-    output = done.stdout + done.stderr
     if report is None:
         report = Path(tempfile.mkstemp(prefix="minisgl-fuzz-", suffix=".txt")[1])
+    # schemathesis keeps a cache (.schemathesis/) in its working directory: the report's
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=timeout_s,
+                          cwd=report.resolve().parent)
+    output = done.stdout + done.stderr
     report.write_text(output, encoding="utf-8")
     if done.returncode == 0:
         return []
