@@ -35,7 +35,9 @@ from minisgl.layers import (
     get_rope,
     silu_and_mul,
 )
-from minisgl.utils.torch_utils import default_dtype, resolve_device, resolve_dtype
+from minisgl.utils.torch_utils import (
+    configure_cpu_threads, default_dtype, resolve_device, resolve_dtype,
+)
 
 # tiny-qwen3's shape: every layer below is one of the model's, at its real size.
 HIDDEN, INTERMEDIATE, VOCAB = 256, 512, 2048
@@ -173,6 +175,7 @@ def main() -> None:
     parser.add_argument("--device", default="cpu", help="cpu, cuda or auto (default: cpu)")
     parser.add_argument("--dtype", default="float32", help="float32 (default), bfloat16, float16")
     args = parser.parse_args()
+    configure_cpu_threads()  # share the cores with the rest of the machine
     try:
         device = resolve_device(args.device)
         dtype = resolve_dtype(args.dtype, device)

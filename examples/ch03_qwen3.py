@@ -18,7 +18,9 @@ from transformers.utils import logging as hf_logging
 
 from minisgl.models import load_model
 from minisgl.utils.hf import example_checkpoint
-from minisgl.utils.torch_utils import count_parameters, resolve_device, resolve_dtype
+from minisgl.utils.torch_utils import (
+    configure_cpu_threads, count_parameters, resolve_device, resolve_dtype,
+)
 
 
 def top5(logits: torch.Tensor, tokenizer) -> list[str]:
@@ -36,6 +38,7 @@ def main() -> None:
                         "float32, bfloat16 or float16")
     parser.add_argument("--prompt", default="The capital of France is")
     args = parser.parse_args()
+    configure_cpu_threads()  # share the cores with the rest of the machine
     example_checkpoint(args.model)
     try:
         device = resolve_device(args.device)

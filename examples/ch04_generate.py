@@ -24,7 +24,7 @@ from minisgl.engine.sample import compute_probs
 from minisgl.engine.simple_loop import generate
 from minisgl.models import load_model
 from minisgl.utils.hf import example_checkpoint
-from minisgl.utils.torch_utils import resolve_device, resolve_dtype
+from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device, resolve_dtype
 
 PROMPT = "The capital of France is"
 CONTINUATION = 12  # tokens shown for each sampling setting
@@ -74,6 +74,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--tokens", type=int, default=256, help="tokens generated when timing")
     args = parser.parse_args()
+    configure_cpu_threads()  # share the cores with the rest of the machine
     model_dir = example_checkpoint(args.model)
     if args.tokens < 1:
         sys.exit(f"--tokens must be >= 1, got {args.tokens}")

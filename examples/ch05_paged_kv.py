@@ -20,7 +20,7 @@ from minisgl.kvcache import MHAKVPool, PageAllocator
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.table import PageTable
 from minisgl.utils.hf import example_checkpoint
-from minisgl.utils.torch_utils import resolve_device, resolve_dtype
+from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device, resolve_dtype
 
 MAX_LEN = 512  # the longest a request may become (prompt + output)
 BUDGET = 8 * 2**20  # bytes of KV cache, the same for every layout compared below
@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--model", default="models/tiny-qwen3", help="a checkpoint directory")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     args = parser.parse_args()
+    configure_cpu_threads()  # share the cores with the rest of the machine
     model_dir = example_checkpoint(args.model)
     config = ModelConfig.from_pretrained(model_dir)
     device = resolve_device(args.device)

@@ -25,7 +25,7 @@ from minisgl.models import load_model
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.table import PageTable
 from minisgl.utils.hf import example_checkpoint
-from minisgl.utils.torch_utils import resolve_device, resolve_dtype
+from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device, resolve_dtype
 
 SEED = 0
 # (cached_len, new_len) per request, for three kinds of batch.
@@ -147,6 +147,7 @@ def main() -> None:
     parser.add_argument("--model", default="models/tiny-qwen3", help="a checkpoint directory")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     args = parser.parse_args()
+    configure_cpu_threads()  # share the cores with the rest of the machine
     model_dir = example_checkpoint(args.model)
     config = ModelConfig.from_pretrained(model_dir)
     device = resolve_device(args.device)

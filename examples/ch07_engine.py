@@ -21,6 +21,7 @@ from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.utils.hf import example_checkpoint
+from minisgl.utils.torch_utils import configure_cpu_threads
 
 PROMPTS = [
     "The capital of France is",
@@ -96,6 +97,7 @@ def main() -> None:
     parser.add_argument("--page-size", type=int, default=4, help="tokens per KV page")
     parser.add_argument("--steps", type=int, default=8, help="decode steps after the prefill")
     args = parser.parse_args()
+    configure_cpu_threads()  # share the cores with the rest of the machine
     model_dir = example_checkpoint(args.model)
     if args.steps < 1:
         sys.exit(f"--steps must be >= 1, got {args.steps}")

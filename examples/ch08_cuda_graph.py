@@ -24,6 +24,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
 from minisgl.engine.graph import GraphRunner, default_capture_sizes, padded_batch_size
 from minisgl.utils.hf import example_checkpoint
+from minisgl.utils.torch_utils import configure_cpu_threads
 
 PROMPT_LEN = 16
 WARMUP_STEPS = 3
@@ -141,6 +142,7 @@ def main() -> None:
                         help="decode batch sizes to capture and time (comma-separated)")
     parser.add_argument("--steps", type=int, default=20, help="timed decode steps per mode")
     args = parser.parse_args()
+    configure_cpu_threads()  # share the cores with the rest of the machine
     example_checkpoint(args.model)
     try:
         sizes = sorted({int(s) for s in args.batch_sizes.split(",")})

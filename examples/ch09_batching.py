@@ -22,6 +22,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.utils import StepResult, lifetime_pages
 from minisgl.utils.hf import example_checkpoint
+from minisgl.utils.torch_utils import configure_cpu_threads
 
 PAGE_SIZE = 4
 MAX_PREFILL_TOKENS = 24  # a small per-step token budget, so that it shows
@@ -114,6 +115,7 @@ def main() -> None:
     parser.add_argument("--num-pages", type=int, default=16, help="KV pages in the pool")
     parser.add_argument("--seed", type=int, default=0, help="seed of the request schedule")
     args = parser.parse_args()
+    configure_cpu_threads()  # share the cores with the rest of the machine
     model_dir = example_checkpoint(args.model)
 
     scheduler = Scheduler(SchedulerConfig(model_dir, device=args.device, page_size=PAGE_SIZE,

@@ -22,6 +22,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.utils import StepResult
 from minisgl.utils.hf import example_checkpoint
+from minisgl.utils.torch_utils import configure_cpu_threads
 
 PAGE_SIZE = 4
 LONG_UID = 3
@@ -123,6 +124,7 @@ def main() -> None:
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--budget", type=int, default=16, help="max_prefill_tokens per step")
     args = parser.parse_args()
+    configure_cpu_threads()  # share the cores with the rest of the machine
     model_dir = example_checkpoint(args.model)
 
     def make(chunked_prefill: bool) -> Scheduler:

@@ -25,6 +25,7 @@ from minisgl.kvcache.radix_cache import RadixCache
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.utils.hf import example_checkpoint
+from minisgl.utils.torch_utils import configure_cpu_threads
 
 PAGE_SIZE = 4
 NUM_REQS = 8
@@ -64,6 +65,7 @@ def main() -> None:
     parser.add_argument("--model", default="models/tiny-qwen3", help="a checkpoint directory")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     args = parser.parse_args()
+    configure_cpu_threads()  # share the cores with the rest of the machine
     model_dir = example_checkpoint(args.model)
 
     prompts = workload()

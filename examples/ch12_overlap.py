@@ -31,6 +31,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import OverlapScheduler
 from minisgl.scheduler.utils import StepResult
 from minisgl.utils.hf import example_checkpoint
+from minisgl.utils.torch_utils import configure_cpu_threads
 
 T = TypeVar("T")
 PAGE_SIZE = 4
@@ -108,6 +109,7 @@ def main() -> None:
                         help="print host timings (default: on CUDA only; CPU output stays "
                              "deterministic)")
     args = parser.parse_args()
+    configure_cpu_threads()  # share the cores with the rest of the machine
     model_dir = example_checkpoint(args.model)
     config = SchedulerConfig(model_dir, device=args.device, page_size=PAGE_SIZE, num_pages=64,
                              max_running_reqs=8, max_prefill_tokens=32)

@@ -57,15 +57,16 @@ def main() -> None:
 
 
 def talk(client: OpenAI, server: ServerProcess) -> None:
+    model = client.models.list().data[0].id  # the name the server answers to
     question = [{"role": "user", "content": "What is a KV cache?"}]
-    reply = client.chat.completions.create(model="tiny", messages=question, max_tokens=16,
+    reply = client.chat.completions.create(model=model, messages=question, max_tokens=16,
                                            temperature=0)
     usage = reply.usage
     print(f"\nchat, not streamed: {reply.choices[0].message.content!r}")
     print(f"  id {reply.id}, finish_reason {reply.choices[0].finish_reason!r}, usage "
           f"{usage.prompt_tokens} + {usage.completion_tokens} = {usage.total_tokens} tokens")
 
-    stream = client.chat.completions.create(model="tiny", messages=question, max_tokens=16,
+    stream = client.chat.completions.create(model=model, messages=question, max_tokens=16,
                                             temperature=0, stream=True)
     chunks = list(stream)
     pieces = [c.choices[0].delta.content for c in chunks if c.choices[0].delta.content]
@@ -74,7 +75,7 @@ def talk(client: OpenAI, server: ServerProcess) -> None:
     print(f"  the first pieces: {pieces[:6]}")
     print(f"  joined they are the same text: {''.join(pieces) == reply.choices[0].message.content}")
 
-    completion = client.completions.create(model="tiny", prompt="The capital of France is",
+    completion = client.completions.create(model=model, prompt="The capital of France is",
                                            max_tokens=12, temperature=0)
     print(f"completion: {completion.choices[0].text!r}")
 
@@ -82,7 +83,7 @@ def talk(client: OpenAI, server: ServerProcess) -> None:
                enumerate(["cats", "rain", "tea", "maps", "jazz", "salt", "ice", "owls"])]
 
     def ask(prompt: str) -> str:
-        out = client.completions.create(model="tiny", prompt=prompt, max_tokens=16,
+        out = client.completions.create(model=model, prompt=prompt, max_tokens=16,
                                         temperature=0, extra_body={"ignore_eos": True})
         return out.choices[0].text
 

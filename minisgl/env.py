@@ -68,6 +68,17 @@ def parse_mem_bytes(text: str) -> int:
     if size <= 0:
         raise ValueError("expected a size greater than zero")
     return size
+
+
+def parse_threads(text: str) -> int:
+    """A number of CPU threads: a whole number >= 1, or 0 for "choose for me"."""
+    try:
+        threads = int(text.strip())
+    except ValueError:
+        raise ValueError("expected a whole number of threads (0 = choose from the cores)") from None
+    if threads < 0:
+        raise ValueError("expected 0 (choose from the cores) or a number of threads >= 1")
+    return threads
 # --8<-- [end:parsers]
 
 
@@ -110,6 +121,12 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "from (e.g. 256MiB, 1G). GPU runs size the cache from free GPU memory instead.",
     ),
     EnvVar(
+        "MINISGL_CPU_THREADS", 0, parse_threads,
+        "Torch threads of the process that runs the model (the scheduler, LLM, an example). "
+        "0 chooses: OMP_NUM_THREADS when it is set, else one less than the usable cores. The "
+        "server's tokenizer, detokenizer and API processes use one thread each.",
+    ),
+    EnvVar(
         "MINISGL_DISABLE_OVERLAP", False, parse_bool,
         "Turn overlap scheduling off: the CPU waits for each GPU step before planning the next.",
     ),
@@ -129,6 +146,7 @@ class Env:
 
     log_level: str
     cpu_kv_memory: int
+    cpu_threads: int
     disable_overlap: bool
     require_gpu: bool
 

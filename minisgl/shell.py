@@ -178,19 +178,28 @@ async def read_stdin_line(prompt: str) -> str:
     """``input(prompt)`` without blocking the event loop.
 
     ``input`` runs in a daemon thread: a thread of the default executor could not be
-    interrupted, and would keep the process alive after Ctrl-C until Enter is pressed.
+    interrupted, and would keep the process alive after Ctrl-C until Enter is pressed. That
+    thread can outlive the shell: after Ctrl-C at the prompt the loop closes while ``input``
+    still waits, and a line typed during the shutdown finds no loop to hand it to. Nobody
+    waits for that line any more, so it is dropped.
     """
     loop = asyncio.get_running_loop()
     future: asyncio.Future[str] = loop.create_future()
+
+    def hand_over(line: str | None, exc: BaseException | None) -> None:
+        try:
+            loop.call_soon_threadsafe(_settle, future, line, exc)
+        except RuntimeError:  # the loop is closed: the shell has left
+            pass
 
     def read() -> None:
         try:
             line = input(prompt)
         except (EOFError, OSError, ValueError) as exc:  # Ctrl-D above all; a closed or
             # undecodable stdin too: handed to the loop as they are
-            loop.call_soon_threadsafe(_settle, future, None, exc)
+            hand_over(None, exc)
         else:
-            loop.call_soon_threadsafe(_settle, future, line, None)
+            hand_over(line, None)
 
     threading.Thread(target=read, name="shell-input", daemon=True).start()
     return await future

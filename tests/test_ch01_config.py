@@ -248,7 +248,7 @@ def clean_env(monkeypatch: pytest.MonkeyPatch) -> pytest.MonkeyPatch:
 
 
 def test_env_defaults_when_nothing_is_set(clean_env) -> None:
-    assert read_env() == Env(log_level="INFO", cpu_kv_memory=256 * 2**20,
+    assert read_env() == Env(log_level="INFO", cpu_kv_memory=256 * 2**20, cpu_threads=0,
                              disable_overlap=False, require_gpu=False)
 
 
@@ -259,6 +259,8 @@ def test_env_defaults_when_nothing_is_set(clean_env) -> None:
     ("MINISGL_CPU_KV_MEMORY", "512MiB", "cpu_kv_memory", 512 * 2**20),
     ("MINISGL_CPU_KV_MEMORY", "1.5g", "cpu_kv_memory", 3 * 2**29),
     ("MINISGL_CPU_KV_MEMORY", "64 KB", "cpu_kv_memory", 64 * 1024),
+    ("MINISGL_CPU_THREADS", "0", "cpu_threads", 0),
+    ("MINISGL_CPU_THREADS", " 3 ", "cpu_threads", 3),
     ("MINISGL_DISABLE_OVERLAP", "yes", "disable_overlap", True),
     ("MINISGL_DISABLE_OVERLAP", "OFF", "disable_overlap", False),
     ("MINISGL_REQUIRE_GPU", "1", "require_gpu", True),
@@ -273,6 +275,8 @@ def test_env_good_values_are_parsed(clean_env, name, text, field, value) -> None
     ("MINISGL_CPU_KV_MEMORY", "lots", "512MiB"),
     ("MINISGL_CPU_KV_MEMORY", "-1G", "512MiB"),
     ("MINISGL_CPU_KV_MEMORY", "0", "greater than zero"),
+    ("MINISGL_CPU_THREADS", "-1", "threads >= 1"),
+    ("MINISGL_CPU_THREADS", "many", "whole number of threads"),
     ("MINISGL_DISABLE_OVERLAP", "maybe", "true"),
 ])
 def test_env_bad_value_names_variable_value_and_what_is_allowed(clean_env, name, text, allowed):
@@ -419,11 +423,22 @@ def test_failed_download_says_what_was_tried(monkeypatch, tmp_path) -> None:
 
     monkeypatch.setattr(huggingface_hub, "snapshot_download", offline)
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "models").mkdir()
     with pytest.raises(ModelPathError, match="not a local directory, and fetching it from the "
-                                             "Hugging Face hub failed: OSError: network") as info:
-        resolve_model_path("models/tiny-qwen3")
-    assert "'models' is a local directory" in str(info.value)  # the likely mistake, pointed out
+                                             "Hugging Face hub failed: OSError: network"):
+        resolve_model_path("Qwen/Qwen3-0.6B")
+
+
+@pytest.mark.parametrize("text", ["models/tiny-qwen3", "./models/tiny-qwen3", "/no/such/model",
+                                  "checkpoints/mine"])
+def test_a_missing_local_path_never_asks_the_hub_and_says_how_to_make_the_model(
+        fake_hub, tmp_path, monkeypatch, text: str) -> None:
+    monkeypatch.chdir(tmp_path)  # a fresh clone: no models/ yet; checkpoints/ exists here
+    (tmp_path / "checkpoints").mkdir()
+    with pytest.raises(ModelPathError) as info:
+        resolve_model_path(text)
+    message = str(info.value)
+    assert "python tools/make_tiny_model.py" in message and "\n" not in message
+    assert fake_hub == []
 
 
 @pytest.mark.parametrize("text, expected", [

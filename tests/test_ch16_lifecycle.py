@@ -471,7 +471,7 @@ def test_a_worker_failure_is_a_500_or_an_error_event_mid_stream(
     (b'{"prompt": "x", "stop": [""]}', 400, "stop must be a sequence of non-empty strings",
      "stop"),
     (b'{"messages": []}', 400, "List should have at least 1 item", "messages"),
-    (b'{"messages": [{"role": "tool", "content": "x"}]}', 400, "Input should be 'system'",
+    (b'{"messages": [{"role": "tool", "content": "x"}]}', 400, "must be one of 'system'",
      "messages.0.role"),
     (b'{"messages": [{"role": "user", "content": 5}]}', 400, "Input should be a valid",
      "messages.0.content"),
@@ -1013,8 +1013,8 @@ def test_http_a_prompt_too_long_is_a_400_streamed_or_not(server: Server) -> None
                         stream=stream)
         assert response.status_code == 400, response.text
         assert response.json()["error"] == {
-            "message": "the prompt is 3100 tokens long; this server serves at most 3072 "
-                       "tokens per request, prompt and output together",
+            "message": "the prompt is 3100 tokens long; this server serves prompts of at "
+                       "most 3072 tokens, and prompt plus max_tokens of at most 3073 tokens",
             "type": "invalid_request_error", "param": "prompt",
             "code": "context_length_exceeded"}
     chat = post(server, "/v1/chat/completions", stream=True, max_tokens=4,
@@ -1034,8 +1034,7 @@ def test_http_a_max_tokens_that_does_not_fit_is_a_400_a_default_one_is_lowered(
         assert response.status_code == 400, response.text
         assert response.json()["error"] == {
             "message": "max_tokens is 100, but a prompt of 3000 tokens leaves room for at most "
-                       "73: this server serves at most 3072 tokens per request, prompt and "
-                       "output together",
+                       "73: this server serves prompt plus max_tokens of at most 3073 tokens",
             "type": "invalid_request_error", "param": "max_tokens",
             "code": "context_length_exceeded"}
     chat = post(server, "/v1/chat/completions", max_completion_tokens=4000,

@@ -325,3 +325,64 @@ def test_strict_build_fails_on_a_missing_snapshot_region(tmp_path: Path) -> None
         f"mkdocs build --strict passed although {page.name} includes {broken}\n{proc.stdout[-2000:]}"
     )
     assert "no_such_region" in proc.stdout + proc.stderr
+
+
+# The measuring page: the site's pages in same-origin frames of given widths; a script reads the
+# rendered layout and writes what it found into the DOM that Chromium dumps.
+MEASURE_PAGE = """<!doctype html><meta charset="utf-8"><body>
+<iframe id="desk" src="PAGE" style="width:1400px;height:900px"></iframe>
+<iframe id="wide" src="PAGE" style="width:1920px;height:900px"></iframe>
+<iframe id="phone" src="FIGURE_PAGE" style="width:390px;height:800px"></iframe>
+<iframe id="dark" src="FIGURE_PAGE" style="width:1400px;height:900px"></iframe>
+<script>
+function scrolling(doc) {
+  // Code blocks whose lines are all at most 100 characters, and those of them that scroll.
+  const blocks = [...doc.querySelectorAll(".md-typeset pre > code")].filter(code =>
+    Math.max(...code.textContent.split("\\n").map(line => line.length)) <= 100);
+  const scroll = blocks.filter(code => code.scrollWidth > code.clientWidth + 1);
+  return blocks.length + " " + scroll.length;
+}
+function figure(doc, dark) {
+  if (dark) doc.body.setAttribute("data-md-color-scheme", "slate");
+  const img = doc.querySelector('.md-typeset img[src$=".svg"]');
+  const style = doc.defaultView.getComputedStyle(img);
+  return Math.round(img.getBoundingClientRect().width) + " " + style.filter.replace(/ /g, "")
+    + " " + style.borderRadius;
+}
+window.addEventListener("load", () => {
+  const doc = id => document.getElementById(id).contentDocument;
+  const out = document.createElement("pre");
+  out.id = "measured";
+  out.textContent = ["desk " + scrolling(doc("desk")), "wide " + scrolling(doc("wide")),
+                     "phone " + figure(doc("phone"), false), "dark " + figure(doc("dark"), true)
+                    ].join("\\n");
+  document.body.appendChild(out);
+});
+</script>"""
+
+
+def measure(site: Path, base: str, tmp_path: Path, page: str,
+            figure_page: str) -> dict[str, list[str]]:
+    """What MEASURE_PAGE finds: per frame, its numbers (see the script)."""
+    (site / "measure.html").write_text(
+        MEASURE_PAGE.replace("FIGURE_PAGE", figure_page).replace("PAGE", page), encoding="utf-8")
+    dom = chromium(f"{base}/measure.html", tmp_path, "--window-size=3800,1000", "--dump-dom")
+    found = re.search(r'<pre id="measured">(.*?)</pre>', dom, re.S)
+    assert found, "the measuring script did not run"
+    return {line.split()[0]: line.split()[1:] for line in found.group(1).splitlines()}
+
+
+def test_code_fits_and_figures_read_on_a_phone_and_in_the_dark(
+    site: Path, served: tuple[str, list[tuple[str, int]]], tmp_path: Path
+) -> None:
+    base, _ = served
+    found = measure(site, base, tmp_path, "/chapters/ch16_lifecycle/", "/chapters/ch16_lifecycle/")
+    for width in ("desk", "wide"):  # 1400 and 1920 px
+        blocks, scrolling = map(int, found[width])
+        assert blocks > 10 and scrolling == 0, (
+            f"{scrolling} of {blocks} code blocks of lines up to 100 characters scroll at {width}")
+    phone_width = int(found["phone"][0])
+    assert phone_width >= 500, f"at phone width the figure shrinks to {phone_width} px"
+    dark_filter, radius = found["dark"][1], found["dark"][2]
+    assert "invert" in dark_filter and radius != "0px", (
+        f"in the dark scheme the figure is a white box (filter {dark_filter}, radius {radius})")

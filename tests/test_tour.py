@@ -113,7 +113,7 @@ def test_the_stream_is_well_formed_and_ends_with_done(fresh: dict) -> None:
     chunks = [json.loads(p.replace("<created>", "0")) for p in payloads[:-1]]
     assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
     assert chunks[-1]["choices"][0]["finish_reason"] == "stop", "the reply did not end itself"
-    assert {c["id"] for c in chunks} == {"chatcmpl-0"}, "one response, one id, for uid 0"
+    assert {c["id"] for c in chunks} == {"chatcmpl-<id>"}, "one response, one (random) id"
 
 
 def test_streamed_and_whole_answers_are_the_same_text_and_token_counts(fresh: dict) -> None:
@@ -121,11 +121,18 @@ def test_streamed_and_whole_answers_are_the_same_text_and_token_counts(fresh: di
     chunks = [json.loads(p.replace("<created>", "0")) for p in sse_payloads(found["curl"])[:-1]]
     streamed = "".join(c["choices"][0]["delta"].get("content") or "" for c in chunks)
     body = openai_body(found["openai"])
-    assert body["id"] == "chatcmpl-1" and body["object"] == "chat.completion"
+    assert body["id"] == "chatcmpl-<id>" and body["object"] == "chat.completion"
+    log = "\n".join(found["log"])
+    usage = body["usage"]
+    finish = body["choices"][0]["finish_reason"]
+    for uid in (0, 1):  # the access log pairs each response with its request's uid
+        assert re.search(rf"POST /v1/chat/completions 200 uid={uid} "
+                         rf"prompt_tokens={usage['prompt_tokens']} "
+                         rf"completion_tokens={usage['completion_tokens']} finish={finish} "
+                         r"id=chatcmpl-<id>", log), log
     assert body["choices"][0]["message"]["content"] == streamed
     assert "the same text as the stream's deltas joined: True" in found["openai"]
     prompt_ids = re.search(r"(\d+) token ids: \[", "\n".join(found["tokenizer"]))
-    usage = body["usage"]
     assert prompt_ids and usage["prompt_tokens"] == int(prompt_ids[1]), (
         "the usage does not count the tokens the chat template makes")
     # One chunk per token after the role's: the end token's chunk carries the finish reason.

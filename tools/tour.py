@@ -81,13 +81,15 @@ class Normalizer:
     TIME = re.compile(r"^\[\d{4}-\d\d-\d\d \d\d:\d\d:\d\d ", re.MULTILINE)  # the log's clock time
     PID = re.compile(r"\(pid \d+\)|(?<=kill -INT )\d+")
     CREATED = re.compile(r'("created":\s*)\d+')
-    SECONDS = re.compile(r"\b\d+(?:\.\d+)? s\b")
+    SECONDS = re.compile(r"\b\d+(?:\.\d+)? ?s\b")
+    RESPONSE_ID = re.compile(r"\b(chatcmpl|cmpl)-[0-9a-f]{32}\b")  # random, as OpenAI's
 
     def __call__(self, text: str) -> str:
         text = self.TIME.sub("[<time> ", text)
         text = self.PID.sub(lambda m: "(pid <pid>)" if m[0].startswith("(") else "<pid>",
                             text)
         text = self.CREATED.sub(r"\1<created>", text)
+        text = self.RESPONSE_ID.sub(r"\1-<id>", text)
         text = self.SECONDS.sub("<s> s", text)
         text = text.replace(str(ROOT), "<repo>")
         if self.port:  # in URLs and in the command line; other numbers stay as they are
@@ -268,9 +270,11 @@ def run_requests(out: Recorder, server: ServerProcess, model: str) -> str:
         out.say(f"$ MINISGL_LOG_LEVEL=DEBUG {command} 2> server.log &")
         out.say(f"$ curl -s {server.url}/health      # asked until it answers")
         out.say(httpx.get(f"{server.url}/health", timeout=10).text)
-        out.say("$ cat server.log      # lines of different processes interleave differently "
-                "on every run")
-        out.say(server.log_text().rstrip("\n"))
+        # Without the access lines of the health polls: as many as the start-up took.
+        out.say("$ grep -v 'GET /health' server.log      # lines of different processes "
+                "interleave differently on every run")
+        out.say("\n".join(line for line in server.log_text().splitlines()
+                          if "GET /health " not in line))
         workers = server.workers()
         helpers = len(server.family) - 1 - len(workers)
         out.say(f"processes: the launcher (pid {server.proc.pid}), {len(workers)} workers, "
@@ -298,13 +302,15 @@ def run_requests(out: Recorder, server: ServerProcess, model: str) -> str:
         width = max(map(len, after))
         for name, value in after.items():
             out.say(f"  {name:<{width}}  {before.get(name, 0):>3}  {value:>3}")
-    uids = [int(body["id"].rsplit("-", 1)[1]), int(json.loads(sse_events(raw)[0])["id"]
-                                                   .rsplit("-", 1)[1])]
+    log = server.log_text()
+    # The access log line of each response pairs its (random) id with the request's uid.
+    uids = [int(re.search(rf"uid=(\d+) .* id={re.escape(response_id)} ", log)[1])
+            for response_id in (body["id"], json.loads(sse_events(raw)[0])["id"])]
     with out.section("log"):
         pattern = "|".join(str(uid) for uid in sorted(uids))
-        out.say(f"$ grep -E 'request ({pattern})\\b' server.log")
-        found = re.compile(rf"\brequest ({pattern})\b")
-        out.say("\n".join(line for line in server.log_text().splitlines() if found.search(line)))
+        out.say(f"$ grep -E 'request ({pattern})\\b|uid=({pattern}) ' server.log")
+        found = re.compile(rf"\brequest ({pattern})\b|uid=({pattern}) ")
+        out.say("\n".join(line for line in log.splitlines() if found.search(line)))
     return text
 
 

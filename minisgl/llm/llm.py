@@ -36,6 +36,7 @@ from minisgl.scheduler.tp import TPLaunch, TPLeaderScheduler, check_tp, run_tp_f
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import get_logger
 from minisgl.utils.mp import new_ready_queue, start_process, stop_processes, wait_ready
+from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)
 
@@ -71,6 +72,7 @@ class LLM:
                  tp: int = 1, **engine_options: Any) -> None:
         _check_engine_options(engine_options)
         path = resolve_model_path(model)
+        configure_cpu_threads("model", processes=tp)  # this process runs the model (rank 0)
         config = SchedulerConfig(path, device=device, dtype=dtype, **engine_options)
         check_tp(path, tp)
         self._followers: list[BaseProcess] = []

@@ -57,7 +57,7 @@ from minisgl.utils.mp import (
     ipc_address,
     reporting_readiness,
 )
-from minisgl.utils.torch_utils import resolve_device
+from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device
 
 logger = get_logger(__name__)
 
@@ -187,6 +187,7 @@ def run_tp_follower(config: SchedulerConfig, launch: TPLaunch, rank: int,
         ready: the launcher's readiness queue, or None.
         stats: counters named by :func:`follower_counters` for this rank, or None.
     """
+    configure_cpu_threads("model", processes=launch.size)  # the ranks share the cores
     signals = ShutdownSignals()
     inbox = None
     try:

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from minisgl.core import SamplingParams
 from minisgl.message import RequestError, TokenUsage, UserReply
@@ -93,7 +93,11 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
         where = ".".join(str(p) for p in error.get("loc", ()) if not _union_tag(p))
         if param is None or len(where) > len(param):  # the most precise location
             param = where or None
-        parts.append(f"{where or 'body'}: {error.get('msg', 'invalid')}")
+        message = error.get("msg", "invalid")
+        if error.get("type") == "literal_error":  # a role, a content part's type
+            message = (f"must be one of {(error.get('ctx') or {}).get('expected')}; got "
+                       f"{json.dumps(error.get('input'))}, which this server does not support")
+        parts.append(f"{where or 'body'}: {message}")
     return APIError(400, "; ".join(parts) or "invalid request body", param)
 
 
@@ -106,12 +110,39 @@ def _union_tag(part: object) -> bool:
 # --8<-- [end:api_error]
 
 
+class ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorResponse(BaseModel):
+    """OpenAI's error object: the body of every 4xx and 5xx answer (for the schema)."""
+
+    error: ErrorDetail
+
+
 # =========================================================================== request bodies
 # --8<-- [start:body_types]
 # Chapter 16: integers must fit the wire (msgpack packs at most 64 bits); a larger value is the
-# client's mistake (HTTP 400 naming the field), not a failure to serialize (500).
-TokenId = Annotated[int, Field(ge=0, le=2**63 - 1)]
-Int64 = Annotated[int, Field(ge=-(2**63), le=2**63 - 1)]
+# client's mistake (HTTP 400 naming the field), not a failure to serialize (500). The bound is
+# the largest integer a JSON number holds exactly (2**53 - 1): many clients, and every tool that
+# reads the schema's bounds, parse JSON numbers as doubles, which would round 2**63 - 1 up.
+MAX_JSON_INT = 2**53 - 1
+
+
+def _whole_number(value: Any) -> Any:
+    """JSON has one number type: ``12.0`` is the integer 12 (as JSON Schema says), while
+    ``12.5`` and ``"12"`` stay what they are, and are refused."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+JsonInt = Annotated[int, BeforeValidator(_whole_number)]
+TokenId = Annotated[int, Field(ge=0, le=MAX_JSON_INT), BeforeValidator(_whole_number)]
+Int64 = Annotated[int, Field(ge=-MAX_JSON_INT, le=MAX_JSON_INT), BeforeValidator(_whole_number)]
 # Chapter 16: strict types. Lax pydantic would take "12" for 12 and "yes" for true; OpenAI's API
 # refuses a value of the wrong JSON type, and so does this one (HTTP 400 naming the field).
 STRICT_BODY = ConfigDict(extra="forbid", strict=True)
@@ -119,6 +150,16 @@ STRICT_BODY = ConfigDict(extra="forbid", strict=True)
 
 
 # --8<-- [start:request_models]
+# What the OpenAPI schema says of a field, beyond its type: the ranges and lengths that the
+# engine's own checks (SamplingParams, the endpoints) enforce. The checks stay where they are,
+# with their messages; the schema only tells clients, and schema-driven tools, what they are.
+def _documented(**constraints: Any) -> Any:
+    """An optional field (default None) whose schema states ``constraints``."""
+    return Field(None, json_schema_extra=constraints)
+
+
+
+
 class TextPart(BaseModel):
     """One part of a message's content given as a list (OpenAI's multi-part form)."""
 
@@ -128,17 +169,22 @@ class TextPart(BaseModel):
 
 
 class ChatMessage(BaseModel):
-    """One turn of a conversation."""
+    """One turn of a conversation. ``developer`` is OpenAI's newer name for ``system``; a
+    ``name`` is passed on to the chat template, which may use it or not."""
 
     model_config = STRICT_BODY
-    role: Literal["system", "user", "assistant"]
+    role: Literal["system", "user", "assistant", "developer"]
     content: str | list[TextPart]
+    name: str | None = None
 
     def as_dict(self) -> dict[str, str]:
         """The turn as the chat template expects it: role and plain-text content."""
         text = self.content if isinstance(self.content, str) else "".join(
             part.text for part in self.content)
-        return {"role": self.role, "content": text}
+        turn = {"role": "system" if self.role == "developer" else self.role, "content": text}
+        if self.name is not None:
+            turn["name"] = self.name
+        return turn
 
 
 class StreamOptions(BaseModel):
@@ -146,40 +192,93 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
+@dataclass(frozen=True)
+class Unsupported:
+    """A field OpenAI defines that this server does not implement: accepted at its neutral
+    values, which change nothing; any other value is refused with HTTP 400 naming it."""
+
+    neutral: tuple[Any, ...]
+    shown: str  # the neutral values, as the error message names them
+
+
+# Field -> what is accepted. The request models declare each with its JSON type, and the
+# schema lists only these values.
+UNSUPPORTED: dict[str, Unsupported] = {
+    "n": Unsupported((1,), "1 (one choice per prompt)"),
+    "best_of": Unsupported((1, None), "1"),
+    "presence_penalty": Unsupported((0,), "0"),
+    "frequency_penalty": Unsupported((0,), "0"),
+    "logit_bias": Unsupported((None, {}), "null or {}"),
+    "logprobs": Unsupported((False, None), "false"),  # completions: null only (see there)
+    "top_logprobs": Unsupported((0, None), "0"),
+    "echo": Unsupported((False,), "false"),
+    "suffix": Unsupported((None, ""), 'null or ""'),
+    "tools": Unsupported((None, []), "[]"),
+    "tool_choice": Unsupported((None, "none", "auto"), '"none" or "auto" (there are no tools)'),
+    "response_format": Unsupported((None, {"type": "text"}), '{"type": "text"}'),
+    "service_tier": Unsupported((None, "auto", "default"), '"auto" or "default"'),
+    "store": Unsupported((None, False), "false"),
+}
+
+
+def _same_json(value: Any, neutral: Any) -> bool:
+    """JSON equality: ``false`` is not ``0`` (Python's ``False == 0`` is), ``0`` is ``0.0``."""
+    if isinstance(value, bool) or isinstance(neutral, bool):
+        return type(value) is type(neutral) and value == neutral
+    return value == neutral
+
+
+def _only(*values: Any) -> Any:
+    """The schema of an unsupported field: its neutral values only."""
+    return Field(None, json_schema_extra={"enum": list(values)})
+
+
 class _GenerationBody(BaseModel):
     """What chat and completion requests share: the sampling parameters and ``stream``.
 
     ``None`` (or leaving a field out) means the default. Unknown fields are rejected: a typo
     such as ``max_token`` would otherwise be ignored without a word. Fields that OpenAI defines
-    but this server does not implement are accepted only at their neutral value.
+    but this server does not implement (:data:`UNSUPPORTED`) are accepted at their neutral
+    value only: :meth:`check_supported` refuses any other, naming the field.
     """
 
     model_config = STRICT_BODY
     model: str | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    max_tokens: Int64 | None = None
-    temperature: float | None = None
-    top_p: float | None = None
-    top_k: Int64 | None = None  # an extension (vLLM, SGLang)
-    min_p: float | None = None  # an extension
-    seed: int | None = None
-    stop: str | list[str] | None = None
+    max_tokens: Int64 | None = _documented(minimum=1)
+    temperature: float | None = _documented(minimum=0)
+    top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
+    top_k: Int64 | None = _documented(minimum=-1)  # an extension (vLLM, SGLang); -1, 0: off
+    min_p: float | None = _documented(minimum=0, maximum=1)  # an extension
+    seed: JsonInt | None = _documented(minimum=0, maximum=MAX_JSON_INT)
+    stop: str | list[str] | None = Field(None, json_schema_extra={
+        "anyOf": [{"type": "string", "minLength": 1},
+                  {"type": "array", "items": {"type": "string", "minLength": 1}},
+                  {"type": "null"}]})
     stop_token_ids: list[TokenId] | None = None  # an extension
     ignore_eos: bool = False  # an extension: benchmarks use it for outputs of known length
-    n: Int64 = 1
-    presence_penalty: float = 0.0
-    frequency_penalty: float = 0.0
     user: str | None = None
+    # OpenAI's fields that this server accepts at their neutral values only (UNSUPPORTED).
+    n: Int64 = Field(1, json_schema_extra={"enum": [1]})
+    presence_penalty: float = Field(0.0, json_schema_extra={"minimum": 0, "maximum": 0})
+    frequency_penalty: float = Field(0.0, json_schema_extra={"minimum": 0, "maximum": 0})
+    logit_bias: dict[str, Any] | None = Field(None, json_schema_extra={"maxProperties": 0})
+    service_tier: str | None = _only(None, "auto", "default")
+    store: bool | None = _only(None, False)
 
-    @model_validator(mode="after")
-    def _only_what_we_implement(self) -> _GenerationBody:
-        if self.n != 1:
-            raise ValueError(f"n must be 1 (one choice per request), got {self.n}")
-        for name in ("presence_penalty", "frequency_penalty"):
-            if getattr(self, name) != 0:
-                raise ValueError(f"{name} is not supported; it must be 0 (or left out)")
-        return self
+    def check_supported(self) -> None:
+        """Refuse a value this server does not implement (HTTP 400 naming the field)."""
+        for name in UNSUPPORTED.keys() & type(self).model_fields.keys():
+            value = getattr(self, name)
+            rule = self._unsupported_rule(name)
+            if not any(_same_json(value, neutral) for neutral in rule.neutral):
+                raise APIError(400, f"{name} must be {rule.shown} or left out; other values "
+                                    f"are not supported by this server (got {json.dumps(value)})",
+                               name, code="unsupported_value")
+
+    def _unsupported_rule(self, name: str) -> Unsupported:
+        return UNSUPPORTED[name]
 
     @property
     def include_usage(self) -> bool:
@@ -188,10 +287,14 @@ class _GenerationBody(BaseModel):
     def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
         """The engine's :class:`SamplingParams`; a value it rejects becomes HTTP 400."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
+        if self.seed is not None and not 0 <= self.seed <= MAX_JSON_INT:
+            raise APIError(400, f"seed must be None or an integer in [0, {MAX_JSON_INT}] (the "
+                                f"largest a JSON number holds exactly), got {self.seed}", "seed")
         values: dict[str, Any] = {
             "temperature": DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,
-            "top_k": -1 if self.top_k is None else self.top_k,
+            # 0 turns top-k off, as in vLLM and transformers; the engine's word for it is -1
+            "top_k": -1 if self.top_k in (None, 0) else self.top_k,
             "min_p": 0.0 if self.min_p is None else self.min_p,
             "seed": self.seed,
             "ignore_eos": self.ignore_eos,
@@ -211,13 +314,60 @@ class ChatCompletionRequest(_GenerationBody):
     """The body of ``POST /v1/chat/completions``."""
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: Int64 | None = None  # OpenAI's newer name for max_tokens
+    max_completion_tokens: Int64 | None = _documented(minimum=1)  # OpenAI's newer max_tokens
+    logprobs: bool | None = _only(None, False)
+    top_logprobs: Int64 | None = _only(None, 0)
+    tools: list[Any] | None = Field(None, json_schema_extra={"maxItems": 0})
+    tool_choice: str | dict[str, Any] | None = _only(None, "none", "auto")
+    parallel_tool_calls: bool | None = None  # either way: there are no tools to call
+    response_format: dict[str, Any] | None = Field(None, json_schema_extra={
+        "anyOf": [{"type": "object", "properties": {"type": {"enum": ["text"]}},
+                   "required": ["type"], "additionalProperties": False},
+                  {"type": "null"}]})
+
+
+# A prompt: text, token ids, or (OpenAI's batch form) a list of either, one choice each.
+Prompt = str | list[TokenId]
+
+
+def prompt_schema(max_token_id: int = MAX_JSON_INT) -> dict[str, Any]:
+    """The schema of ``prompt``: non-empty text or token ids, or a non-empty list of either.
+    The server knows its vocabulary (:func:`~minisgl.server.api_server.create_app`), so the
+    schema it serves gives the largest token id the scheduler accepts."""
+    token_ids = {"type": "array", "minItems": 1,
+                 "items": {"type": "integer", "minimum": 0, "maximum": max_token_id}}
+    return {"anyOf": [{"type": "string", "minLength": 1}, token_ids,
+                      {"type": "array", "minItems": 1,
+                       "items": {"type": "string", "minLength": 1}},
+                      {"type": "array", "minItems": 1, "items": token_ids}]}
 
 
 class CompletionRequest(_GenerationBody):
-    """The body of ``POST /v1/completions``: a prompt as text or as token ids."""
+    """The body of ``POST /v1/completions``: a prompt as text or as token ids, or a list of
+    prompts (each answered by its own choice, ``index`` in the order given)."""
 
-    prompt: str | list[TokenId]
+    prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
+        json_schema_extra=prompt_schema())
+    logprobs: Int64 | None = _only(None)  # completions: the number of top tokens, or null
+    best_of: Int64 | None = _only(None, 1)
+    echo: bool = Field(False, json_schema_extra={"enum": [False]})
+    suffix: str | None = _only(None, "")
+
+    def _unsupported_rule(self, name: str) -> Unsupported:
+        if name == "logprobs":  # a number here, not a switch: only null is neutral
+            return Unsupported((None,), "null")
+        return UNSUPPORTED[name]
+
+    def prompts(self) -> list[Prompt]:
+        """The prompts, one per choice; each must be non-empty (HTTP 400 otherwise)."""
+        one = isinstance(self.prompt, str) or not self.prompt or isinstance(self.prompt[0], int)
+        prompts: list[Prompt] = [self.prompt] if one else list(self.prompt)  # type: ignore
+        for i, prompt in enumerate(prompts):
+            if not prompt:
+                where = "prompt" if one else f"prompt.{i}"
+                raise APIError(400, f"{where} is empty: it needs at least one character or "
+                                    "token", where)
+        return prompts
 # --8<-- [end:request_models]
 
 
@@ -248,13 +398,23 @@ def chat_body(meta: ResponseMeta, text: str, last: UserReply) -> dict[str, Any]:
             "usage": usage_dict(last.usage)}
 
 
-def completion_body(meta: ResponseMeta, text: str, last: UserReply) -> dict[str, Any]:
-    """A whole (non-streamed) text completion."""
+def total_usage(usages: Sequence[TokenUsage | None]) -> TokenUsage | None:
+    """The usage of several requests answered as one (a list of prompts): their sum."""
+    if any(usage is None for usage in usages):
+        return None
+    return TokenUsage(sum(u.prompt_tokens for u in usages),  # type: ignore[union-attr]
+                      sum(u.completion_tokens for u in usages))  # type: ignore[union-attr]
+
+
+def completion_body(meta: ResponseMeta,
+                    answers: Sequence[tuple[str, UserReply]]) -> dict[str, Any]:
+    """A whole (non-streamed) text completion: a choice per prompt, in the prompts' order."""
     return {"id": meta.id, "object": "text_completion", "created": meta.created,
             "model": meta.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
-                         "finish_reason": last.finish_reason}],
-            "usage": usage_dict(last.usage)}
+            "choices": [{"index": i, "text": text, "logprobs": None,
+                         "finish_reason": last.finish_reason}
+                        for i, (text, last) in enumerate(answers)],
+            "usage": usage_dict(total_usage([last.usage for _, last in answers]))}
 
 
 def chat_chunk(meta: ResponseMeta, delta: dict[str, str],
@@ -266,12 +426,12 @@ def chat_chunk(meta: ResponseMeta, delta: dict[str, str],
                          "finish_reason": finish_reason}]}
 
 
-def completion_chunk(meta: ResponseMeta, text: str,
-                     finish_reason: str | None = None) -> dict[str, Any]:
-    """One streamed piece of a text completion."""
+def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None,
+                     index: int = 0) -> dict[str, Any]:
+    """One streamed piece of a text completion (of choice ``index``)."""
     return {"id": meta.id, "object": "text_completion", "created": meta.created,
             "model": meta.model,
-            "choices": [{"index": 0, "text": text, "logprobs": None,
+            "choices": [{"index": index, "text": text, "logprobs": None,
                          "finish_reason": finish_reason}]}
 
 
@@ -315,22 +475,31 @@ async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
 # --8<-- [end:sse]
 
 
-async def stream_completion(replies: AsyncIterator[UserReply], meta: ResponseMeta,
-                            include_usage: bool = False,
+async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta: ResponseMeta,
+                            num_choices: int = 1, include_usage: bool = False,
                             prompt_param: str = "prompt") -> AsyncIterator[bytes]:
-    """A text completion as SSE: a chunk per piece of text, one with the finish reason, the
-    usage (if asked), then ``[DONE]``; an error event instead if the request fails."""
+    """A text completion as SSE: a chunk per piece of text, one with the finish reason per
+    choice, the usage of all (if asked), then ``[DONE]``; an error event instead if a request
+    fails (which ends the stream: closing ``replies`` aborts the others).
+
+    ``replies`` are ``(choice index, reply)`` pairs, the replies of ``num_choices`` requests
+    (one per prompt) as they come.
+    """
     extra = {"usage": None} if include_usage else {}
+    usages: list[TokenUsage | None] = []
     async with aclosing(replies):
-        async for reply in replies:
+        async for index, reply in replies:
             if reply.delta:
-                yield sse_event({**completion_chunk(meta, reply.delta), **extra})
+                yield sse_event({**completion_chunk(meta, reply.delta, index=index), **extra})
             if reply.error is not None:
                 yield sse_event(error_body(reply.error, prompt_param))
-            elif reply.finished:
-                yield sse_event({**completion_chunk(meta, "", reply.finish_reason), **extra})
-                if include_usage:
+                break
+            if reply.finished:
+                yield sse_event({**completion_chunk(meta, "", reply.finish_reason, index),
+                                 **extra})
+                usages.append(reply.usage)
+                if include_usage and len(usages) == num_choices:
                     yield sse_event({**completion_chunk(meta, ""), "choices": [],
-                                     "usage": usage_dict(reply.usage)})
+                                     "usage": usage_dict(total_usage(usages))})
         yield SSE_DONE
 

@@ -49,6 +49,7 @@ from minisgl.utils.mp import (
     close_queues,
     reporting_readiness,
 )
+from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)
 
@@ -98,6 +99,7 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
         ready: a queue from :func:`~minisgl.utils.mp.new_ready_queue`, or None.
         name: this tokenizer's name in readiness reports and errors.
     """
+    configure_cpu_threads("helper")  # the cores are the scheduler's
     signals = ShutdownSignals()
     receive = send = None
     try:
@@ -140,6 +142,7 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
         scheduler_addr: the scheduler's inbox, to stop a request that a stop string ended;
             None leaves such requests running to their end (their extra tokens are dropped).
     """
+    configure_cpu_threads("helper")
     signals = ShutdownSignals()
     receive = send = abort = None
     try:

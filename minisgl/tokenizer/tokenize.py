@@ -23,13 +23,19 @@ from typing import Any
 from minisgl.message import TokenizeRequest, UserRequest
 from minisgl.utils.hf import resolve_model_path
 
+VERY_LARGE = int(1e30)  # transformers' own "no limit" for model_max_length
+
 
 def load_tokenizer(model_path: str | os.PathLike[str]) -> Any:
     """The checkpoint's tokenizer (a ``transformers`` tokenizer), as ``LLM`` loads it."""
     path = resolve_model_path(model_path)  # first: a bad path fails before the slow import
     from transformers import AutoTokenizer  # imported here: importing transformers is slow
 
-    return AutoTokenizer.from_pretrained(path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    # The scheduler enforces the context and tells the client; the tokenizer's own limit would
+    # only log "Token indices sequence length is longer than ..." for every long prompt.
+    tokenizer.model_max_length = VERY_LARGE
+    return tokenizer
 
 
 class TokenizeManager:

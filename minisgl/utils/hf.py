@@ -2,15 +2,22 @@
 
 Every entry point that takes ``--model`` goes through :func:`resolve_model_path` once, at the
 edge, and from then on the engine only ever sees a local directory. The hub client is imported
-lazily, so a local run never imports it and a test never touches the network.
+lazily, so a local run never imports it and a test never touches the network. A ``--model``
+that reads as a local path (``./x``, ``/a/b``, ``models/x``) is never sent to the hub: when it
+does not exist, the error says how to make the tiny model. Without ``--model``,
+:func:`default_model` picks the book's model from the repository's ``models/`` directory.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import re
+import shutil
+import sys
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 from minisgl.utils.logger import get_logger
@@ -25,6 +32,14 @@ HUB_ALLOW_PATTERNS = ("*.json", "*.safetensors", "*.txt", "*.jinja", "tokenizer.
 
 # "org/name" with the characters the hub allows; one slash, nothing before or after.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.-]*/[A-Za-z0-9][A-Za-z0-9_.-]*$")
+
+# The repository this package lives in (the directory above ``minisgl/``): its ``models/``
+# holds the book's checkpoints and its ``tools/`` the script that writes the tiny one.
+REPO_ROOT = Path(__file__).resolve().parents[2]
+MODELS_DIR = "models"
+TRAINED_MODEL = "tiny-shakespeare"  # the book's tiny model, trained on Shakespeare's plays
+TINY_MODEL = "tiny-qwen3"  # random weights, written offline in seconds
+MAKE_TINY_MODEL = "python tools/make_tiny_model.py"
 
 
 class ModelPathError(ValueError):
@@ -56,10 +71,30 @@ def resolve_model_path(path_or_id: str | os.PathLike[str]) -> Path:
     if text.strip() and path.exists():
         raise ModelPathError(f"--model {text!r} is a file; expected a checkpoint directory "
                              "(the one that holds config.json) or a hub id such as Qwen/Qwen3-0.6B")
+    if looks_like_local_path(text):  # never the network for what reads as a path
+        raise ModelPathError(f"--model {text!r} is neither an existing directory nor a Hugging "
+                             f"Face hub id (it reads as a local path, so the hub was not asked); "
+                             f"to make the tiny model: {MAKE_TINY_MODEL} "
+                             f"(writes {MODELS_DIR}/{TINY_MODEL})")
     if isinstance(path_or_id, os.PathLike) or not looks_like_hub_id(text):  # includes ""
         raise ModelPathError(f"--model {text!r} is neither an existing directory nor a Hugging "
                              "Face hub id of the form 'org/name' (e.g. Qwen/Qwen3-0.6B)")
     return _download_from_hub(text)
+
+
+def looks_like_local_path(text: str) -> bool:
+    """True for what a user means as a directory here, not as a hub id: a path starting with
+    ``.``, ``/`` or ``~``, one under ``models/`` (where the book's checkpoints live), one with
+    more than one separator, or one whose parent directory exists here."""
+    text = text.strip()
+    if not text:
+        return False
+    if text.startswith((".", "/", "~", f"{MODELS_DIR}/", f"{MODELS_DIR}{os.sep}")):
+        return True
+    if text.count("/") + (text.count(os.sep) if os.sep != "/" else 0) > 1:
+        return True
+    parent = Path(text).parent
+    return parent != Path(".") and parent.is_dir()
 
 
 def _download_from_hub(repo_id: str) -> Path:
@@ -69,13 +104,9 @@ def _download_from_hub(repo_id: str) -> Path:
     try:
         local = snapshot_download(repo_id=repo_id, allow_patterns=list(HUB_ALLOW_PATTERNS))
     except Exception as exc:  # network, auth, missing repo: all reach the user the same way
-        hint = ""
-        if Path(repo_id).parent.is_dir():  # "models/tiny-qwen3" when the directory is missing
-            hint = (f" ('{Path(repo_id).parent}' is a local directory: if you meant a path, "
-                    f"{repo_id!r} does not exist)")
         raise ModelPathError(f"--model {repo_id!r} is not a local directory, and fetching it "
                              f"from the Hugging Face hub failed: {type(exc).__name__}: {exc}"
-                             f"{hint}") from exc
+                             ) from exc
     path = Path(local)
     _require_config(path, repo_id)
     return path
@@ -91,14 +122,77 @@ def _require_config(path: Path, given: str) -> None:
 def example_checkpoint(path: str | os.PathLike[str]) -> Path:
     """The checkpoint directory an example script was given, or exit with how to build one.
 
-    For scripts only: a missing tiny model is the one mistake every first run makes, so the
-    examples stop with the command that fixes it instead of a traceback.
+    For scripts only. A missing tiny model is the one mistake every first run makes, so when
+    ``path`` is the tiny model's directory it is built (seconds, offline); any other missing
+    checkpoint stops the example with the command that makes one instead of a traceback.
     """
     path = Path(path)
+    if not (path / "config.json").is_file() and path.name == TINY_MODEL:
+        try:
+            build_tiny_model(path)
+        except ModelPathError as exc:
+            raise SystemExit(str(exc)) from None
     if not (path / "config.json").is_file():
         raise SystemExit(f"{path} has no config.json, so it is not a checkpoint directory. "
-                         "Build the tiny model first:\n    python tools/make_tiny_model.py")
+                         f"Build the tiny model first:\n    {MAKE_TINY_MODEL}")
     return path
+
+
+# --8<-- [start:default_model]
+def default_model(root: Path = REPO_ROOT) -> Path:
+    """The checkpoint to serve when no ``--model`` is given: the book's default, found locally.
+
+    ``models/tiny-shakespeare`` (the book's trained tiny model) when the repository has it,
+    else ``models/tiny-qwen3``, written by ``tools/make_tiny_model.py``'s builder if it is not
+    there yet. Never the network: a first run on a fresh clone works offline.
+    """
+    trained = root / MODELS_DIR / TRAINED_MODEL
+    if (trained / "config.json").is_file():
+        logger.info("no --model given: serving %s, the book's trained tiny model", trained)
+        return trained
+    tiny = root / MODELS_DIR / TINY_MODEL
+    why = f"no --model given and no {MODELS_DIR}/{TRAINED_MODEL}"
+    if (tiny / "config.json").is_file():
+        logger.info("%s: serving %s (random weights)", why, tiny)
+    else:
+        logger.info("%s: building %s (random weights, seconds) and serving it", why, tiny)
+        build_tiny_model(tiny, root)
+    return tiny
+
+
+def build_tiny_model(out: Path, root: Path = REPO_ROOT) -> Path:
+    """Write the tiny Qwen3 checkpoint to ``out`` with ``tools/make_tiny_model.py``'s builder.
+
+    It is written to a temporary directory beside ``out`` and renamed into place, so a process
+    that starts meanwhile never sees half a checkpoint, and two that build at once both end
+    with a whole one.
+    """
+    maker = _load_tiny_model_maker(root)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    maker.write_checkpoint(partial, maker.TINY_QWEN3)
+    try:
+        partial.rename(out)
+    except OSError:  # another process finished first: keep its copy
+        shutil.rmtree(partial, ignore_errors=True)
+        if not (out / "config.json").is_file():
+            raise
+    return out
+
+
+def _load_tiny_model_maker(root: Path) -> ModuleType:
+    script = root / "tools" / "make_tiny_model.py"
+    if not script.is_file():
+        raise ModelPathError(f"the tiny model is missing and {script} (which writes it) is not "
+                             "there: run from a clone of the repository, or give --model")
+    spec = importlib.util.spec_from_file_location("_make_tiny_model", script)
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while being built
+    spec.loader.exec_module(module)
+    return module
+# --8<-- [end:default_model]
 
 
 # --8<-- [start:load_hf_config]

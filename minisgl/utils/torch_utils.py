@@ -1,16 +1,30 @@
-"""Small helpers that turn user-facing strings into torch devices and dtypes.
+"""Small helpers that turn user-facing strings into torch devices and dtypes, and share the CPU.
 
 The command line, the ``LLM`` class and the examples all accept ``--device auto|cpu|cuda`` and
 ``--dtype auto|float32|bfloat16|float16``. These functions are the one place where those
 strings are checked and given a meaning, so every entry point rejects a typo the same way.
+
+:func:`configure_cpu_threads` is the one place that decides how many threads torch may use in
+a process. Left alone, torch starts a thread per core in *every* process; the server runs four
+processes, and a laptop always has something else running, so the threads would fight over
+the cores and each small operation would wait for the slowest of them.
 """
 
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+import math
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Literal
 
 import torch
+
+from minisgl.env import read_env
+from minisgl.utils.logger import get_logger
+
+logger = get_logger(__name__)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
 DTYPE_CHOICES: dict[str, torch.dtype] = {
@@ -94,3 +108,70 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
 def count_parameters(module: torch.nn.Module) -> int:
     """Number of scalars in ``module``'s parameters, each shared tensor counted once."""
     return sum(p.numel() for p in module.parameters())
+
+
+# --8<-- [start:cpu_threads]
+ThreadRole = Literal["model", "helper"]
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max ..."
+
+
+def usable_cores() -> int:
+    """The cores this process may run on: its CPU affinity, capped by a container's CPU quota."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        cores = os.cpu_count() or 1
+    try:
+        quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
+        if quota != "max":
+            cores = min(cores, max(1, math.floor(int(quota) / int(period))))
+    except (OSError, ValueError):  # no cgroup v2 file, or one we cannot read: no quota
+        pass
+    return max(1, cores)
+
+
+def choose_cpu_threads(role: ThreadRole, environ: Mapping[str, str] | None = None,
+                       cores: int | None = None, processes: int = 1) -> tuple[int, str]:
+    """How many torch threads a process of ``role`` should use, and why (for the log).
+
+    - ``"helper"`` (the server's tokenizer, detokenizer and API processes, the shell): one.
+      They tokenize and route messages; a thread per core would only compete with the model;
+    - ``"model"`` (the process that runs the model): ``MINISGL_CPU_THREADS`` if set, else
+      ``OMP_NUM_THREADS`` if set, else one less than the usable cores, at least one. The core
+      left over is for everything else: the helpers, the client, the browser the reader has
+      open. A parallel step waits for its slowest thread, so a thread that has to share its
+      core with another busy process slows every step down; one thread fewer costs little.
+      With ``processes`` model processes (the ranks of tensor parallelism) they split those
+      cores between them.
+    """
+    if role not in ("model", "helper"):
+        raise ValueError(f"unknown thread role {role!r}; expected 'model' or 'helper'")
+    environ = os.environ if environ is None else environ
+    if role == "helper":
+        return 1, "a helper process: one thread"
+    chosen = read_env(environ).cpu_threads
+    if chosen:
+        return chosen, "MINISGL_CPU_THREADS"
+    omp = environ.get("OMP_NUM_THREADS", "").strip()
+    if omp.isdigit() and int(omp) >= 1:
+        return int(omp), "OMP_NUM_THREADS"
+    cores = usable_cores() if cores is None else cores
+    why = f"{cores} usable core(s), one left for the other processes"
+    if processes > 1:
+        why += f", the rest shared by {processes} ranks"
+    return max(1, (cores - 1) // processes), why
+
+
+def configure_cpu_threads(role: ThreadRole = "model", processes: int = 1) -> int:
+    """Set this process's torch threads for ``role`` (:func:`choose_cpu_threads`) and log it.
+
+    Entry points call it once, before any work: the scheduler process, ``LLM``, the launcher
+    and the shell, every example.
+    """
+    threads, why = choose_cpu_threads(role, processes=processes)
+    torch.set_num_threads(threads)
+    level = "info" if role == "model" else "debug"
+    getattr(logger, level)("CPU threads: %d (%s; MINISGL_CPU_THREADS or OMP_NUM_THREADS "
+                           "sets it)", threads, why)
+    return threads
+# --8<-- [end:cpu_threads]
