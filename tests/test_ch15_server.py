@@ -45,7 +45,7 @@ from minisgl.server.api_server import abort_on_disconnect, create_app
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.frontend import FrontendManager
 from minisgl.server.process import ServerProcess, parse_metrics, still_running
-from minisgl.server.protocol import SSE_DONE, ResponseMeta, sse_event, stream_chat
+from minisgl.server.responses import SSE_DONE, ResponseMeta, sse_event, stream_chat
 from minisgl.shell import Shell, sampling_params_for
 
 STARTUP_TIMEOUT_S = 180.0

@@ -42,13 +42,15 @@ from minisgl.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     ErrorResponse,
+    prompt_schema,
+    validation_error,
+)
+from minisgl.server.responses import (
     ResponseMeta,
     chat_body,
     completion_body,
-    prompt_schema,
     stream_chat,
     stream_completion,
-    validation_error,
 )
 from minisgl.utils.logger import get_logger
 

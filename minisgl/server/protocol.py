@@ -1,30 +1,26 @@
-"""The OpenAI wire format: what a request body may say, and what a response says back.
+"""The OpenAI wire format, inbound: what a request body may say, and the errors it can get.
 
 Everything here is data and functions of data; nothing sends a request or holds state, so
-every piece can be tested without a server. It has three parts:
+every piece can be tested without a server. It has two parts:
 
 1. :class:`APIError`, the OpenAI-style error (a status and ``{"error": {...}}``), and the
    mapping of pydantic's validation errors onto it;
 2. the request bodies, as pydantic models: a malformed body is answered with HTTP 400 and an
    OpenAI-style error before anything reaches a worker; :meth:`_GenerationBody.sampling_params`
-   turns a body into the engine's :class:`~minisgl.core.SamplingParams`;
-3. the response bodies and the Server-Sent Events (SSE) stream: ``data: {json}`` chunks,
-   ``data: [DONE]`` at the end, built from the :class:`~minisgl.message.UserReply` messages
-   a request receives.
+   turns a body into the engine's :class:`~minisgl.core.SamplingParams`.
 
+What a response says back (bodies, chunks, the SSE stream) is :mod:`minisgl.server.responses`.
 :mod:`minisgl.server.frontend` raises :class:`APIError`; :mod:`minisgl.server.api_server`
 parses the bodies and answers with the builders.
 
 Chapter 16 tightens the edges: strict types and integers that fit the wire, a body that is
-not JSON said so, a request that fails answered with its error's status (or, mid-stream, an
-error event), and an SSE stream that closes its replies however it ends.
+not JSON said so, and a request that fails answered with its error's status.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import AsyncIterator, Mapping, Sequence
-from contextlib import aclosing
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
@@ -32,7 +28,8 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from minisgl.core import SamplingParams
-from minisgl.message import RequestError, TokenUsage, UserReply
+from minisgl.message import RequestError
+from minisgl.server.responses import error_object, prompt_param_of
 
 # OpenAI's documented default for /v1/completions. A chat request without a limit may in
 # principle run to the end of the context; 1024 tokens keeps a forgotten limit from holding a
@@ -59,22 +56,15 @@ class APIError(Exception):
 
     @classmethod
     def of(cls, error: RequestError, prompt_param: str = "prompt") -> APIError:
-        """The HTTP answer to a request that ended with ``error`` (chapter 16). Workers call
-        the prompt ``"prompt"``; for a chat request, the prompt is ``"messages"``."""
-        param = prompt_param if error.param == "prompt" else error.param
-        return cls(error.status, error.message, param, error.kind, error.code)
+        """The HTTP answer to a request that ended with ``error`` (chapter 16)."""
+        return cls(error.status, error.message, prompt_param_of(error, prompt_param),
+                   error.kind, error.code)
 
     def body(self) -> dict[str, Any]:
-        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
-                          "code": self.code}}
+        return error_object(self.message, self.kind, self.param, self.code)
 
     def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status_code, headers=headers)
-
-
-def error_body(error: RequestError, prompt_param: str = "prompt") -> dict[str, Any]:
-    """OpenAI's error object for ``error``: the body of an error response or SSE event."""
-    return APIError.of(error, prompt_param).body()
 
 
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
@@ -369,137 +359,3 @@ class CompletionRequest(_GenerationBody):
                                     "token", where)
         return prompts
 # --8<-- [end:request_models]
-
-
-# =========================================================================== responses
-@dataclass(frozen=True)
-class ResponseMeta:
-    """What every body and chunk of one response repeats."""
-
-    id: str
-    created: int
-    model: str
-
-
-def usage_dict(usage: TokenUsage | None) -> dict[str, int] | None:
-    """OpenAI's ``usage`` object."""
-    if usage is None:
-        return None
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
-
-
-def chat_body(meta: ResponseMeta, text: str, last: UserReply) -> dict[str, Any]:
-    """A whole (non-streamed) chat completion."""
-    return {"id": meta.id, "object": "chat.completion", "created": meta.created,
-            "model": meta.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": last.finish_reason}],
-            "usage": usage_dict(last.usage)}
-
-
-def total_usage(usages: Sequence[TokenUsage | None]) -> TokenUsage | None:
-    """The usage of several requests answered as one (a list of prompts): their sum."""
-    if any(usage is None for usage in usages):
-        return None
-    return TokenUsage(sum(u.prompt_tokens for u in usages),  # type: ignore[union-attr]
-                      sum(u.completion_tokens for u in usages))  # type: ignore[union-attr]
-
-
-def completion_body(meta: ResponseMeta,
-                    answers: Sequence[tuple[str, UserReply]]) -> dict[str, Any]:
-    """A whole (non-streamed) text completion: a choice per prompt, in the prompts' order."""
-    return {"id": meta.id, "object": "text_completion", "created": meta.created,
-            "model": meta.model,
-            "choices": [{"index": i, "text": text, "logprobs": None,
-                         "finish_reason": last.finish_reason}
-                        for i, (text, last) in enumerate(answers)],
-            "usage": usage_dict(total_usage([last.usage for _, last in answers]))}
-
-
-def chat_chunk(meta: ResponseMeta, delta: dict[str, str],
-               finish_reason: str | None = None) -> dict[str, Any]:
-    """One streamed piece of a chat completion."""
-    return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created,
-            "model": meta.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                         "finish_reason": finish_reason}]}
-
-
-def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None,
-                     index: int = 0) -> dict[str, Any]:
-    """One streamed piece of a text completion (of choice ``index``)."""
-    return {"id": meta.id, "object": "text_completion", "created": meta.created,
-            "model": meta.model,
-            "choices": [{"index": index, "text": text, "logprobs": None,
-                         "finish_reason": finish_reason}]}
-
-
-# --8<-- [start:sse]
-SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
-
-
-def sse_event(payload: Mapping[str, Any]) -> bytes:
-    """One Server-Sent Event: ``data: <json>`` and a blank line.
-
-    JSON escapes newlines inside strings, so the payload is always a single ``data:`` line and
-    the blank line can only mean "end of event".
-    """
-    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
-
-
-async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
-                      include_usage: bool = False,
-                      prompt_param: str = "messages") -> AsyncIterator[bytes]:
-    """A chat completion as SSE: the role first, a chunk per piece of text, a chunk with the
-    finish reason, the usage (if asked), then ``[DONE]``.
-
-    Chapter 16: a request that fails mid-stream ends with an error event (OpenAI's error
-    object, which the ``openai`` client raises as an exception), then ``[DONE]``. Closing this
-    generator closes ``replies``, which frees the request's state at once.
-    """
-    extra = {"usage": None} if include_usage else {}  # OpenAI: null on all but the last
-    async with aclosing(replies):
-        yield sse_event({**chat_chunk(meta, {"role": "assistant", "content": ""}), **extra})
-        async for reply in replies:
-            if reply.delta:  # empty while a multi-byte character is incomplete
-                yield sse_event({**chat_chunk(meta, {"content": reply.delta}), **extra})
-            if reply.error is not None:
-                yield sse_event(error_body(reply.error, prompt_param))
-            elif reply.finished:
-                yield sse_event({**chat_chunk(meta, {}, reply.finish_reason), **extra})
-                if include_usage:
-                    yield sse_event({**chat_chunk(meta, {}), "choices": [],
-                                     "usage": usage_dict(reply.usage)})
-        yield SSE_DONE
-# --8<-- [end:sse]
-
-
-async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta: ResponseMeta,
-                            num_choices: int = 1, include_usage: bool = False,
-                            prompt_param: str = "prompt") -> AsyncIterator[bytes]:
-    """A text completion as SSE: a chunk per piece of text, one with the finish reason per
-    choice, the usage of all (if asked), then ``[DONE]``; an error event instead if a request
-    fails (which ends the stream: closing ``replies`` aborts the others).
-
-    ``replies`` are ``(choice index, reply)`` pairs, the replies of ``num_choices`` requests
-    (one per prompt) as they come.
-    """
-    extra = {"usage": None} if include_usage else {}
-    usages: list[TokenUsage | None] = []
-    async with aclosing(replies):
-        async for index, reply in replies:
-            if reply.delta:
-                yield sse_event({**completion_chunk(meta, reply.delta, index=index), **extra})
-            if reply.error is not None:
-                yield sse_event(error_body(reply.error, prompt_param))
-                break
-            if reply.finished:
-                yield sse_event({**completion_chunk(meta, "", reply.finish_reason, index),
-                                 **extra})
-                usages.append(reply.usage)
-                if include_usage and len(usages) == num_choices:
-                    yield sse_event({**completion_chunk(meta, ""), "choices": [],
-                                     "usage": usage_dict(total_usage(usages))})
-        yield SSE_DONE
-

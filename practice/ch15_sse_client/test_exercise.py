@@ -17,7 +17,7 @@ import pytest
 from sse_client import ChatStream, parse_chat_stream
 
 from minisgl.message import TokenUsage, UserReply
-from minisgl.server.protocol import ResponseMeta, stream_chat
+from minisgl.server.responses import ResponseMeta, stream_chat
 
 META = ResponseMeta(id="chatcmpl-7", created=1_700_000_000, model="tiny")
 

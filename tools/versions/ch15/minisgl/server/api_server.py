@@ -27,12 +27,14 @@ from minisgl.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    validation_error,
+)
+from minisgl.server.responses import (
     ResponseMeta,
     chat_body,
     completion_body,
     stream_chat,
     stream_completion,
-    validation_error,
 )
 
 

@@ -1,0 +1,174 @@
+"""The OpenAI wire format, outbound: what a response says back.
+
+The bodies of whole answers, the chunks of streamed ones and the Server-Sent Events (SSE)
+stream (``data: {json}`` events, ``data: [DONE]`` at the end), all built from the
+:class:`~minisgl.message.UserReply` messages a request receives, and OpenAI's error object.
+Everything here is data and functions of data, with no web framework: the API server sends
+what these functions build, and a test (or a client) can read it without a server.
+:mod:`minisgl.server.protocol` holds the inbound half, the request bodies.
+
+Chapter 16: a request that fails mid-stream ends with an error event, and a stream closes its
+replies however it ends.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import AsyncIterator, Mapping, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass
+from typing import Any
+
+from minisgl.message import RequestError, TokenUsage, UserReply
+
+
+# =========================================================================== errors
+def prompt_param_of(error: RequestError, prompt_param: str = "prompt") -> str | None:
+    """The parameter an error names. Workers call the prompt ``"prompt"``; for a chat
+    request, the prompt is ``"messages"``."""
+    return prompt_param if error.param == "prompt" else error.param
+
+
+def error_object(message: str, kind: str, param: str | None, code: str | None) -> dict[str, Any]:
+    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_body(error: RequestError, prompt_param: str = "prompt") -> dict[str, Any]:
+    """OpenAI's error object for ``error``: the body of an error response or SSE event."""
+    return error_object(error.message, error.kind, prompt_param_of(error, prompt_param),
+                        error.code)
+
+
+# =========================================================================== responses
+@dataclass(frozen=True)
+class ResponseMeta:
+    """What every body and chunk of one response repeats."""
+
+    id: str
+    created: int
+    model: str
+
+
+def usage_dict(usage: TokenUsage | None) -> dict[str, int] | None:
+    """OpenAI's ``usage`` object."""
+    if usage is None:
+        return None
+    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
+            "total_tokens": usage.total_tokens}
+
+
+def chat_body(meta: ResponseMeta, text: str, last: UserReply) -> dict[str, Any]:
+    """A whole (non-streamed) chat completion."""
+    return {"id": meta.id, "object": "chat.completion", "created": meta.created,
+            "model": meta.model,
+            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
+                         "logprobs": None, "finish_reason": last.finish_reason}],
+            "usage": usage_dict(last.usage)}
+
+
+def total_usage(usages: Sequence[TokenUsage | None]) -> TokenUsage | None:
+    """The usage of several requests answered as one (a list of prompts): their sum."""
+    if any(usage is None for usage in usages):
+        return None
+    return TokenUsage(sum(u.prompt_tokens for u in usages),  # type: ignore[union-attr]
+                      sum(u.completion_tokens for u in usages))  # type: ignore[union-attr]
+
+
+def completion_body(meta: ResponseMeta,
+                    answers: Sequence[tuple[str, UserReply]]) -> dict[str, Any]:
+    """A whole (non-streamed) text completion: a choice per prompt, in the prompts' order."""
+    return {"id": meta.id, "object": "text_completion", "created": meta.created,
+            "model": meta.model,
+            "choices": [{"index": i, "text": text, "logprobs": None,
+                         "finish_reason": last.finish_reason}
+                        for i, (text, last) in enumerate(answers)],
+            "usage": usage_dict(total_usage([last.usage for _, last in answers]))}
+
+
+def chat_chunk(meta: ResponseMeta, delta: dict[str, str],
+               finish_reason: str | None = None) -> dict[str, Any]:
+    """One streamed piece of a chat completion."""
+    return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created,
+            "model": meta.model,
+            "choices": [{"index": 0, "delta": delta, "logprobs": None,
+                         "finish_reason": finish_reason}]}
+
+
+def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None,
+                     index: int = 0) -> dict[str, Any]:
+    """One streamed piece of a text completion (of choice ``index``)."""
+    return {"id": meta.id, "object": "text_completion", "created": meta.created,
+            "model": meta.model,
+            "choices": [{"index": index, "text": text, "logprobs": None,
+                         "finish_reason": finish_reason}]}
+
+
+# --8<-- [start:sse]
+SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
+
+
+def sse_event(payload: Mapping[str, Any]) -> bytes:
+    """One Server-Sent Event: ``data: <json>`` and a blank line.
+
+    JSON escapes newlines inside strings, so the payload is always a single ``data:`` line and
+    the blank line can only mean "end of event".
+    """
+    return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
+                      include_usage: bool = False,
+                      prompt_param: str = "messages") -> AsyncIterator[bytes]:
+    """A chat completion as SSE: the role first, a chunk per piece of text, a chunk with the
+    finish reason, the usage (if asked), then ``[DONE]``.
+
+    Chapter 16: a request that fails mid-stream ends with an error event (OpenAI's error
+    object, which the ``openai`` client raises as an exception), then ``[DONE]``. Closing this
+    generator closes ``replies``, which frees the request's state at once.
+    """
+    extra = {"usage": None} if include_usage else {}  # OpenAI: null on all but the last
+    async with aclosing(replies):
+        yield sse_event({**chat_chunk(meta, {"role": "assistant", "content": ""}), **extra})
+        async for reply in replies:
+            if reply.delta:  # empty while a multi-byte character is incomplete
+                yield sse_event({**chat_chunk(meta, {"content": reply.delta}), **extra})
+            if reply.error is not None:
+                yield sse_event(error_body(reply.error, prompt_param))
+            elif reply.finished:
+                yield sse_event({**chat_chunk(meta, {}, reply.finish_reason), **extra})
+                if include_usage:
+                    yield sse_event({**chat_chunk(meta, {}), "choices": [],
+                                     "usage": usage_dict(reply.usage)})
+        yield SSE_DONE
+# --8<-- [end:sse]
+
+
+async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta: ResponseMeta,
+                            num_choices: int = 1, include_usage: bool = False,
+                            prompt_param: str = "prompt") -> AsyncIterator[bytes]:
+    """A text completion as SSE: a chunk per piece of text, one with the finish reason per
+    choice, the usage of all (if asked), then ``[DONE]``; an error event instead if a request
+    fails (which ends the stream: closing ``replies`` aborts the others).
+
+    ``replies`` are ``(choice index, reply)`` pairs, the replies of ``num_choices`` requests
+    (one per prompt) as they come.
+    """
+    extra = {"usage": None} if include_usage else {}
+    usages: list[TokenUsage | None] = []
+    async with aclosing(replies):
+        async for index, reply in replies:
+            if reply.delta:
+                yield sse_event({**completion_chunk(meta, reply.delta, index=index), **extra})
+            if reply.error is not None:
+                yield sse_event(error_body(reply.error, prompt_param))
+                break
+            if reply.finished:
+                yield sse_event({**completion_chunk(meta, "", reply.finish_reason, index),
+                                 **extra})
+                usages.append(reply.usage)
+                if include_usage and len(usages) == num_choices:
+                    yield sse_event({**completion_chunk(meta, ""), "choices": [],
+                                     "usage": usage_dict(total_usage(usages))})
+        yield SSE_DONE
+
