@@ -393,7 +393,8 @@ class Server(ServerProcess):
 
 
 # 512 pages x 4 = 2,048 tokens: two 900-token streams run side by side.
-SERVER_OPTIONS = ("--page-size", "4", "--num-pages", "512", "--shutdown-timeout", "1")
+SERVER_OPTIONS = ("--page-size", "4", "--num-pages", "512", "--shutdown-timeout", "1",
+                  "--served-model-name", "tiny")
 
 
 def start_server(model_dir: Path, log: Path, tp: int) -> Server:
@@ -466,17 +467,23 @@ def test_a_client_that_disconnects_frees_its_pages_on_every_rank(
     server.wait_for(lambda m: all(m[name] == 0 for name in RANK_GAUGES))
 
 
+def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting"
+        time.sleep(0.05)
+
+
 def stream_in_thread(url: str, results: dict[int, list[str]], i: int) -> threading.Thread:
     def read() -> None:
-        lines: list[str] = []
+        lines = results.setdefault(i, [])  # filled as the lines arrive
         try:
             with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
                     "prompt": f"Story number {i}", "max_tokens": 900, "ignore_eos": True,
                     "stream": True}) as response:
-                lines = [line for line in response.iter_lines() if line]
+                lines.extend(line for line in response.iter_lines() if line)
         except httpx.HTTPError as exc:
             lines.append(f"cut off: {exc!r}")
-        results[i] = lines
 
     thread = threading.Thread(target=read, daemon=True)
     thread.start()
@@ -516,6 +523,8 @@ def test_a_killed_rank_gives_503s_and_the_server_still_stops_cleanly(
             daemon=True)
         waiter.start()
         server.wait_for(lambda m: m["minisgl_rank1_running"] == 2)
+        # the stream has begun (a stream's headers wait for its first reply, chapter 16)
+        wait_until(lambda: len(results.get(0, [])) > 0, timeout_s=30)
         rank0 = psutil.Process(server.worker_pid("scheduler"))
         killed = time.monotonic()
         psutil.Process(server.worker_pid("scheduler-rank1")).kill()

@@ -29,6 +29,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import OverlapScheduler
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import get_logger
+from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)
 
@@ -61,6 +62,7 @@ class LLM:
                  **engine_options: Any) -> None:
         _check_engine_options(engine_options)
         path = resolve_model_path(model)
+        configure_cpu_threads("model")  # this process runs the model
         self.scheduler = OverlapScheduler(SchedulerConfig(path, device=device, dtype=dtype,
                                                           **engine_options))
         self.tokenizer = _load_tokenizer(path)

@@ -53,6 +53,7 @@ from minisgl.utils.mp import (
     close_queues,
     reporting_readiness,
 )
+from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)
 
@@ -133,18 +134,21 @@ class SchedulerIO:
     def _add(self, message: UserRequest) -> RequestError | None:
         """Queue a request; the error to answer it with if it cannot be served."""
         limit = self.scheduler.max_seq_len  # the model's context, or what the KV pool holds
+        # The rule (output_room): a prompt of at most `limit` tokens, and prompt + max_tokens
+        # at most limit + 1, since the last token sampled is never stored. Said as it is.
+        most = output_room(0, limit)  # prompt + max_tokens, at most
         if len(message.input_ids) > limit:
             return RequestError(
-                f"the prompt is {len(message.input_ids)} tokens long; this server serves at "
-                f"most {limit} tokens per request, prompt and output together",
-                param="prompt", code="context_length_exceeded")
+                f"the prompt is {len(message.input_ids)} tokens long; this server serves "
+                f"prompts of at most {limit} tokens, and prompt plus max_tokens of at most "
+                f"{most} tokens", param="prompt", code="context_length_exceeded")
         room = output_room(len(message.input_ids), limit)
         if message.strict_max_tokens and message.sampling_params.max_tokens > room:
             # A limit the client chose is refused, as OpenAI does; a default one is lowered.
             return RequestError(
                 f"max_tokens is {message.sampling_params.max_tokens}, but a prompt of "
                 f"{len(message.input_ids)} tokens leaves room for at most {room}: this server "
-                f"serves at most {limit} tokens per request, prompt and output together",
+                f"serves prompt plus max_tokens of at most {most} tokens",
                 param="max_tokens", code="context_length_exceeded")
         try:
             req = Req(message.uid, message.input_ids, message.sampling_params)
@@ -267,6 +271,7 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
             or None.
         stats: counters named :data:`SCHEDULER_COUNTERS` to publish, or None.
     """
+    configure_cpu_threads("model")  # the process that computes gets the cores
     signals = ShutdownSignals()
     receive = send = None
     try:

@@ -2,7 +2,8 @@
 
 Three groups of options:
 
-- **the service**: which checkpoint (``--model``), where to listen (``--host``, ``--port``),
+- **the service**: which checkpoint (``--model``; left out, the book's default model, found or
+  built locally: :func:`~minisgl.utils.hf.default_model`), where to listen (``--host``, ``--port``),
   how many tokenizer workers, the interactive ``--shell`` instead of HTTP; chapter 16 adds the
   limits of the request lifecycle: how many replies a slow reader may leave unread
   (``--reply-buffer-size``) and for how long (``--slow-reader-timeout``), and how long
@@ -63,7 +64,8 @@ class ServerArgs:
     """Everything the launcher needs, checked.
 
     Attributes:
-        model: a checkpoint directory or a Hugging Face hub id, as given.
+        model: a checkpoint directory or a Hugging Face hub id, as given; None means the book's
+            default model (the launcher finds it: :func:`~minisgl.utils.hf.default_model`).
         host, port: where the HTTP server listens.
         device, dtype: as for :class:`~minisgl.scheduler.config.SchedulerConfig`.
         tp: tensor-parallel ranks (chapter 17); 1 until then.
@@ -81,7 +83,7 @@ class ServerArgs:
             others keep the engine's defaults.
     """
 
-    model: str
+    model: str | None = None
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT
     device: str = "auto"
@@ -98,7 +100,7 @@ class ServerArgs:
     engine_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
-        if not isinstance(self.model, str) or not self.model.strip():
+        if self.model is not None and (not isinstance(self.model, str) or not self.model.strip()):
             raise ValueError(f"--model must name a checkpoint directory or a hub id, "
                              f"got {self.model!r}")
         if not self.host:
@@ -127,7 +129,7 @@ class ServerArgs:
     @property
     def model_name(self) -> str:
         """The name the API reports for the model (``/v1/models``, every response's ``model``)."""
-        return self.served_model_name or self.model
+        return self.served_model_name or self.model or "default"
 
     @property
     def url(self) -> str:
@@ -154,9 +156,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m minisgl",
         description="Serve a model behind an OpenAI-compatible HTTP API "
                     "(or chat with it in the terminal with --shell).")
-    parser.add_argument("--model", required=True, metavar="PATH_OR_HUB_ID",
+    parser.add_argument("--model", default=None, metavar="PATH_OR_HUB_ID",
                         help="a checkpoint directory, or a Hugging Face hub id such as "
-                             "Qwen/Qwen3-0.6B (downloaded on first use)")
+                             "Qwen/Qwen3-0.6B (downloaded on first use); default: the book's "
+                             "model, models/tiny-shakespeare if the repository has it, else "
+                             "models/tiny-qwen3 (built on first use, offline)")
     parser.add_argument("--host", default=DEFAULT_HOST,
                         help="the address to listen on (default: %(default)s)")
     parser.add_argument("--port", type=int, default=DEFAULT_PORT,
@@ -245,7 +249,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     engine = {name: value for name, value in engine.items() if value is not None}
     try:
         args = ServerArgs(engine_options=engine, **ns)
-        args.scheduler_config(args.model)  # checks the engine options (not the path: later)
+        # checks the engine options; the path is checked when it is opened
+        args.scheduler_config(args.model or "default")
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     return args

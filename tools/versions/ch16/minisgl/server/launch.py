@@ -8,10 +8,12 @@
 
 Start-up order (:func:`launch`):
 
-1. check the arguments, and bind the HTTP port without listening yet: a port already in use
+1. check the arguments and the device (``--device cuda`` on a machine without CUDA fails
+   here, in one line), and bind the HTTP port without listening yet: a port already in use
    fails now, not after a minute of loading weights;
 2. find the checkpoint (a hub id is downloaded here, once, so that the workers all read the
-   same local directory);
+   same local directory; without ``--model``, the book's default model is found or built
+   locally);
 3. start the workers with spawn (scheduler first: loading the model takes longest) and wait
    until each has reported ready, or stop them all and report the one that failed;
 4. serve HTTP with uvicorn (or run the shell) until SIGINT or SIGTERM;
@@ -29,6 +31,7 @@ outright (SIGKILL, no clean-up) notices that its parent is gone and exits too.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import os
 import signal
 import socket
@@ -36,6 +39,7 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from pathlib import Path
 from typing import Any
 
 import uvicorn
@@ -43,7 +47,7 @@ import uvicorn
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.lifecycle import SHUTTING_DOWN
-from minisgl.utils.hf import ModelPathError, resolve_model_path
+from minisgl.utils.hf import ModelPathError, default_model, load_hf_config, resolve_model_path
 from minisgl.utils.logger import configure_logging, get_logger
 from minisgl.utils.mp import (
     SharedCounters,
@@ -53,6 +57,7 @@ from minisgl.utils.mp import (
     stop_processes,
     wait_ready,
 )
+from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device
 
 logger = get_logger(__name__)
 
@@ -152,6 +157,7 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
 # --8<-- [start:launch]
 def launch(args: ServerArgs) -> int:
     """Run the server (or the shell) described by ``args``; returns the exit status."""
+    resolve_device(args.device)  # CUDA asked for where there is none: fail before anything starts
     from minisgl.server.api_server import create_app
     from minisgl.server.frontend import FrontendManager
 
@@ -159,6 +165,8 @@ def launch(args: ServerArgs) -> int:
         os.environ.setdefault("MINISGL_LOG_LEVEL", "WARNING")  # the workers inherit it
         configure_logging()
     listener = None if args.shell else bind_port(args.host, args.port)
+    if args.model is None:  # the book's default model, found or built here, never downloaded
+        args = dataclasses.replace(args, model=_shown_path(default_model()))
     workers: Workers | None = None
     with _terminate_raises():
         try:
@@ -176,7 +184,11 @@ def launch(args: ServerArgs) -> int:
 
                 run_shell(frontend, sampling_params_for(model_path, args.shell_max_tokens))
                 return 0
+            config = load_hf_config(model_path)
             app = create_app(frontend, args.model_name, model_root=str(model_path),
+                             aliases=[args.model], vocab_size=config.get("vocab_size"),
+                             max_seq_len=args.engine_options.get(
+                                 "max_seq_len", config.get("max_position_embeddings")),
                              metrics=workers.snapshot, health=workers.health)
             logger.info("minisgl serving %s on %s", args.model_name, args.url)
             serve_http(app, listener, args.shutdown_timeout_s)
@@ -199,11 +211,21 @@ def launch(args: ServerArgs) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """``python -m minisgl``: parse the command line, launch, return the exit status."""
     args = parse_args(argv)
+    configure_cpu_threads("helper")  # the launcher serves HTTP; the scheduler computes
     try:
         return launch(args)
-    except (ModelPathError, OSError, RuntimeError) as exc:  # start-up failures, said plainly
+    except (ModelPathError, OSError, RuntimeError, ValueError) as exc:  # said in one line
         logger.error("%s", exc)
         return 1
+
+
+def _shown_path(path: Path) -> str:
+    """``path`` relative to the working directory when it lies inside it (``models/x``, as a
+    user would type it), else absolute."""
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
 
 
 # --------------------------------------------------------------------------- HTTP
