@@ -15,8 +15,8 @@ from collections.abc import Hashable
 
 from torch import nn
 
-from minisgl.models.blocks import AttentionOptions, DecoderOnlyLM, GatedMLP
 from minisgl.models.config import ConfigError, ModelConfig
+from minisgl.models.qwen3 import Qwen3ForCausalLM
 from minisgl.moe import SparseMoeBlock
 
 # checkpoint projection -> (our stacked parameter, slot within an expert; None for down)
@@ -42,15 +42,12 @@ def sparse_layer_ids(config: ModelConfig) -> list[int]:
 
 
 # --8<-- [start:qwen3_moe]
-class Qwen3MoeForCausalLM(DecoderOnlyLM):
+class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def check_config(self, config: ModelConfig) -> None:
         if not config.is_moe or config.moe_intermediate_size <= 0:
             raise ConfigError("Qwen3MoeForCausalLM needs num_experts, num_experts_per_tok and "
                               "moe_intermediate_size in config.json, all positive")
         sparse_layer_ids(config)  # validates decoder_sparse_step and mlp_only_layers
-
-    def attention_options(self, config: ModelConfig) -> AttentionOptions:
-        return AttentionOptions(qk_norm=True)
 
     def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
         if layer_id not in sparse_layer_ids(config):
