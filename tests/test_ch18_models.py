@@ -403,6 +403,17 @@ def test_experts_split_over_two_ranks_sum_to_the_whole() -> None:
     torch.testing.assert_close(partial[0] + partial[1], full, rtol=1e-5, atol=1e-6)
 
 
+def test_expert_tensors_with_a_wrong_slot_are_refused() -> None:
+    layer = MoEExperts(E, H, INTER)
+    tensor = torch.zeros(INTER, H)
+    with pytest.raises(ValueError, match=r"expert index in 0\.\.7"):
+        layer.load_weight(tensor, (E, 0), "gate_up_proj")
+    with pytest.raises(ValueError, match=r"gate_up_proj with shard_id \(expert, 0\|1\)"):
+        layer.load_weight(tensor, (0, 2), "gate_up_proj")
+    with pytest.raises(ValueError, match="expected a checkpoint tensor with 32 entries"):
+        layer.load_weight(torch.zeros(INTER + 1, H), (0, 1), "gate_up_proj")
+
+
 def test_the_whole_moe_model_is_the_same_through_every_cpu_path() -> None:
     model = load_model(tiny_checkpoint("qwen3-moe"), device="cpu", progress=False)
     ids = torch.arange(3, 60)

@@ -85,19 +85,19 @@ class MoEExperts(BaseLayer):
     def load_weight(self, loaded: torch.Tensor, shard_id: ShardId = None,
                     param_name: str = "weight") -> None:
         what = f"MoEExperts.{param_name}[{shard_id}]"
+        expert, slot = shard_id if isinstance(shard_id, tuple) else (shard_id, None)
+        if not isinstance(expert, int) or not 0 <= expert < self.num_experts:
+            raise ValueError(f"{what}: expected an expert index in 0..{self.num_experts - 1}")
         inter, start = self.local_inter, self.tp_rank * self.local_inter
-        if param_name == "gate_up_proj" and isinstance(shard_id, tuple):
-            expert, slot = shard_id
-            src = take_slice(loaded, 0, start, inter, self.intermediate_size, what)
+        if param_name == "gate_up_proj" and slot in (0, 1):
+            src = take_slice(loaded, 0, start, inter, self.intermediate_size, what)  # rows
             dst = self.gate_up_proj[expert].narrow(0, slot * inter, inter)
-        elif param_name == "down_proj" and isinstance(shard_id, int):
-            src = take_slice(loaded, 1, start, inter, self.intermediate_size, what)
-            dst = self.down_proj[shard_id]
+        elif param_name == "down_proj" and slot is None:
+            src = take_slice(loaded, 1, start, inter, self.intermediate_size, what)  # columns
+            dst = self.down_proj[expert]
         else:
             raise ValueError(f"{what}: expected gate_up_proj with shard_id (expert, 0|1) or "
                              "down_proj with shard_id expert")
-        if not 0 <= (shard_id[0] if isinstance(shard_id, tuple) else shard_id) < self.num_experts:
-            raise ValueError(f"{what}: expert index out of range 0..{self.num_experts - 1}")
         copy_checked(dst, src, what)
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
