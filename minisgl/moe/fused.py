@@ -39,8 +39,11 @@ BLOCK_K = 64
 
 
 def fused_available(x: torch.Tensor) -> bool:
-    """True when :func:`moe_fused` can run on ``x``: a CUDA tensor and Triton installed."""
-    return triton is not None and x.is_cuda
+    """True when :func:`moe_fused` can run on ``x``: a 16-bit CUDA tensor, Triton installed.
+
+    float32 stays on the other paths: ``tl.dot`` would round float32 inputs to TF32.
+    """
+    return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
 # --8<-- [start:align_by_expert]
@@ -146,7 +149,8 @@ def moe_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               routing: Routing) -> torch.Tensor:
     """The same sum as the reference, in two kernel launches plus the gate and the final sum."""
     if not fused_available(x):
-        raise RuntimeError("moe_fused needs a CUDA tensor and Triton; use moe_grouped instead")
+        raise RuntimeError(f"moe_fused needs a bfloat16 or float16 CUDA tensor and Triton, got "
+                           f"{x.dtype} on {x.device}; use moe_grouped instead")
     num_tokens, top_k = routing.expert_ids.shape
     num_pairs = num_tokens * top_k
     # Small blocks when there are few rows (decode), larger ones for prefill.
