@@ -108,18 +108,35 @@ def test_prints_a_summary(fresh_build: tuple[Path, str]) -> None:
     assert "vocab 2048: <|endoftext|> 2022, <|im_start|> 2023, <|im_end|> 2024" in stdout
 
 
-def test_later_architecture_fails_clearly(tmp_path: Path) -> None:
-    result = run_tool("--arch", "llama", "--out", str(tmp_path / "x"))
-    assert result.returncode == 2
-    assert "architecture llama is not supported yet (chapter 18 adds it)" in result.stderr
-    assert not (tmp_path / "x").exists()
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3-moe"])
+def test_other_families_are_deterministic_too(arch: str, tmp_path: Path) -> None:
+    first, second = (run_tool("--arch", arch, "--out", str(tmp_path / name)) for name in "ab")
+    assert first.returncode == 0 and second.returncode == 0, first.stderr + second.stderr
+    for name in FILES:
+        assert (tmp_path / "a" / name).read_bytes() == (tmp_path / "b" / name).read_bytes(), name
+
+
+@pytest.mark.parametrize("like", ["llama-3.2-1b", "qwen3-moe"])
+def test_like_shapes_are_what_transformers_builds_from_their_config(like: str,
+                                                                      tmp_path: Path) -> None:
+    """transformers reads the config and builds (on the meta device: no memory) a model with
+    exactly the parameter count the tool writes."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    result = run_tool("--like", like, "--no-weights", "--out", str(tmp_path))
+    assert result.returncode == 0, result.stderr
+    config = AutoConfig.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    count = sum(p.numel() for p in model.parameters())  # a tied head is counted once
+    assert f"{count:,} parameters" in result.stdout
 
 
 @pytest.mark.parametrize(("args", "message"), [
-    (["--arch", "qwen2"], "architecture qwen2 is not supported yet (chapter 18 adds it)"),
-    (["--arch", "qwen3-moe"], "architecture qwen3-moe is not supported yet (chapter 18 adds it)"),
     (["--arch", "gpt2"], "unknown architecture 'gpt2'"),
     (["--like", "qwen3-7b"], "unknown --like 'qwen3-7b'; choose from qwen3-0.6b"),
+    (["--like", "llama-3.2-1b", "--arch", "qwen2"],
+     "--like llama-3.2-1b is a LlamaForCausalLM, not --arch qwen2"),
     (["--seed", "-1"], "--seed must be >= 0, got -1"),
     (["--seed", "one"], "invalid int value: 'one'"),
 ])

@@ -1,8 +1,11 @@
-"""Write a Hugging Face-format Qwen3 checkpoint with random weights, offline and reproducibly.
+"""Write a Hugging Face-format checkpoint with random weights, offline and reproducibly.
 
     python tools/make_tiny_model.py                       # models/tiny-qwen3 (about 3M params)
     python tools/make_tiny_model.py --like qwen3-0.6b     # models/qwen3-0.6b-like (0.6B, bf16)
     python tools/make_tiny_model.py --out DIR --seed 1    # elsewhere, other random weights
+    python tools/make_tiny_model.py --arch llama          # models/tiny-llama (also qwen2,
+                                                          # qwen3-moe: chapter 18)
+    python tools/make_tiny_model.py --like llama-3.2-1b   # Llama-3.2-1B's shape (also qwen3-moe)
 
 The directory holds what a real checkpoint holds: `config.json`, `generation_config.json`,
 `model.safetensors`, `tokenizer.json` and `tokenizer_config.json` (with a Qwen3-style chat
@@ -21,7 +24,7 @@ import math
 import sys
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -33,8 +36,7 @@ ASSETS = Path(__file__).resolve().parent / "assets"
 TOKENIZER_ASSET = ASSETS / "tokenizer.json"
 CHAT_TEMPLATE_ASSET = ASSETS / "chat_template.jinja"
 
-SUPPORTED_ARCHS = ("qwen3",)
-PLANNED_ARCHS = ("qwen3-moe", "llama", "qwen2")  # chapter 18 adds these
+SUPPORTED_ARCHS = ("qwen3", "llama", "qwen2", "qwen3-moe")  # the last three: chapter 18
 
 # Where Qwen3 puts its 26 added tokens; our 0.6b-like tokenizer uses the same ids, so prompts
 # and stop tokens look exactly like the real model's.
@@ -71,7 +73,92 @@ QWEN3_0_6B = ModelShape(
 )
 # --8<-- [end:tiny_config]
 
-LIKE = {"qwen3-0.6b": QWEN3_0_6B}
+
+# --8<-- [start:families]
+@dataclass(frozen=True)
+class Family:
+    """What an architecture fixes beyond the shape: names, biases, norms, rotary defaults."""
+
+    architectures: str  # config.json's class name
+    model_type: str
+    transformers_version: str  # the first release that knows the family
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_theta: float = 1000000.0
+    rms_norm_eps: float = 1e-6
+    first_added_id: int = QWEN3_FIRST_ADDED_ID  # where a grown vocabulary puts added tokens
+
+
+@dataclass(frozen=True)
+class MoEShape:
+    """The experts of a Qwen3-MoE checkpoint."""
+
+    num_experts: int
+    num_experts_per_tok: int
+    moe_intermediate_size: int
+    decoder_sparse_step: int = 1
+    mlp_only_layers: tuple[int, ...] = ()  # layers that keep a dense MLP
+    norm_topk_prob: bool = True
+
+
+@dataclass(frozen=True)
+class Variant:
+    """One checkpoint to write: a family, a shape and the settings that vary between sizes."""
+
+    family: Family
+    shape: ModelShape
+    tie_word_embeddings: bool = True
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # a dict's items, kept hashable
+    moe: MoEShape | None = None
+
+
+QWEN3 = Family("Qwen3ForCausalLM", "qwen3", "4.51.0", qk_norm=True)
+QWEN2 = Family("Qwen2ForCausalLM", "qwen2", "4.43.1", qkv_bias=True)
+LLAMA = Family("LlamaForCausalLM", "llama", "4.45.0", rope_theta=500000.0, rms_norm_eps=1e-5,
+               first_added_id=128000)  # Llama 3 numbers its special tokens from 128000
+QWEN3_MOE = Family("Qwen3MoeForCausalLM", "qwen3_moe", "4.51.0", qk_norm=True)
+
+# Llama 3.1/3.2's long-context RoPE (rope_type llama3), as their config.json has it.
+LLAMA3_ROPE = (("factor", 32.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+               ("original_max_position_embeddings", 8192), ("rope_type", "llama3"))
+# The same scaling at the tiny model's scale: trained on 1,024 positions, stretched to 4,096.
+TINY_LLAMA3_ROPE = (("factor", 4.0), ("high_freq_factor", 4.0), ("low_freq_factor", 1.0),
+                    ("original_max_position_embeddings", 1024), ("rope_type", "llama3"))
+
+TINY = {
+    "qwen3": Variant(QWEN3, TINY_QWEN3),
+    "qwen2": Variant(QWEN2, replace(TINY_QWEN3, name="tiny-qwen2")),
+    # untied and with llama3 RoPE scaling: the tiny Llama covers what the 1B-like one does not
+    "llama": Variant(LLAMA, replace(TINY_QWEN3, name="tiny-llama"), tie_word_embeddings=False,
+                     rope_scaling=TINY_LLAMA3_ROPE),
+    # layer 2 keeps a dense MLP, so dense and sparse layers are mixed
+    "qwen3-moe": Variant(QWEN3_MOE, replace(TINY_QWEN3, name="tiny-qwen3-moe"),
+                         tie_word_embeddings=False,
+                         moe=MoEShape(num_experts=8, num_experts_per_tok=2,
+                                      moe_intermediate_size=128, mlp_only_layers=(2,))),
+}
+# Llama-3.2-1B's published config.json (tied, llama3 RoPE).
+LLAMA_3_2_1B = ModelShape(
+    name="llama-3.2-1b-like", hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+    num_attention_heads=32, num_key_value_heads=8, head_dim=64, vocab_size=128256,
+    max_position_embeddings=131072, dtype="bfloat16",
+)
+# Qwen3-30B-A3B's published config.json with 4 of its 48 layers: 128 experts, 8 per token,
+# and every width as published.
+QWEN3_30B_A3B_4L = ModelShape(
+    name="qwen3-moe-like", hidden_size=2048, intermediate_size=6144, num_hidden_layers=4,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+    max_position_embeddings=40960, dtype="bfloat16",
+)
+LIKE_VARIANTS = {
+    "qwen3-0.6b": Variant(QWEN3, QWEN3_0_6B),
+    "llama-3.2-1b": Variant(LLAMA, LLAMA_3_2_1B, rope_scaling=LLAMA3_ROPE),
+    "qwen3-moe": Variant(QWEN3_MOE, QWEN3_30B_A3B_4L, tie_word_embeddings=False,
+                         moe=MoEShape(num_experts=128, num_experts_per_tok=8,
+                                      moe_intermediate_size=768)),
+}
+# --8<-- [end:families]
+LIKE = {name: variant.shape for name, variant in LIKE_VARIANTS.items()}
 
 
 # ----------------------------------------------------------------------------------------------
@@ -135,12 +222,13 @@ def extend_tokenizer_json(base: dict[str, Any], vocab_size: int,
     return out
 
 
-def build_tokenizer_json(shape: ModelShape) -> dict[str, Any]:
+def build_tokenizer_json(shape: ModelShape,
+                         first_added_id: int = QWEN3_FIRST_ADDED_ID) -> dict[str, Any]:
     """The tokenizer.json contents for `shape`: the committed one, or it grown to the vocab."""
     base = load_base_tokenizer_json()
     if shape.vocab_size is None:
         return base
-    return extend_tokenizer_json(base, shape.vocab_size, QWEN3_FIRST_ADDED_ID)
+    return extend_tokenizer_json(base, shape.vocab_size, first_added_id)
 
 
 def build_tokenizer(shape: ModelShape) -> Tokenizer:
@@ -198,39 +286,55 @@ def build_tokenizer_config(tokenizer_json: dict[str, Any], shape: ModelShape) ->
 # ----------------------------------------------------------------------------------------------
 
 
-def build_config(shape: ModelShape, vocab_size: int, bos_token_id: int,
+def build_config(variant: Variant | ModelShape, vocab_size: int, bos_token_id: int,
                  eos_token_id: int) -> dict[str, Any]:
-    """config.json for a Qwen3ForCausalLM of `shape`, with the keys Qwen3's own file has."""
-    return {
-        "architectures": ["Qwen3ForCausalLM"],
-        "attention_bias": False,
+    """config.json for `variant` (a bare shape is a Qwen3), with the keys its family's has."""
+    if isinstance(variant, ModelShape):
+        variant = Variant(QWEN3, variant)
+    shape, family = variant.shape, variant.family
+    config: dict[str, Any] = {
+        "architectures": [family.architectures],
         "attention_dropout": 0.0,
         "bos_token_id": bos_token_id,
         "eos_token_id": eos_token_id,
-        "head_dim": shape.head_dim,
         "hidden_act": "silu",
         "hidden_size": shape.hidden_size,
         "initializer_range": 0.02,
         "intermediate_size": shape.intermediate_size,
         "max_position_embeddings": shape.max_position_embeddings,
-        "max_window_layers": shape.num_hidden_layers,
-        "model_type": "qwen3",
+        "model_type": family.model_type,
         "num_attention_heads": shape.num_attention_heads,
         "num_hidden_layers": shape.num_hidden_layers,
         "num_key_value_heads": shape.num_key_value_heads,
-        "rms_norm_eps": 1e-6,
-        "rope_scaling": None,
-        "rope_theta": 1000000.0,
-        "sliding_window": None,
-        "tie_word_embeddings": True,
+        "rms_norm_eps": family.rms_norm_eps,
+        "rope_scaling": dict(variant.rope_scaling) if variant.rope_scaling else None,
+        "rope_theta": family.rope_theta,
+        "tie_word_embeddings": variant.tie_word_embeddings,
         "torch_dtype": shape.dtype,
-        # Qwen3's own value: the first release that knows Qwen3. Without any version here,
-        # transformers 5.x suspects a Mistral tokenizer and warns about its regex.
-        "transformers_version": "4.51.0",
+        # Without any version here, transformers 5.x suspects a Mistral tokenizer and warns
+        # about its regex; each family gets the first release that knows it.
+        "transformers_version": family.transformers_version,
         "use_cache": True,
-        "use_sliding_window": False,
         "vocab_size": vocab_size,
     }
+    if family.model_type != "qwen2":  # Qwen2 derives head_dim from hidden_size / heads
+        config.update(head_dim=shape.head_dim, attention_bias=False)
+    elif shape.hidden_size != shape.num_attention_heads * shape.head_dim:
+        raise ValueError("a Qwen2 config has no head_dim: hidden_size must be heads * head_dim")
+    if family.model_type == "llama":
+        config.update(mlp_bias=False, pretraining_tp=1)
+    else:  # the Qwen families' sliding-window keys, switched off as in their releases
+        config.update(max_window_layers=shape.num_hidden_layers, sliding_window=None,
+                      use_sliding_window=False)
+    if variant.moe is not None:
+        moe = variant.moe
+        config.update(decoder_sparse_step=moe.decoder_sparse_step,
+                      mlp_only_layers=list(moe.mlp_only_layers),
+                      moe_intermediate_size=moe.moe_intermediate_size,
+                      norm_topk_prob=moe.norm_topk_prob, num_experts=moe.num_experts,
+                      num_experts_per_tok=moe.num_experts_per_tok, output_router_logits=False,
+                      router_aux_loss_coef=0.001)
+    return config
 
 
 def build_generation_config(bos_token_id: int, eos_token_ids: list[int],
@@ -252,22 +356,36 @@ class TensorSpec:
 
     name: str
     shape: tuple[int, ...]
-    init: str  # "matrix": centred noise scaled to the fan-in; "norm": 1 plus a little noise
+    init: str  # "matrix": centred noise scaled to the fan-in; "norm": 1 plus a little noise;
+    # "bias": a little centred noise
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
 
 
-def weight_specs(config: dict[str, Any]) -> list[TensorSpec]:
-    """Every tensor of a Qwen3ForCausalLM checkpoint, named as Hugging Face names them.
+def sparse_layers(config: dict[str, Any]) -> set[int]:
+    """The layers of a Qwen3-MoE config that hold experts (none for a dense model)."""
+    if not config.get("num_experts"):
+        return set()
+    step, dense = config["decoder_sparse_step"], set(config["mlp_only_layers"])
+    return {i for i in range(config["num_hidden_layers"]) if i not in dense and (i + 1) % step == 0}
 
-    The embedding is tied to the LM head, so there is no `lm_head.weight`.
+
+def weight_specs(config: dict[str, Any]) -> list[TensorSpec]:
+    """Every tensor of the checkpoint `config` describes, named as Hugging Face names them.
+
+    Qwen2 adds biases to q, k and v; the Qwen3 families add q_norm and k_norm; a sparse layer
+    has a router (`mlp.gate`) and one gated MLP per expert; untied checkpoints end with
+    `lm_head.weight`.
     """
     hidden, inter = config["hidden_size"], config["intermediate_size"]
-    head_dim = config["head_dim"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
     q_size = config["num_attention_heads"] * head_dim
     kv_size = config["num_key_value_heads"] * head_dim
+    qkv_bias = config["model_type"] == "qwen2"
+    qk_norm = config["model_type"] in ("qwen3", "qwen3_moe")
+    sparse = sparse_layers(config)
     specs = [TensorSpec("model.embed_tokens.weight", (config["vocab_size"], hidden), "matrix")]
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
@@ -276,16 +394,34 @@ def weight_specs(config: dict[str, Any]) -> list[TensorSpec]:
             TensorSpec(p + "self_attn.q_proj.weight", (q_size, hidden), "matrix"),
             TensorSpec(p + "self_attn.k_proj.weight", (kv_size, hidden), "matrix"),
             TensorSpec(p + "self_attn.v_proj.weight", (kv_size, hidden), "matrix"),
-            TensorSpec(p + "self_attn.q_norm.weight", (head_dim,), "norm"),
-            TensorSpec(p + "self_attn.k_norm.weight", (head_dim,), "norm"),
+        ]
+        if qkv_bias:
+            specs += [TensorSpec(p + f"self_attn.{x}_proj.bias", (size,), "bias")
+                      for x, size in (("q", q_size), ("k", kv_size), ("v", kv_size))]
+        if qk_norm:
+            specs += [TensorSpec(p + "self_attn.q_norm.weight", (head_dim,), "norm"),
+                      TensorSpec(p + "self_attn.k_norm.weight", (head_dim,), "norm")]
+        specs += [
             TensorSpec(p + "self_attn.o_proj.weight", (hidden, q_size), "matrix"),
             TensorSpec(p + "post_attention_layernorm.weight", (hidden,), "norm"),
-            TensorSpec(p + "mlp.gate_proj.weight", (inter, hidden), "matrix"),
-            TensorSpec(p + "mlp.up_proj.weight", (inter, hidden), "matrix"),
-            TensorSpec(p + "mlp.down_proj.weight", (hidden, inter), "matrix"),
         ]
+        if i in sparse:
+            experts, moe_inter = config["num_experts"], config["moe_intermediate_size"]
+            specs.append(TensorSpec(p + "mlp.gate.weight", (experts, hidden), "matrix"))
+            for e in range(experts):
+                specs += _mlp_specs(f"{p}mlp.experts.{e}.", hidden, moe_inter)
+        else:
+            specs += _mlp_specs(p + "mlp.", hidden, inter)
     specs.append(TensorSpec("model.norm.weight", (hidden,), "norm"))
+    if not config["tie_word_embeddings"]:
+        specs.append(TensorSpec("lm_head.weight", (config["vocab_size"], hidden), "matrix"))
     return specs
+
+
+def _mlp_specs(prefix: str, hidden: int, inter: int) -> list[TensorSpec]:
+    return [TensorSpec(prefix + "gate_proj.weight", (inter, hidden), "matrix"),
+            TensorSpec(prefix + "up_proj.weight", (inter, hidden), "matrix"),
+            TensorSpec(prefix + "down_proj.weight", (hidden, inter), "matrix")]
 
 
 # Every matrix gets std = MATRIX_GAIN / sqrt(its input width) (the embedding's is the hidden
@@ -295,6 +431,7 @@ def weight_specs(config: dict[str, Any]) -> list[TensorSpec]:
 # greedy text keeps changing, and sampling has a real distribution to work on.
 MATRIX_GAIN = 2.0
 NORM_NOISE_STD = 0.1  # RMSNorm weights are 1 + this much noise, so the norms are not identities
+BIAS_STD = 0.1  # Qwen2's q/k/v biases: small, but far from zero so that a missing bias shows
 
 
 # --8<-- [start:portable_normal]
@@ -327,6 +464,8 @@ def generate_tensor(spec: TensorSpec, dtype: torch.dtype, generator: torch.Gener
             values = portable_normal(n, MATRIX_GAIN / math.sqrt(spec.shape[1]), generator)
         elif spec.init == "norm":
             values = 1.0 + portable_normal(n, NORM_NOISE_STD, generator)
+        elif spec.init == "bias":
+            values = portable_normal(n, BIAS_STD, generator)
         else:
             raise AssertionError(f"unknown init {spec.init!r} for {spec.name}")
         yield values.to(dtype)
@@ -397,22 +536,25 @@ class CheckpointSummary:
     weights_bytes: int
 
 
-def write_checkpoint(out: Path, shape: ModelShape, seed: int = 0,
+def write_checkpoint(out: Path, variant: Variant | ModelShape, seed: int = 0,
                      weights: bool = True) -> CheckpointSummary:
-    """Write the whole checkpoint directory for `shape` to `out`.
+    """Write the whole checkpoint directory for `variant` (a bare shape is a Qwen3) to `out`.
 
     With `weights=False` everything but model.safetensors is written (quick, for checking a
     large shape's config and tokenizer).
     """
+    if isinstance(variant, ModelShape):
+        variant = Variant(QWEN3, variant)
+    shape = variant.shape
     out.mkdir(parents=True, exist_ok=True)
-    tokenizer_json = build_tokenizer_json(shape)
+    tokenizer_json = build_tokenizer_json(shape, variant.family.first_added_id)
     vocab_size = tokenizer_size(tokenizer_json)
     if shape.vocab_size is not None and vocab_size != shape.vocab_size:
         raise AssertionError(f"tokenizer has {vocab_size} ids, shape wants {shape.vocab_size}")
     ids = added_token_ids(tokenizer_json)
     endoftext, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
 
-    config = build_config(shape, vocab_size, bos_token_id=endoftext, eos_token_id=im_end)
+    config = build_config(variant, vocab_size, bos_token_id=endoftext, eos_token_id=im_end)
     write_json(out / "config.json", config)
     write_json(out / "generation_config.json",
                build_generation_config(endoftext, [im_end, endoftext], endoftext))
@@ -445,14 +587,14 @@ def build_parser() -> argparse.ArgumentParser:
     """The command line (the docs' Reference page renders its help from here)."""
     parser = argparse.ArgumentParser(
         prog="make_tiny_model.py",
-        description="Write a Qwen3 checkpoint with seeded random weights (offline, "
-                    "deterministic).")
+        description="Write a Qwen3, Llama, Qwen2 or Qwen3-MoE checkpoint with seeded random "
+                    "weights (offline, deterministic).")
     parser.add_argument("--out", type=Path, default=None,
-                        help="output directory (default: models/tiny-qwen3, or "
+                        help="output directory (default: models/tiny-<arch>, or "
                              "models/<like>-like with --like)")
-    parser.add_argument("--arch", default="qwen3",
-                        help="model architecture: qwen3 (qwen3-moe, llama and qwen2 come in "
-                             "chapter 18)")
+    parser.add_argument("--arch", default=None,
+                        help=f"model architecture: {', '.join(SUPPORTED_ARCHS)} (default: "
+                             "qwen3, or the family of --like)")
     parser.add_argument("--like", default=None,
                         help=f"copy a real model's shape instead of the tiny one: "
                              f"{', '.join(LIKE)}")
@@ -467,13 +609,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = build_parser()
     args = parser.parse_args(argv)
 
-    if args.arch in PLANNED_ARCHS:
-        parser.error(f"architecture {args.arch} is not supported yet (chapter 18 adds it)")
-    if args.arch not in SUPPORTED_ARCHS:
+    if args.arch is not None and args.arch not in SUPPORTED_ARCHS:
         parser.error(f"unknown architecture {args.arch!r}; choose from "
-                     f"{', '.join(SUPPORTED_ARCHS + PLANNED_ARCHS)}")
+                     f"{', '.join(SUPPORTED_ARCHS)}")
     if args.like is not None and args.like not in LIKE:
         parser.error(f"unknown --like {args.like!r}; choose from {', '.join(LIKE)}")
+    if args.like is not None and args.arch is not None:
+        like_family = LIKE_VARIANTS[args.like].family
+        if like_family is not TINY[args.arch].family:
+            parser.error(f"--like {args.like} is a {like_family.architectures}, not --arch "
+                         f"{args.arch}; leave --arch out")
     if args.seed < 0:
         parser.error(f"--seed must be >= 0, got {args.seed}")
     if args.out is not None and args.out.exists() and not args.out.is_dir():
@@ -493,16 +638,23 @@ def display_path(path: Path) -> str:
 def main(argv: list[str] | None = None) -> int:
     """Command-line entry point: write the checkpoint and print what was written."""
     args = parse_args(argv)
-    shape = LIKE[args.like] if args.like else TINY_QWEN3
+    variant = LIKE_VARIANTS[args.like] if args.like else TINY[args.arch or "qwen3"]
+    shape = variant.shape
     out = args.out if args.out is not None else ROOT / "models" / shape.name
-    print(f"writing {shape.name} (Qwen3ForCausalLM, {shape.dtype}, seed {args.seed}) to {display_path(out)}")
+    print(f"writing {shape.name} ({variant.family.architectures}, {shape.dtype}, "
+          f"seed {args.seed}) to {display_path(out)}")
     start = time.perf_counter()
-    summary = write_checkpoint(out, shape, seed=args.seed, weights=not args.no_weights)
+    summary = write_checkpoint(out, variant, seed=args.seed, weights=not args.no_weights)
     elapsed = time.perf_counter() - start
 
     print(f"  layers {shape.num_hidden_layers}, hidden {shape.hidden_size}, "
           f"heads {shape.num_attention_heads} q / {shape.num_key_value_heads} kv "
           f"x {shape.head_dim}, intermediate {shape.intermediate_size}")
+    if variant.moe is not None:
+        moe = variant.moe
+        print(f"  experts {moe.num_experts}, {moe.num_experts_per_tok} per token, "
+              f"intermediate {moe.moe_intermediate_size}; dense layers "
+              f"{list(moe.mlp_only_layers) or 'none'}")
     print(f"  vocab {summary.vocab_size}: " + ", ".join(
         f"{name} {i}" for name, i in summary.special_ids.items()))
     size = (f"{summary.weights_bytes / 2**20:.1f} MiB" if summary.weights_bytes

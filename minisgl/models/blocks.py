@@ -1,0 +1,172 @@
+"""The pieces every Llama-family decoder shares, so that a model file only says how it differs.
+
+Llama, Qwen2, Qwen3 and Qwen3-MoE are the same network up to a few switches:
+
+=============  ==========  =========  ==========  ===================
+family         q/k/v bias  o bias     qk-norm     feed-forward
+=============  ==========  =========  ==========  ===================
+Llama          config      config     no          gated MLP
+Qwen2          yes         no         no          gated MLP
+Qwen3          no          no         yes         gated MLP
+Qwen3-MoE      no          no         yes         gated MLP or experts
+=============  ==========  =========  ==========  ===================
+
+:class:`DecoderOnlyLM` builds embedding, layers, final norm and LM head from a config; a family
+subclasses it and answers up to three questions: which config settings it refuses, which attention options
+(:class:`AttentionOptions`) it has, and which feed-forward block layer ``i`` gets. Module names
+are the checkpoints' (``model.layers.3.self_attn.o_proj``), so the loader's name mapping of
+chapter 3 applies unchanged.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from minisgl.layers import (
+    MergedColumnParallelLinear,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RMSNorm,
+    RotaryEmbedding,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    get_rope,
+    silu_and_mul,
+)
+from minisgl.layers.attention import AttentionLayer
+from minisgl.models.base import BaseLLMModel
+from minisgl.models.config import ModelConfig
+
+
+# --8<-- [start:gated_mlp]
+class GatedMLP(nn.Module):
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one column-parallel matrix."""
+
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu") -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"GatedMLP supports hidden_act 'silu', got {hidden_act!r}")
+        self.gate_up_proj = MergedColumnParallelLinear(
+            hidden_size, [intermediate_size, intermediate_size])
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+# --8<-- [end:gated_mlp]
+
+
+# --8<-- [start:rotary_attention]
+@dataclass(frozen=True)
+class AttentionOptions:
+    """What a family's attention has beyond the common core."""
+
+    qkv_bias: bool = False  # a bias on the q, k and v projections (Qwen2)
+    o_bias: bool = False  # a bias on the output projection (Llama with attention_bias)
+    qk_norm: bool = False  # RMSNorm on each query and key head before RoPE (Qwen3)
+
+
+class RotaryAttention(nn.Module):
+    """Fused qkv projection, optional qk-norm, RoPE, the attention backend, output projection."""
+
+    def __init__(self, config: ModelConfig, layer_id: int, rope: RotaryEmbedding,
+                 options: AttentionOptions) -> None:
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim,
+                                          config.num_qo_heads, config.num_kv_heads,
+                                          bias=options.qkv_bias)
+        # Registered on this module, so that they carry the checkpoint's names
+        # (self_attn.q_norm.weight); the attention layer holds the same modules.
+        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if options.qk_norm else None
+        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if options.qk_norm else None
+        self.attn = AttentionLayer(layer_id, config.num_qo_heads, config.num_kv_heads,
+                                   config.head_dim, rope, q_norm=self.q_norm, k_norm=self.k_norm)
+        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, bias=options.o_bias)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.o_proj(self.attn(self.qkv_proj(x), positions))
+# --8<-- [end:rotary_attention]
+
+
+class DecoderLayer(nn.Module):
+    """One pre-norm block, the residual carried beside the stream as in chapter 3's Qwen3."""
+
+    def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
+        super().__init__()
+        self.self_attn = self_attn
+        self.mlp = mlp
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, residual: torch.Tensor | None
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, positions)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderModel(nn.Module):
+    """Embedding, the decoder layers and the final norm (``model.*`` in a checkpoint)."""
+
+    def __init__(self, config: ModelConfig, layers: list[DecoderLayer]) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(layers)
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        residual: torch.Tensor | None = None
+        for layer in self.layers:
+            x, residual = layer(x, positions, residual)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+# --8<-- [start:decoder_only_lm]
+class DecoderOnlyLM(BaseLLMModel):
+    """A Llama-family causal LM; a family overrides the three hooks below that it needs."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__(config)
+        self.check_config(config)
+        rotary = config.rotary  # one rotary table for every layer
+        rope = get_rope(rotary.head_dim, rotary.rotary_dim, rotary.max_position, rotary.base,
+                        rotary.scaling)
+        layers = [DecoderLayer(config, RotaryAttention(config, i, rope, self.attention_options(config)),
+                               self.make_mlp(config, i)) for i in range(config.num_layers)]
+        self.model = DecoderModel(config, layers)
+        tie_to = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=tie_to)
+
+    def check_config(self, config: ModelConfig) -> None:
+        """Refuse config settings this family's code does not implement (none by default)."""
+
+    def attention_options(self, config: ModelConfig) -> AttentionOptions:
+        """Which optional parts this family's attention has (none by default)."""
+        return AttentionOptions()
+
+    def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
+        """The feed-forward block of layer ``layer_id``: a dense gated MLP unless overridden."""
+        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
+                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+        hidden = self.model(input_ids, positions)
+        if logits_indices is not None:
+            hidden = hidden[logits_indices]
+        return self.lm_head(hidden).float()
+# --8<-- [end:decoder_only_lm]
+
+
+def refuse_true(config: ModelConfig, key: str, family: str) -> None:
+    """Raise if config.json sets ``key`` to true: a feature ``family`` here does not implement."""
+    if config.raw.get(key):
+        raise ValueError(f"{family}: config.json sets {key}=true, which this engine does not "
+                         f"implement; only {key}=false (or absent) is supported")

@@ -1,0 +1,50 @@
+"""The router of a mixture-of-experts layer: which experts each token visits, and how much each counts.
+
+A router is a ``hidden x num_experts`` linear layer; its scores go through a softmax over all
+experts, and each token keeps its ``top_k`` most probable experts. Qwen3-MoE then rescales the
+kept probabilities to sum to one (``norm_topk_prob``), so a token's output is a weighted
+average of its experts' outputs rather than a fraction of one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+# --8<-- [start:routing]
+@dataclass(frozen=True)
+class Routing:
+    """Each token's chosen experts, best first, and their weights.
+
+    ``expert_ids`` is [T, top_k] (int64) and ``weights`` [T, top_k] (float32).
+    """
+
+    expert_ids: torch.Tensor
+    weights: torch.Tensor
+
+    @property
+    def top_k(self) -> int:
+        return self.expert_ids.shape[1]
+
+
+def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
+    """Softmax over the experts, keep the ``top_k`` most probable, optionally rescaled to sum 1.
+
+    The softmax runs in float32 whatever the logits' dtype: in bfloat16 two close experts
+    would round to the same probability and the choice between them would depend on rounding.
+    Ties go to the lower expert index (a stable sort keeps equal values in index order), so
+    routing is the same on every device.
+    """
+    num_experts = router_logits.shape[-1]
+    if not 0 < top_k <= num_experts:
+        raise ValueError(f"top_k must be in [1, {num_experts}] (the number of experts), "
+                         f"got {top_k}")
+    probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
+    sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
+    weights, expert_ids = sorted_probs[:, :top_k], order[:, :top_k]
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(expert_ids=expert_ids, weights=weights)
+# --8<-- [end:routing]

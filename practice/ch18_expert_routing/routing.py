@@ -1,0 +1,35 @@
+"""Routing tokens to experts, and grouping them by expert.
+
+Write `route` and `group_by_expert`. See README.md for the rules and an example.
+"""
+
+from __future__ import annotations
+
+Route = list[tuple[int, float]]  # one token's (expert, weight) pairs, best first
+
+
+def route(logits: list[list[float]], top_k: int, renormalize: bool) -> list[Route]:
+    """Each token's ``top_k`` most probable experts and their weights.
+
+    Args:
+        logits: one row of router scores per token, all rows ``num_experts`` long.
+        top_k: how many experts each token keeps, ``1 <= top_k <= num_experts``.
+        renormalize: rescale the kept probabilities of each token to sum to 1.
+
+    Returns:
+        One list per token of ``(expert, weight)``, most probable first; equal probabilities
+        rank the lower expert index first.
+
+    Raises:
+        ValueError: no rows, rows of different lengths, or ``top_k`` out of range.
+    """
+    raise NotImplementedError("route: softmax each row, keep the top_k, optionally renormalise")
+
+
+def group_by_expert(routes: list[Route], num_experts: int) -> list[list[tuple[int, float]]]:
+    """For every expert, the ``(token, weight)`` pairs routed to it, in token order.
+
+    Raises:
+        ValueError: an expert index outside ``[0, num_experts)``.
+    """
+    raise NotImplementedError("group_by_expert: one list per expert, tokens in order")
