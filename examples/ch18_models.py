@@ -60,7 +60,7 @@ def transformers_greedy(ckpt: Path, prompts: list[list[int]]) -> list[list[int]]
 # --8<-- [start:family_run]
 def run_family(arch: str, device: str) -> bool:
     ckpt = tiny_checkpoint(arch)
-    server = ServerProcess(ckpt, device=device)
+    server = ServerProcess(ckpt, device=device, args=("--served-model-name", arch))
     server.start()  # it loads in its own processes while LLM loads here
     try:
         llm = LLM(ckpt, device=device)

@@ -180,7 +180,8 @@ def test_server_greedy_matches_transformers(arch: str, ckpt: Path, llm,
     from minisgl.server.process import ServerProcess
 
     expected = llm.generate(prompt_ids, greedy_params())
-    with ServerProcess(ckpt, device="cpu", log_path=tmp_path / "server.log") as server:
+    with ServerProcess(ckpt, device="cpu", log_path=tmp_path / "server.log",
+                       args=("--served-model-name", arch)) as server:
         client = OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=60)
         for prompt, ids, want, result in zip(PROMPTS, prompt_ids, reference_greedy, expected):
             reply = client.completions.create(model=arch, prompt=ids, max_tokens=NEW_TOKENS,
