@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from minisgl.kvcache import MHAKVPool, OutOfPagesError, PageAllocator
 from minisgl.models.config import ModelConfig
-from minisgl.scheduler.table import NO_PAGE, PageTable, expand_ranges
+from minisgl.kvcache.page_table import NO_PAGE, PageTable, expand_ranges
 
 PAGE_SIZES = [1, 4, 16]
 
