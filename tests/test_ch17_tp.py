@@ -53,7 +53,7 @@ from minisgl.distributed.group import (
     init_tp_group,
 )
 from minisgl.llm import LLM
-from minisgl.server.process import ServerProcess, still_running
+from server_process import ServerProcess, still_running  # tools/, see conftest.py
 
 RANK_TIMEOUT_S = 240.0
 STARTUP_TIMEOUT_S = 240.0
