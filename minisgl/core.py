@@ -18,8 +18,10 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from numbers import Integral, Real
+from numbers import Real
 from typing import TYPE_CHECKING, Literal
+
+from minisgl.utils.checks import check_int, is_int
 
 if TYPE_CHECKING:  # type names only: this module must stay importable without torch
     import torch
@@ -93,7 +95,7 @@ class SamplingParams:
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             _invalid("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
 
-        _check_int("top_k", self.top_k)
+        check_int("top_k", self.top_k, error=TypeError)
         if not (self.top_k == -1 or self.top_k >= 1):
             _invalid("top_k", self.top_k, "-1 (no top-k filter) or an integer >= 1")
 
@@ -108,7 +110,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
-        _check_int("max_tokens", self.max_tokens)
+        check_int("max_tokens", self.max_tokens, error=TypeError)
         if self.max_tokens < 1:
             _invalid("max_tokens", self.max_tokens, "an integer >= 1")
 
@@ -122,7 +124,7 @@ class SamplingParams:
             )
         stop_ids = tuple(self.stop_token_ids)
         for token_id in stop_ids:
-            if isinstance(token_id, bool) or not isinstance(token_id, Integral) or token_id < 0:
+            if not is_int(token_id) or token_id < 0:
                 _invalid(
                     "stop_token_ids",
                     self.stop_token_ids,
@@ -131,7 +133,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stop_ids)
 
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            check_int("seed", self.seed, error=TypeError)
             if not 0 <= self.seed <= _MAX_SEED:
                 _invalid("seed", self.seed, f"None or an integer in [0, {_MAX_SEED}]")
 
@@ -148,12 +150,6 @@ class SamplingParams:
         # --8<-- [end:validate_stop]
 
     # --8<-- [end:validate]
-
-
-def _check_int(field: str, value: object) -> None:
-    # bool is a subclass of int in Python; `top_k=True` is a bug, not a 1.
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{field} must be an integer, got {value!r} ({type(value).__name__})")
 
 
 def _check_real(field: str, value: object) -> None:
@@ -214,7 +210,7 @@ class Req:
         ids = raw.tolist() if hasattr(raw, "tolist") else list(raw)
         if not ids:
             raise ValueError(f"request {self.uid}: the prompt must hold at least one token")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral) or t < 0]
+        bad = [t for t in ids if not is_int(t) or t < 0]
         if bad:
             raise ValueError(f"request {self.uid}: token ids must be integers >= 0, "
                              f"got {bad[:4]}")

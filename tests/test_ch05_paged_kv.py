@@ -302,7 +302,7 @@ def test_pool_sized_from_a_budget_matches_kv_bytes_per_token(tiny_model_dir, pag
 
 
 def test_pool_rejects_bad_sizes() -> None:
-    with pytest.raises(ValueError, match="page_size must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="page_size must be an integer >= 1, got 0"):
         make_pool(page_size=0)
     with pytest.raises(ValueError, match="budget_bytes"):
         MHAKVPool.num_pages_for_budget(-1, None, 1, torch.float32)  # type: ignore[arg-type]

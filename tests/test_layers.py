@@ -19,8 +19,9 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "minisgl"
 # --8<-- [start:package_order]
 # The packages of ``minisgl`` (and its top-level modules), lowest first: each may import only
 # itself and those before it.
-# - ``core`` is plain data (requests, batches, sampling settings) that everything reads; ``env``
-#   the MINISGL_* variables, read by the logger in ``utils``.
+# - ``env`` holds the MINISGL_* variables, read by the logger in ``utils``; ``core`` (requests,
+#   batches, sampling settings: plain data that everything reads) checks its fields with
+#   ``utils.checks``, so it sits above ``utils``, which needs nothing of it.
 # - ``distributed`` needs tensors and a logger, and the layers shard across it: it sits between
 #   the two. ``message`` (the messages between processes and their codec) needs only core.
 # - ``moe`` holds the mixture-of-experts kernels that a model's blocks are built from, so it
@@ -30,7 +31,7 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "minisgl"
 # - ``shell`` drives a server's frontend from a terminal, so it sits above ``server``;
 #   ``__main__`` chooses between the two. ``llm`` (the offline API) needs only the scheduler.
 PACKAGE_ORDER = (
-    "core", "env", "utils", "distributed", "message", "layers", "moe", "models", "kvcache",
+    "env", "utils", "core", "distributed", "message", "layers", "moe", "models", "kvcache",
     "attention", "engine", "scheduler", "tokenizer", "server", "shell", "llm", "__main__",
 )
 # --8<-- [end:package_order]
