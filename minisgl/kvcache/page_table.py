@@ -196,14 +196,15 @@ class PageTable:
         return max(0, pages_for_tokens - self.num_pages(row))
 
     def append_pages(self, row: int, pages: Sequence[int] | torch.Tensor) -> None:
-        """Add ``pages`` (fresh from the allocator) after the pages ``row`` already holds."""
+        """Add ``pages`` (fresh from the allocator) after the pages ``row`` already holds.
+
+        The ids are not checked again here: the allocator hands out only ids of its pool.
+        """
         ids = pages.tolist() if isinstance(pages, torch.Tensor) else list(pages)
         held = self.num_pages(row)
         if held + len(ids) > self.max_pages_per_req:
             raise ValueError(f"row {row} holds {held} pages; {len(ids)} more exceed its "
                              f"{self.max_pages_per_req} entries")
-        if any(p < 0 for p in ids):
-            raise ValueError(f"page ids must be non-negative, got {ids}")
         if ids:  # the host copy now; the device table at its next read (see page_ids)
             self._rows[row].extend(ids)
             self._unwritten.append((row, held, ids))
