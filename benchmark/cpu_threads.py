@@ -30,8 +30,10 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))  # run from a clone without installing: the repository's minisgl
 
-from minisgl.server.process import ServerProcess  # noqa: E402
 from minisgl.utils.hf import example_checkpoint  # noqa: E402
+
+sys.path.insert(0, str(ROOT / "tools"))  # the server harness, a tool of the repository
+from server_process import ServerProcess  # noqa: E402
 
 THREAD_VARIABLES = ("OMP_NUM_THREADS", "MINISGL_CPU_THREADS", "MKL_NUM_THREADS")
 LIMIT = 1.3  # the default may cost at most this much more than one thread per process

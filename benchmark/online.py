@@ -74,8 +74,10 @@ try:
     import minisgl  # noqa: F401
 except ImportError:  # run from a checkout that was not pip-installed
     sys.path.insert(0, str(ROOT))
-from minisgl.server.process import ServerError, ServerProcess, parse_metrics
 from minisgl.utils.hf import load_hf_config
+
+sys.path.insert(0, str(ROOT / "tools"))  # the server harness, a tool of the repository
+from server_process import ServerError, ServerProcess, parse_metrics  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # the benchmark's sibling modules, also when imported by path

@@ -18,7 +18,7 @@ import torch
 
 from minisgl.kvcache import MHAKVPool, PageAllocator
 from minisgl.models.config import ModelConfig
-from minisgl.scheduler.table import PageTable
+from minisgl.kvcache.page_table import PageTable
 from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device, resolve_dtype
 

@@ -23,7 +23,7 @@ from minisgl.kvcache import MHAKVPool
 from minisgl.layers.attention import DenseCausalAttention, use_attention_backend
 from minisgl.models import load_model
 from minisgl.models.config import ModelConfig
-from minisgl.scheduler.table import PageTable
+from minisgl.kvcache.page_table import PageTable
 from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device, resolve_dtype
 

@@ -18,13 +18,17 @@ import signal
 import sys
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import httpx
 from openai import OpenAI
 
-from minisgl.server.process import ServerError, ServerProcess
 from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import resolve_device
+
+# The server harness is a tool of this repository, not part of the engine.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from server_process import ServerError, ServerProcess  # noqa: E402
 
 
 def main() -> None:

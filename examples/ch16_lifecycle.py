@@ -20,12 +20,16 @@ import socket
 import sys
 import threading
 import time
+from pathlib import Path
 
 import httpx
 
-from minisgl.server.process import ServerError, ServerProcess
 from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import resolve_device
+
+# The server harness is a tool of this repository, not part of the engine.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from server_process import ServerError, ServerProcess  # noqa: E402
 
 # The state gauges /metrics shows, and a short name for each.
 GAUGES = {"minisgl_frontend_live_requests": "frontend", "minisgl_frontend_buffered_replies":

@@ -7,8 +7,6 @@
   whether it has finished.
 - :class:`Batch` (chapter 7): the requests of one forward pass, all in the prefill phase or all
   in the decode phase.
-- :class:`Context` (chapter 7): one forward pass made ready to run: the batch, its attention
-  layout and the input token ids on the device.
 
 These are plain data: nothing here allocates memory, runs a model or decides which request runs
 next. The engine (``minisgl.engine.engine``) runs batches and the scheduler (chapter 9) builds
@@ -20,13 +18,13 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from numbers import Integral, Real
+from numbers import Real
 from typing import TYPE_CHECKING, Literal
+
+from minisgl.utils.checks import check_int, is_int
 
 if TYPE_CHECKING:  # type names only: this module must stay importable without torch
     import torch
-
-    from minisgl.attention import BatchLayout
 
 # A torch.Generator accepts any seed that fits in an unsigned 64-bit integer.
 _MAX_SEED = 2**64 - 1
@@ -97,7 +95,7 @@ class SamplingParams:
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             _invalid("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
 
-        _check_int("top_k", self.top_k)
+        check_int("top_k", self.top_k, error=TypeError)
         if not (self.top_k == -1 or self.top_k >= 1):
             _invalid("top_k", self.top_k, "-1 (no top-k filter) or an integer >= 1")
 
@@ -112,7 +110,7 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
 
-        _check_int("max_tokens", self.max_tokens)
+        check_int("max_tokens", self.max_tokens, error=TypeError)
         if self.max_tokens < 1:
             _invalid("max_tokens", self.max_tokens, "an integer >= 1")
 
@@ -126,7 +124,7 @@ class SamplingParams:
             )
         stop_ids = tuple(self.stop_token_ids)
         for token_id in stop_ids:
-            if isinstance(token_id, bool) or not isinstance(token_id, Integral) or token_id < 0:
+            if not is_int(token_id) or token_id < 0:
                 _invalid(
                     "stop_token_ids",
                     self.stop_token_ids,
@@ -135,7 +133,7 @@ class SamplingParams:
         object.__setattr__(self, "stop_token_ids", stop_ids)
 
         if self.seed is not None:
-            _check_int("seed", self.seed)
+            check_int("seed", self.seed, error=TypeError)
             if not 0 <= self.seed <= _MAX_SEED:
                 _invalid("seed", self.seed, f"None or an integer in [0, {_MAX_SEED}]")
 
@@ -152,12 +150,6 @@ class SamplingParams:
         # --8<-- [end:validate_stop]
 
     # --8<-- [end:validate]
-
-
-def _check_int(field: str, value: object) -> None:
-    # bool is a subclass of int in Python; `top_k=True` is a bug, not a 1.
-    if isinstance(value, bool) or not isinstance(value, Integral):
-        raise TypeError(f"{field} must be an integer, got {value!r} ({type(value).__name__})")
 
 
 def _check_real(field: str, value: object) -> None:
@@ -218,7 +210,7 @@ class Req:
         ids = raw.tolist() if hasattr(raw, "tolist") else list(raw)
         if not ids:
             raise ValueError(f"request {self.uid}: the prompt must hold at least one token")
-        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral) or t < 0]
+        bad = [t for t in ids if not is_int(t) or t < 0]
         if bad:
             raise ValueError(f"request {self.uid}: token ids must be integers >= 0, "
                              f"got {bad[:4]}")
@@ -373,30 +365,3 @@ class Batch:
             ids += req.token_range(req.cached_len, req.cached_len + n)
         return ids
 # --8<-- [end:batch]
-
-
-# --8<-- [start:context]
-@dataclass
-class Context:
-    """One forward pass made ready to run.
-
-    The engine builds it from a :class:`Batch` (:meth:`Engine.prepare`) once the requests'
-    page-table rows hold pages for all their tokens. It carries what does not depend on *how*
-    the pass runs: run eagerly, the attention backend then plans for ``layout``; replayed as a
-    CUDA graph (chapter 8), the graph runner pads ``layout`` and ``input_ids`` to a captured
-    size instead.
-
-    The model itself never sees this object: it receives tensors, and the attention layers
-    reach the backend through the seam of chapter 3 (``use_attention_backend``).
-
-    Attributes:
-        batch: the requests.
-        layout: each request's page-table row, cached length and new length, as the attention
-            backends take them.
-        input_ids: ``[T]`` int64 token ids of the new tokens, on the engine's device.
-    """
-
-    batch: Batch
-    layout: BatchLayout
-    input_ids: torch.Tensor
-# --8<-- [end:context]

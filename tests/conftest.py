@@ -17,6 +17,9 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 TINY_MODEL = ROOT / "models" / "tiny-qwen3"
+# tools/ is not a package: the tests import the server harness (tools/server_process.py) by name.
+if str(ROOT / "tools") not in sys.path:
+    sys.path.append(str(ROOT / "tools"))
 GPU_SKIP_REASON = "needs a CUDA GPU (run on a GPU machine with `tools/steps.py check --gpu`)"
 
 

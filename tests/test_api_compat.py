@@ -47,9 +47,9 @@ from fastapi.testclient import TestClient
 from conftest import ROOT, load_repo_script
 from minisgl.message import UserRequest
 from minisgl.server.api_server import create_app
-from minisgl.server.process import ServerProcess
 from minisgl.utils import hf
 from minisgl.utils.torch_utils import choose_cpu_threads, configure_cpu_threads
+from server_process import ServerProcess  # tools/, see conftest.py
 
 CH15 = load_repo_script("tests/test_ch15_server.py")  # its fake workers echo the prompt's words
 STARTUP_TIMEOUT_S = 180.0

@@ -17,7 +17,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from minisgl.kvcache import MHAKVPool, OutOfPagesError, PageAllocator
 from minisgl.models.config import ModelConfig
-from minisgl.scheduler.table import NO_PAGE, PageTable, expand_ranges
+from minisgl.kvcache.page_table import NO_PAGE, PageTable, expand_ranges
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -302,7 +302,7 @@ def test_pool_sized_from_a_budget_matches_kv_bytes_per_token(tiny_model_dir, pag
 
 
 def test_pool_rejects_bad_sizes() -> None:
-    with pytest.raises(ValueError, match="page_size must be a positive integer, got 0"):
+    with pytest.raises(ValueError, match="page_size must be an integer >= 1, got 0"):
         make_pool(page_size=0)
     with pytest.raises(ValueError, match="budget_bytes"):
         MHAKVPool.num_pages_for_budget(-1, None, 1, torch.float32)  # type: ignore[arg-type]

@@ -37,7 +37,7 @@ from minisgl.attention.utils import (
 from minisgl.kvcache import MHAKVPool
 from minisgl.layers.attention import DenseCausalAttention, use_attention_backend
 from minisgl.models import load_model
-from minisgl.scheduler.table import PageTable
+from minisgl.kvcache.page_table import PageTable
 
 PAGE_SIZES = [1, 16]
 HQ, HKV, HEAD_DIM = 4, 2, 64  # the tiny model's shape: FlashInfer's kernels are compiled once

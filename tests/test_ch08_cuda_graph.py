@@ -28,7 +28,7 @@ from minisgl.engine.graph import (
     padded_batch_size,
 )
 from minisgl.kvcache import MHAKVPool
-from minisgl.scheduler.table import PageTable
+from minisgl.kvcache.page_table import PageTable
 
 QWEN3_06B_LIKE = Path(__file__).resolve().parent.parent / "models" / "qwen3-0.6b-like"
 

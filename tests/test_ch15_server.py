@@ -44,9 +44,9 @@ from minisgl.message import AbortRequest, TokenizeRequest, TokenUsage, UserReply
 from minisgl.server.api_server import abort_on_disconnect, create_app
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.frontend import FrontendManager
-from minisgl.server.process import ServerProcess, parse_metrics, still_running
 from minisgl.server.responses import SSE_DONE, ResponseMeta, sse_event, stream_chat
 from minisgl.shell import Shell, sampling_params_for
+from server_process import ServerProcess, parse_metrics, still_running  # tools/, see conftest.py
 
 STARTUP_TIMEOUT_S = 180.0
 

@@ -64,9 +64,9 @@ from minisgl.message import (
 )
 from minisgl.server.api_server import create_app
 from minisgl.server.frontend import FrontendManager
-from minisgl.server.process import ServerProcess, still_running
 from minisgl.shell import Shell
 from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqPushQueue, ipc_address
+from server_process import ServerProcess, still_running  # tools/, see conftest.py
 
 STARTUP_TIMEOUT_S = 180.0
 

@@ -21,7 +21,6 @@ What these tests pin down, each on real processes (spawned ranks, one CPU thread
 
 from __future__ import annotations
 
-import ast
 import json
 import multiprocessing
 import os
@@ -54,7 +53,7 @@ from minisgl.distributed.group import (
     init_tp_group,
 )
 from minisgl.llm import LLM
-from minisgl.server.process import ServerProcess, still_running
+from server_process import ServerProcess, still_running  # tools/, see conftest.py
 
 RANK_TIMEOUT_S = 240.0
 STARTUP_TIMEOUT_S = 240.0
@@ -579,33 +578,3 @@ def test_the_nccl_group_on_every_gpu(tiny_model_dir: Path) -> None:
     for out in run_ranks(nccl_sum_and_model, 2, str(tiny_model_dir), device="cuda"):
         assert out["sum"].tolist() == [3.0] * 4
         assert out["tokens"] == single["tokens"]
-
-
-
-# =========================================================================== the package order
-# --8<-- [start:package_order]
-# The packages, lowest first: each may import only those before it. ``distributed`` needs
-# tensors and a logger, and the layers need it: it sits between the two.
-PACKAGE_ORDER = ("env", "core", "utils", "distributed", "message", "layers")
-
-
-def minisgl_imports(package: str) -> set[str]:
-    """The top-level minisgl packages that the modules of ``package`` import."""
-    found = set()
-    for path in (Path(__file__).resolve().parents[1] / "minisgl" / package).rglob("*.py"):
-        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            names = ([alias.name for alias in node.names] if isinstance(node, ast.Import)
-                     else [node.module] if isinstance(node, ast.ImportFrom) and node.module
-                     else [])
-            found |= {name.split(".")[1] for name in names if name.startswith("minisgl.")}
-    return found
-
-
-def test_distributed_sits_between_utils_and_the_layers() -> None:
-    for package in ("distributed", "layers"):
-        allowed = set(PACKAGE_ORDER[: PACKAGE_ORDER.index(package) + 1])
-        assert minisgl_imports(package) <= allowed, \
-            f"{package} imports {sorted(minisgl_imports(package) - allowed)}, above itself"
-    for package in ("core", "utils", "message"):
-        assert "distributed" not in minisgl_imports(package), f"{package} imports distributed"
-# --8<-- [end:package_order]

@@ -50,7 +50,8 @@ from typing import Any
 
 import httpx
 
-from minisgl.server.process import ServerProcess
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # also when loaded by path
+from server_process import ServerProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "models/tiny-shakespeare"  # what the page shows; its code snippets name it too

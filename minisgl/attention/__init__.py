@@ -28,7 +28,7 @@ from minisgl.attention.base import (
 )
 from minisgl.attention.torch_native import TorchNativeBackend
 from minisgl.kvcache.mha_pool import MHAKVPool
-from minisgl.scheduler.table import PageTable
+from minisgl.kvcache.page_table import PageTable
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)

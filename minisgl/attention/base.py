@@ -30,7 +30,7 @@ from typing import Any, ClassVar
 import torch
 
 from minisgl.kvcache.mha_pool import MHAKVPool
-from minisgl.scheduler.table import PageTable, expand_ranges
+from minisgl.kvcache.page_table import PageTable, expand_ranges
 
 
 # --8<-- [start:metadata]

@@ -41,7 +41,7 @@ from minisgl.attention.utils import (
     pages_for,
 )
 from minisgl.kvcache.mha_pool import MHAKVPool
-from minisgl.scheduler.table import PageTable
+from minisgl.kvcache.page_table import PageTable
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)

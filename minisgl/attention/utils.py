@@ -14,7 +14,7 @@ from collections.abc import Sequence
 
 import torch
 
-from minisgl.scheduler.table import PageTable, expand_ranges
+from minisgl.kvcache.page_table import PageTable, expand_ranges
 
 
 # --8<-- [start:indptr]

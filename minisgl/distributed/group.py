@@ -27,6 +27,7 @@ import torch
 import torch.distributed as dist
 
 from minisgl.distributed.info import TPInfo, get_tp_info, set_all_reduce, set_tp_info
+from minisgl.utils.checks import check_int
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
@@ -77,8 +78,7 @@ def check_tp_size(size: int, *, num_qo_heads: int, num_kv_heads: int, intermedia
     than the ranks, which must then be a multiple of them (each KV head is copied to a run of
     ranks). The vocabulary never needs to divide: its last block is padded.
     """
-    if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-        raise ValueError(f"tp must be an integer >= 1, got {size!r}")
+    check_int("tp", size, at_least=1)
     problems = []
     if num_qo_heads % size:
         problems.append(f"its {num_qo_heads} attention heads")

@@ -3,6 +3,8 @@
 - ``sample`` (chapter 4): batched sampling with per-request parameters.
 - ``simple_loop`` (chapter 4): a one-sequence generation loop with a contiguous KV cache.
 - ``config`` (chapter 7): :class:`~minisgl.engine.config.EngineConfig`, the engine's settings.
+- ``context`` (chapter 7): :class:`~minisgl.engine.context.Context`, one forward pass made
+  ready to run.
 - ``engine`` (chapter 7): :class:`~minisgl.engine.engine.Engine`, which loads the model, sizes
   the paged KV cache and runs one batched forward step at a time.
 - ``graph`` (chapter 8): :class:`~minisgl.engine.graph.GraphRunner`, decode steps captured as

@@ -16,12 +16,13 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from numbers import Integral, Real
+from numbers import Real
 
 import torch
 
 from minisgl.attention import ATTENTION_BACKENDS
 from minisgl.env import read_env
+from minisgl.utils.checks import check_int
 from minisgl.utils.torch_utils import DEVICE_CHOICES, resolve_dtype
 
 # Upstream mini-sglang and SGLang capture decode graphs up to 256 requests on large GPUs:
@@ -85,30 +86,30 @@ class EngineConfig:
         _check_choice("device", str(self.device), DEVICE_CHOICES, allow_cuda_index=True)
         resolve_dtype(self.dtype)  # raises a ValueError naming the bad dtype and the choices
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        _check_int("page_size", self.page_size, minimum=1)
+        check_int("page_size", self.page_size, at_least=1)
         if (isinstance(self.memory_fraction, bool) or not isinstance(self.memory_fraction, Real)
                 or not (math.isfinite(self.memory_fraction) and 0 < self.memory_fraction < 1)):
             raise ValueError(f"memory_fraction must be a number in (0, 1), the share of free "
                              f"GPU memory the KV cache takes; got {self.memory_fraction!r}")
         if self.cpu_kv_memory is None:  # the environment is read once, here, at the edge
             object.__setattr__(self, "cpu_kv_memory", read_env().cpu_kv_memory)
-        _check_int("cpu_kv_memory", self.cpu_kv_memory, minimum=1)
+        check_int("cpu_kv_memory", self.cpu_kv_memory, at_least=1)
         if self.num_pages is not None:
-            _check_int("num_pages", self.num_pages, minimum=1)
-        _check_int("max_running_reqs", self.max_running_reqs, minimum=1)
+            check_int("num_pages", self.num_pages, at_least=1)
+        check_int("max_running_reqs", self.max_running_reqs, at_least=1)
         if self.max_seq_len is not None:
-            _check_int("max_seq_len", self.max_seq_len, minimum=1)
+            check_int("max_seq_len", self.max_seq_len, at_least=1)
         if not isinstance(self.cuda_graph, bool):
             raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
         if self.cuda_graph_max_bs is not None:
-            _check_int("cuda_graph_max_bs", self.cuda_graph_max_bs, minimum=1)
+            check_int("cuda_graph_max_bs", self.cuda_graph_max_bs, at_least=1)
         if self.cuda_graph_batch_sizes is not None:
             sizes = tuple(self.cuda_graph_batch_sizes)
             if not sizes:
                 raise ValueError("cuda_graph_batch_sizes must name at least one batch size; "
                                  "to turn graphs off set cuda_graph=False")
             for size in sizes:
-                _check_int("cuda_graph_batch_sizes entry", size, minimum=1)
+                check_int("cuda_graph_batch_sizes entry", size, at_least=1)
             object.__setattr__(self, "cuda_graph_batch_sizes", tuple(sorted(set(sizes))))
             if self.cuda_graph_batch_sizes[-1] > self.max_running_reqs:
                 raise ValueError(f"cuda_graph_batch_sizes {list(self.cuda_graph_batch_sizes)} "
@@ -124,12 +125,6 @@ class EngineConfig:
             return min(self.cuda_graph_max_bs, self.max_running_reqs)
         return min(DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_reqs)
     # --8<-- [end:engine_config_checks]
-
-
-def _check_int(name: str, value: object, minimum: int) -> None:
-    # bool is an int to Python; `page_size=True` is a bug, not a 1.
-    if isinstance(value, bool) or not isinstance(value, Integral) or value < minimum:
-        raise ValueError(f"{name} must be an integer >= {minimum}, got {value!r}")
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...],

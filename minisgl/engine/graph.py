@@ -37,8 +37,8 @@ import torch
 from tqdm import tqdm
 
 from minisgl.attention import BaseAttnBackend
-from minisgl.core import Context
 from minisgl.engine.config import EngineConfig
+from minisgl.engine.context import Context
 from minisgl.layers.attention import use_attention_backend
 from minisgl.models.base import BaseLLMModel
 from minisgl.utils.logger import get_logger

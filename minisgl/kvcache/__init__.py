@@ -4,8 +4,8 @@
   :class:`BasePrefixCache` (the seam for the caches of chapters 9 and 11).
 - ``mha_pool``: :class:`MHAKVPool`, one K and one V tensor per layer.
 - ``allocator``: :class:`PageAllocator`, the free list of page ids.
-
-Which request owns which pages is recorded by the page table, ``minisgl.scheduler.table``.
+- ``page_table``: :class:`PageTable`, which pages hold which request's tokens. It is KV-cache
+  state, read by the attention backends and the engine, so it lives here, below both.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from minisgl.kvcache.base import (
     PrefixMatch,
 )
 from minisgl.kvcache.mha_pool import MHAKVPool
+from minisgl.kvcache.page_table import PageTable
 
 __all__ = [
     "BaseKVPool",
@@ -28,5 +29,6 @@ __all__ = [
     "MHAKVPool",
     "OutOfPagesError",
     "PageAllocator",
+    "PageTable",
     "PrefixMatch",
 ]

@@ -10,10 +10,11 @@ later as two requests silently overwriting each other's keys and values.
 
 from __future__ import annotations
 
-import operator
 from collections.abc import Sequence
 
 import torch
+
+from minisgl.utils.checks import check_int, is_int
 
 
 class OutOfPagesError(RuntimeError):
@@ -36,8 +37,7 @@ class PageAllocator:
     """
 
     def __init__(self, num_pages: int) -> None:
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages <= 0:
-            raise ValueError(f"num_pages must be a positive integer, got {num_pages!r}")
+        check_int("num_pages", num_pages, at_least=1)
         self._num_pages = num_pages
         # Reversed, so that the first pops return 0, 1, 2, ...: a fresh pool hands out its
         # pages in order, which makes printed page tables easy to read.
@@ -72,8 +72,7 @@ class PageAllocator:
             OutOfPagesError: fewer than ``n`` pages are free. The allocator is unchanged, so the
                 caller can free or evict something and try again.
         """
-        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-            raise ValueError(f"alloc: the number of pages must be an integer >= 0, got {n!r}")
+        check_int("alloc: the number of pages", n, at_least=0)
         if n > len(self._free_stack):
             raise OutOfPagesError(requested=n, free=len(self._free_stack))
         if n == 0:
@@ -118,9 +117,4 @@ class PageAllocator:
 
 def _is_page_id(value: object, num_pages: int) -> bool:
     """An integer (Python or NumPy, not bool) in ``0 .. num_pages - 1``."""
-    if isinstance(value, bool):
-        return False
-    try:
-        return 0 <= operator.index(value) < num_pages
-    except TypeError:
-        return False
+    return is_int(value) and 0 <= value < num_pages

@@ -5,7 +5,7 @@ slots are grouped into fixed-size *pages*; page ``p`` owns the ``page_size`` con
 ``p * page_size .. p * page_size + page_size - 1``. The pool does not know which request a slot
 belongs to: it stores a vector where it is told to (``store_kv``) and hands back the rows it is
 asked for (``gather_kv``). Who owns which page is the business of the allocator
-(``allocator.py``) and of the page table (``minisgl/scheduler/table.py``).
+(``allocator.py``) and of the page table (``page_table.py``).
 
 ``BasePrefixCache`` is the seam for later chapters: a policy that keeps the pages of finished
 requests alive so that a new request starting with the same tokens can reuse them. Chapter 9

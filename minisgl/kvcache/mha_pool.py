@@ -13,18 +13,13 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl.kvcache.base import BaseKVPool
+from minisgl.utils.checks import check_int
 from minisgl.utils.logger import get_logger
 
 if TYPE_CHECKING:
     from minisgl.models.config import ModelConfig
 
 logger = get_logger(__name__)
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 class MHAKVPool(BaseKVPool):
@@ -44,8 +39,10 @@ class MHAKVPool(BaseKVPool):
     # --8<-- [start:pool_layout]
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                  page_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        _check_positive(num_layers=num_layers, num_kv_heads=num_kv_heads, head_dim=head_dim,
-                        num_pages=num_pages, page_size=page_size)
+        for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
+                            ("head_dim", head_dim), ("num_pages", num_pages),
+                            ("page_size", page_size)):
+            check_int(name, value, at_least=1)
         self._num_pages, self._page_size = num_pages, page_size
         # One allocation for everything: [K or V, layer, slot, head, feature]. A single block
         # is one call to the allocator, and its size is exactly what the budget said.
@@ -126,9 +123,8 @@ class MHAKVPool(BaseKVPool):
         ``page_size * model_config.kv_bytes_per_token(dtype)`` bytes. What is left over after
         the last whole page stays unused.
         """
-        _check_positive(page_size=page_size)
-        if isinstance(budget_bytes, bool) or not isinstance(budget_bytes, int) or budget_bytes < 0:
-            raise ValueError(f"budget_bytes must be a non-negative integer, got {budget_bytes!r}")
+        check_int("page_size", page_size, at_least=1)
+        check_int("budget_bytes", budget_bytes, at_least=0)
         return budget_bytes // (page_size * model_config.kv_bytes_per_token(dtype))
 
     @classmethod

@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from minisgl.kvcache.base import BasePrefixCache, CacheHandle, InsertResult, PrefixMatch
+from minisgl.utils.checks import check_int
 
 # --8<-- [start:naive_cache]
 # The only prefix this cache ever holds: the empty one.
@@ -29,8 +30,7 @@ class NaivePrefixCache(BasePrefixCache):
     """
 
     def __init__(self, page_size: int = 1) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        check_int("page_size", page_size, at_least=1)
         self.page_size = page_size
 
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 import torch
 
 from minisgl.kvcache.base import BasePrefixCache, CacheHandle, InsertResult, PrefixMatch
+from minisgl.utils.checks import check_int
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
@@ -96,8 +97,7 @@ class RadixCache(BasePrefixCache):
     """
 
     def __init__(self, page_size: int = 1) -> None:
-        if isinstance(page_size, bool) or not isinstance(page_size, int) or page_size < 1:
-            raise ValueError(f"page_size must be an integer >= 1, got {page_size!r}")
+        check_int("page_size", page_size, at_least=1)
         self.page_size = page_size
         self.root = RadixNode(tokens=(), pages=[])
         # A logical clock rather than wall time: the order of events is all LRU needs, and a
@@ -305,8 +305,7 @@ class RadixCache(BasePrefixCache):
         last child of an unlocked node goes, that node becomes a leaf and joins the
         candidates.
         """
-        if isinstance(num_pages, bool) or not isinstance(num_pages, int) or num_pages < 0:
-            raise ValueError(f"evict: num_pages must be an integer >= 0, got {num_pages!r}")
+        check_int("evict: num_pages", num_pages, at_least=0)
         if num_pages == 0:
             return []
         # A heap of (last used, tie-breaker, node): the least recently used leaf on top.

@@ -33,6 +33,7 @@ from minisgl.core import Req, SamplingParams
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import OverlapScheduler
 from minisgl.scheduler.tp import TPLaunch, TPLeaderScheduler, check_tp, run_tp_follower
+from minisgl.utils.checks import is_int
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import get_logger
 from minisgl.utils.mp import new_ready_queue, start_process, stop_processes, wait_ready
@@ -187,8 +188,7 @@ class LLM:
     def _encode(self, index: int, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
             ids = self.tokenizer.encode(prompt)
-        elif isinstance(prompt, Sequence) and all(
-                isinstance(t, Integral) and not isinstance(t, bool) for t in prompt):
+        elif isinstance(prompt, Sequence) and all(is_int(t) for t in prompt):
             ids = [int(t) for t in prompt]
         else:
             raise TypeError(f"prompt {index} must be a string or a list of token ids, "

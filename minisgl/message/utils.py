@@ -96,6 +96,16 @@ class Message:
         super().__init_subclass__(**kwargs)
         if not family:
             register_wire_type(cls)
+
+    # The codec comes with the family: a queue (``minisgl.utils.mp``, a lower package that
+    # knows nothing of messages) writes and reads its frames with the class it is typed with.
+    @staticmethod
+    def dumps(obj: Any) -> bytes:
+        return dumps(obj)
+
+    @staticmethod
+    def loads(frame: bytes) -> Any:
+        return loads(frame)
 # --8<-- [end:registry]
 
 

@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
+from minisgl.utils.checks import check_int
 from minisgl.utils.hf import load_hf_config
 
 if TYPE_CHECKING:
@@ -109,9 +110,7 @@ class ModelConfig:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_qo_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"{_JSON_KEY.get(name, name)} must be a positive integer, "
-                                  f"got {value!r}")
+            check_int(_JSON_KEY.get(name, name), value, at_least=1, error=ConfigError)
         if self.num_qo_heads % self.num_kv_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_qo_heads}) must be a multiple of "

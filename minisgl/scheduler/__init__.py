@@ -1,6 +1,5 @@
-"""The scheduler: which requests run in the next forward pass, and where their tokens live.
+"""The scheduler: which requests run in the next forward pass.
 
-Chapter 5 brings in ``table`` (the page table that maps each running request's tokens to slots
-of the KV pool). Chapter 9 adds the scheduler itself: admission, continuous batching, and the
-bookkeeping that hands pages to requests and takes them back.
+Admission, continuous batching, and the bookkeeping that hands pages to requests and takes them
+back. Where a request's tokens live (the page table) is KV-cache state, in ``minisgl.kvcache``.
 """

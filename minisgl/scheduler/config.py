@@ -17,11 +17,11 @@ requests running at once: a request needs a row to hold pages.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from numbers import Integral
 
 from minisgl.engine.config import EngineConfig
 from minisgl.env import read_env
 from minisgl.scheduler.cache import PREFIX_CACHES
+from minisgl.utils.checks import check_int
 
 # Upstream mini-sglang's default per-step token budget. A prefill of this many tokens keeps a
 # large GPU busy; more only makes the decoding requests that wait behind it wait longer.
@@ -62,11 +62,7 @@ class SchedulerConfig(EngineConfig):
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the engine's fields first
-        if (isinstance(self.max_prefill_tokens, bool)
-                or not isinstance(self.max_prefill_tokens, Integral)
-                or self.max_prefill_tokens < 1):
-            raise ValueError(f"max_prefill_tokens must be an integer >= 1 (prompt tokens per "
-                             f"prefill step), got {self.max_prefill_tokens!r}")
+        check_int("max_prefill_tokens", self.max_prefill_tokens, at_least=1)
         if not isinstance(self.chunked_prefill, bool):
             raise TypeError(f"chunked_prefill must be True or False, "
                             f"got {self.chunked_prefill!r}")

@@ -9,9 +9,8 @@
 - ``api_server``: the OpenAI-compatible HTTP API (FastAPI): the routes, built by
   :func:`~minisgl.server.api_server.create_app`;
 - ``launch``: starts the worker processes, waits until each is ready, runs the HTTP server (or
-  the interactive shell, ``minisgl/shell.py``) and stops every worker on the way out.
-- ``process``: :class:`~minisgl.server.process.ServerProcess`, ``python -m minisgl`` run from
-  another program (a test, an example, a benchmark): started, waited for, always stopped.
+  the interactive shell that ``python -m minisgl`` hands it, ``minisgl/shell.py``) and stops
+  every worker on the way out.
 
 Nothing is imported here, so ``import minisgl.server.args`` stays cheap.
 """

@@ -30,6 +30,7 @@ from typing import Any
 from minisgl.env import parse_mem_bytes
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.lifecycle import DEFAULT_REPLY_BUFFER_SIZE, DEFAULT_SLOW_READER_TIMEOUT_S
+from minisgl.utils.checks import check_int
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: serving on every interface is a choice to make explicitly
 DEFAULT_PORT = 1919
@@ -105,16 +106,16 @@ class ServerArgs:
                              f"got {self.model!r}")
         if not self.host:
             raise ValueError("--host must be an address to listen on, e.g. 127.0.0.1")
-        _check_int("--port", self.port, 1, 65535)
-        _check_int("--num-tokenizers", self.num_tokenizers, 1)
-        _check_int("--shell-max-tokens", self.shell_max_tokens, 1)
+        check_int("--port", self.port, at_least=1, at_most=65535)
+        check_int("--num-tokenizers", self.num_tokenizers, at_least=1)
+        check_int("--shell-max-tokens", self.shell_max_tokens, at_least=1)
         # Whether the model splits --tp ways is checked by the launcher, once the checkpoint
         # is found (chapter 17).
-        _check_int("--tp", self.tp, 1)
+        check_int("--tp", self.tp, at_least=1)
         if not (math.isfinite(self.startup_timeout_s) and self.startup_timeout_s > 0):
             raise ValueError(f"--startup-timeout must be a number of seconds > 0, "
                              f"got {self.startup_timeout_s!r}")
-        _check_int("--reply-buffer-size", self.reply_buffer_size, 1)
+        check_int("--reply-buffer-size", self.reply_buffer_size, at_least=1)
         _check_seconds("--slow-reader-timeout", self.slow_reader_timeout_s, minimum=0.0,
                        inclusive=False)
         _check_seconds("--shutdown-timeout", self.shutdown_timeout_s, minimum=0.0,
@@ -258,18 +259,10 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
 
 
 def _check_seconds(flag: str, value: object, minimum: float, inclusive: bool) -> None:
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)
+    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)  # True is not 1 s
           and math.isfinite(value) and (value >= minimum if inclusive else value > minimum))
     if not ok:
         bound = f"{'>=' if inclusive else '>'} {minimum:g}"
         raise ValueError(f"{flag} must be a number of seconds {bound}, got {value!r}")
 
 
-def _check_int(flag: str, value: object, minimum: int, maximum: int | None = None) -> None:
-    # bool is an int to Python; `port=True` is a bug, not a 1.
-    ok = isinstance(value, int) and not isinstance(value, bool) and value >= minimum
-    if ok and maximum is not None:
-        ok = value <= maximum
-    if not ok:
-        allowed = f"in [{minimum}, {maximum}]" if maximum is not None else f">= {minimum}"
-        raise ValueError(f"{flag} must be an integer {allowed}, got {value!r}")

@@ -47,6 +47,7 @@ from minisgl.server.lifecycle import (
     unavailable_error,
 )
 from minisgl.server.protocol import APIError
+from minisgl.utils.checks import check_int
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
@@ -114,10 +115,7 @@ class FrontendManager:
                  health: Callable[[], str | None] | None = None) -> None:
         if not tokenizers:
             raise ValueError("FrontendManager needs at least one tokenizer queue")
-        if isinstance(reply_buffer_size, bool) or not isinstance(reply_buffer_size, int) \
-                or reply_buffer_size < 1:
-            raise ValueError(f"reply_buffer_size must be an integer >= 1, "
-                             f"got {reply_buffer_size!r}")
+        check_int("reply_buffer_size", reply_buffer_size, at_least=1)
         if not (isinstance(slow_reader_timeout_s, (int, float))
                 and math.isfinite(slow_reader_timeout_s) and slow_reader_timeout_s > 0):
             raise ValueError(f"slow_reader_timeout_s must be a number of seconds > 0, "

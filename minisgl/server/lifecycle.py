@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol, TypeVar
 
 from minisgl.message import RequestError, UserReply
+from minisgl.utils.checks import check_int
 
 T = TypeVar("T")
 
@@ -61,9 +62,7 @@ class ReplyBuffer:
     failed: bool = False
 
     def __post_init__(self) -> None:
-        if isinstance(self.capacity, bool) or not isinstance(self.capacity, int) \
-                or self.capacity < 1:
-            raise ValueError(f"a reply buffer holds at least 1 reply, got {self.capacity!r}")
+        check_int("a reply buffer's capacity", self.capacity, at_least=1)
 
     @property
     def full(self) -> bool:

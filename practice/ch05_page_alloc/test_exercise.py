@@ -10,7 +10,7 @@ from page_alloc import PageAllocator, token_slots
 
 from minisgl.kvcache.allocator import OutOfPagesError
 from minisgl.kvcache.allocator import PageAllocator as ReferenceAllocator  # for the page table
-from minisgl.scheduler.table import PageTable
+from minisgl.kvcache.page_table import PageTable
 
 # ---------------------------------------------------------------------------------------------
 # PageAllocator

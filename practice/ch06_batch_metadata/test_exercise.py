@@ -21,7 +21,7 @@ from minisgl.attention.base import BaseAttnBackend, BatchLayout, ReqSpan
 from minisgl.attention.fi import FlashInferBackend
 from minisgl.attention.torch_native import TorchNativeBackend
 from minisgl.kvcache import MHAKVPool
-from minisgl.scheduler.table import PageTable
+from minisgl.kvcache.page_table import PageTable
 
 Span = tuple[int, int, int]
 NEW_TOKEN_KEYS = ("positions", "out_loc", "last_indices")

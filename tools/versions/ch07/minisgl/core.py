@@ -7,8 +7,6 @@
   whether it has finished.
 - :class:`Batch` (chapter 7): the requests of one forward pass, all in the prefill phase or all
   in the decode phase.
-- :class:`Context` (chapter 7): one forward pass made ready to run: the batch, its attention
-  layout and the input token ids on the device.
 
 These are plain data: nothing here allocates memory, runs a model or decides which request runs
 next. The engine (``minisgl.engine.engine``) runs batches and the scheduler (chapter 9) builds
@@ -26,7 +24,6 @@ from typing import TYPE_CHECKING, Literal
 if TYPE_CHECKING:  # type names only: this module must stay importable without torch
     import torch
 
-    from minisgl.attention import BatchLayout
 
 # A torch.Generator accepts any seed that fits in an unsigned 64-bit integer.
 _MAX_SEED = 2**64 - 1
@@ -354,30 +351,3 @@ class Batch:
             ids += req.token_range(req.cached_len, req.cached_len + n)
         return ids
 # --8<-- [end:batch]
-
-
-# --8<-- [start:context]
-@dataclass
-class Context:
-    """One forward pass made ready to run.
-
-    The engine builds it from a :class:`Batch` (:meth:`Engine.prepare`) once the requests'
-    page-table rows hold pages for all their tokens. It carries what does not depend on *how*
-    the pass runs: run eagerly, the attention backend then plans for ``layout``; replayed as a
-    CUDA graph (chapter 8), the graph runner pads ``layout`` and ``input_ids`` to a captured
-    size instead.
-
-    The model itself never sees this object: it receives tensors, and the attention layers
-    reach the backend through the seam of chapter 3 (``use_attention_backend``).
-
-    Attributes:
-        batch: the requests.
-        layout: each request's page-table row, cached length and new length, as the attention
-            backends take them.
-        input_ids: ``[T]`` int64 token ids of the new tokens, on the engine's device.
-    """
-
-    batch: Batch
-    layout: BatchLayout
-    input_ids: torch.Tensor
-# --8<-- [end:context]

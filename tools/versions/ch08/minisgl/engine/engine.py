@@ -29,15 +29,15 @@ import torch
 
 from minisgl.attention import BatchLayout, ReqSpan, create_attention_backend
 from minisgl.attention.utils import pages_for
-from minisgl.core import Batch, Context, Req
+from minisgl.core import Batch, Req
 from minisgl.engine.config import EngineConfig
+from minisgl.engine.context import Context
 from minisgl.engine.graph import GraphRunner, capture_batch_sizes, cuda_graph_disabled_reason
 from minisgl.engine.sample import make_generator, sample_batch
-from minisgl.kvcache import MHAKVPool, OutOfPagesError, PageAllocator
+from minisgl.kvcache import MHAKVPool, OutOfPagesError, PageAllocator, PageTable
 from minisgl.layers.attention import use_attention_backend
 from minisgl.models import load_model
 from minisgl.models.config import ModelConfig
-from minisgl.scheduler.table import PageTable
 from minisgl.utils.logger import get_logger
 from minisgl.utils.torch_utils import resolve_device, resolve_dtype
 

@@ -4,9 +4,11 @@ The served engine is four kinds of process (API server, tokenizer, scheduler, de
 This module holds what they share to talk and to live:
 
 - **Queues.** A one-way ZMQ PUSH -> PULL channel carrying one family of messages, serialized
-  with :func:`minisgl.message.dumps`. :class:`ZmqPushQueue` / :class:`ZmqPullQueue` block (the
-  workers' loops); :class:`ZmqAsyncPushQueue` / :class:`ZmqAsyncPullQueue` are awaited (the API
-  server's event loop). Both ends name the message class they carry and check it, so a message
+  with the codec of the class it is typed with (``message_type.dumps`` and ``.loads``; every
+  :class:`minisgl.message.Message` brings msgpack's, so this module imports no message).
+  :class:`ZmqPushQueue` / :class:`ZmqPullQueue` block (the workers' loops);
+  :class:`ZmqAsyncPushQueue` / :class:`ZmqAsyncPullQueue` are awaited (the API server's event
+  loop). Both ends name the message class they carry and check it, so a message
   sent to the wrong process fails at once, with both names in the error.
 - **Addresses.** :func:`ipc_address` makes a fresh ``ipc://`` address (a Unix socket file) in a
   private temporary directory.
@@ -35,7 +37,6 @@ from typing import Any, Generic, TypeVar
 import zmq
 import zmq.asyncio
 
-from minisgl.message import dumps, loads
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
@@ -105,11 +106,11 @@ def _check_type(message: Any, message_type: type, address: str) -> None:
 def _frame(messages: list[Any], message_type: type, address: str) -> bytes:
     for message in messages:
         _check_type(message, message_type, address)
-    return dumps(messages[0] if len(messages) == 1 else messages)
+    return message_type.dumps(messages[0] if len(messages) == 1 else messages)
 
 
 def _unframe(frame: bytes, message_type: type, address: str) -> list[Any]:
-    value = loads(frame)
+    value = message_type.loads(frame)
     messages = value if isinstance(value, list) else [value]
     for message in messages:
         _check_type(message, message_type, address)
@@ -123,8 +124,10 @@ class _Queue:
 
     def __init__(self, context: zmq.Context, kind: int, address: str,
                  message_type: type, bind: bool) -> None:
-        if not isinstance(message_type, type):
-            raise TypeError(f"message_type must be a class, got {message_type!r}")
+        if not (isinstance(message_type, type) and callable(getattr(message_type, "dumps", None))
+                and callable(getattr(message_type, "loads", None))):
+            raise TypeError(f"message_type must be a class with dumps() and loads() (a message "
+                            f"family), got {message_type!r}")
         self.address = address
         self.message_type = message_type
         self._socket = _open_socket(context, kind, address, bind)

@@ -27,6 +27,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
+from pathlib import Path
+from typing import TYPE_CHECKING
 
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import ServerArgs, parse_args
@@ -41,7 +43,15 @@ from minisgl.utils.mp import (
     wait_ready,
 )
 
+if TYPE_CHECKING:
+    from minisgl.server.frontend import FrontendManager
+
 logger = get_logger(__name__)
+
+# What ``--shell`` runs instead of the HTTP server: it gets a way to connect a frontend, the
+# model's directory and the answer's token limit. ``python -m minisgl`` passes the terminal
+# chat of ``minisgl.shell``; the shell sits above the server, so the server never imports it.
+ShellRunner = Callable[[Callable[[], "FrontendManager"], Path, int], None]
 
 # Seconds uvicorn lets requests in flight finish after SIGINT/SIGTERM before cancelling them.
 GRACEFUL_SHUTDOWN_S = 5
@@ -132,8 +142,11 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
 
 
 # --8<-- [start:launch]
-def launch(args: ServerArgs) -> int:
-    """Run the server (or the shell) described by ``args``; returns the exit status."""
+def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
+    """Run the server (or, with ``--shell``, ``shell``) described by ``args``; returns the exit
+    status."""
+    if args.shell and shell is None:
+        raise ValueError("--shell needs the terminal front end: run python -m minisgl --shell")
     from minisgl.server.api_server import create_app
     from minisgl.server.frontend import FrontendManager
 
@@ -150,10 +163,8 @@ def launch(args: ServerArgs) -> int:
             def frontend() -> FrontendManager:
                 return FrontendManager.connect(workers.tokenizer_addrs, workers.frontend_addr)
 
-            if args.shell:
-                from minisgl.shell import run_shell, sampling_params_for
-
-                run_shell(frontend, sampling_params_for(model_path, args.shell_max_tokens))
+            if shell is not None and args.shell:
+                shell(frontend, model_path, args.shell_max_tokens)
                 return 0
             app = create_app(frontend, args.model_name, model_root=str(model_path),
                              metrics=workers.snapshot, health=workers.health)
@@ -175,11 +186,11 @@ def launch(args: ServerArgs) -> int:
 # --8<-- [end:launch]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, shell: ShellRunner | None = None) -> int:
     """``python -m minisgl``: parse the command line, launch, return the exit status."""
     args = parse_args(argv)
     try:
-        return launch(args)
+        return launch(args, shell)
     except (ModelPathError, OSError, RuntimeError) as exc:  # start-up failures, said plainly
         logger.error("%s", exc)
         return 1

@@ -40,7 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from multiprocessing.process import BaseProcess
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 
@@ -59,7 +59,15 @@ from minisgl.utils.mp import (
 )
 from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device
 
+if TYPE_CHECKING:
+    from minisgl.server.frontend import FrontendManager
+
 logger = get_logger(__name__)
+
+# What ``--shell`` runs instead of the HTTP server: it gets a way to connect a frontend, the
+# model's directory and the answer's token limit. ``python -m minisgl`` passes the terminal
+# chat of ``minisgl.shell``; the shell sits above the server, so the server never imports it.
+ShellRunner = Callable[[Callable[[], "FrontendManager"], Path, int], None]
 
 # Chapter 16: uvicorn cancels what still runs this long after the shutdown timeout; by then the
 # frontend has ended every request, so it is only a last resort.
@@ -155,8 +163,11 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
 
 
 # --8<-- [start:launch]
-def launch(args: ServerArgs) -> int:
-    """Run the server (or the shell) described by ``args``; returns the exit status."""
+def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
+    """Run the server (or, with ``--shell``, ``shell``) described by ``args``; returns the exit
+    status."""
+    if args.shell and shell is None:
+        raise ValueError("--shell needs the terminal front end: run python -m minisgl --shell")
     resolve_device(args.device)  # CUDA asked for where there is none: fail before anything starts
     from minisgl.server.api_server import create_app
     from minisgl.server.frontend import FrontendManager
@@ -179,10 +190,8 @@ def launch(args: ServerArgs) -> int:
                     reply_buffer_size=args.reply_buffer_size,
                     slow_reader_timeout_s=args.slow_reader_timeout_s)
 
-            if args.shell:
-                from minisgl.shell import run_shell, sampling_params_for
-
-                run_shell(frontend, sampling_params_for(model_path, args.shell_max_tokens))
+            if shell is not None and args.shell:
+                shell(frontend, model_path, args.shell_max_tokens)
                 return 0
             config = load_hf_config(model_path)
             app = create_app(frontend, args.model_name, model_root=str(model_path),
@@ -208,12 +217,12 @@ def launch(args: ServerArgs) -> int:
 # --8<-- [end:launch]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def main(argv: Sequence[str] | None = None, shell: ShellRunner | None = None) -> int:
     """``python -m minisgl``: parse the command line, launch, return the exit status."""
     args = parse_args(argv)
     configure_cpu_threads("helper")  # the launcher serves HTTP; the scheduler computes
     try:
-        return launch(args)
+        return launch(args, shell)
     except (ModelPathError, OSError, RuntimeError, ValueError) as exc:  # said in one line
         logger.error("%s", exc)
         return 1

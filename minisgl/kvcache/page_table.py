@@ -26,15 +26,11 @@ from collections.abc import Sequence
 
 import torch
 
+from minisgl.utils.checks import check_int
+
 # An unused entry. It makes printed tables readable; it is never used as an index, because every
 # accessor below checks positions against the row's page count first.
 NO_PAGE = -1
-
-
-def _check_positive(**values: int) -> None:
-    for name, value in values.items():
-        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-            raise ValueError(f"{name} must be a positive integer, got {value!r}")
 
 
 # --8<-- [start:token_slots]
@@ -86,8 +82,9 @@ class PageTable:
     # --8<-- [start:page_table]
     def __init__(self, max_reqs: int, max_pages_per_req: int, *, page_size: int,
                  device: torch.device | str = "cpu") -> None:
-        _check_positive(max_reqs=max_reqs, max_pages_per_req=max_pages_per_req,
-                        page_size=page_size)
+        for name, value in (("max_reqs", max_reqs), ("max_pages_per_req", max_pages_per_req),
+                            ("page_size", page_size)):
+            check_int(name, value, at_least=1)
         self.page_size = page_size
         self._shape = (max_reqs, max_pages_per_req)  # plain ints: read for every request
         # int32 is what paged attention kernels take for page ids, and half the size of int64.
@@ -199,14 +196,15 @@ class PageTable:
         return max(0, pages_for_tokens - self.num_pages(row))
 
     def append_pages(self, row: int, pages: Sequence[int] | torch.Tensor) -> None:
-        """Add ``pages`` (fresh from the allocator) after the pages ``row`` already holds."""
+        """Add ``pages`` (fresh from the allocator) after the pages ``row`` already holds.
+
+        The ids are not checked again here: the allocator hands out only ids of its pool.
+        """
         ids = pages.tolist() if isinstance(pages, torch.Tensor) else list(pages)
         held = self.num_pages(row)
         if held + len(ids) > self.max_pages_per_req:
             raise ValueError(f"row {row} holds {held} pages; {len(ids)} more exceed its "
                              f"{self.max_pages_per_req} entries")
-        if any(p < 0 for p in ids):
-            raise ValueError(f"page ids must be non-negative, got {ids}")
         if ids:  # the host copy now; the device table at its next read (see page_ids)
             self._rows[row].extend(ids)
             self._unwritten.append((row, held, ids))

@@ -10,8 +10,10 @@ sure that none of its processes is left. :class:`ServerProcess` is that, once::
         httpx.get(f"{server.url}/v1/models")
     # stopped here (SIGINT), and whatever of it still ran has been killed
 
-This module is for the client side: it starts the server, it is not part of it. It needs
-``psutil`` (a dependency) and ``httpx`` (the ``dev`` extra, as every client here does).
+This module is for the client side: it starts the server, it is not part of it, so it lives
+beside the repository's tools and not in the ``minisgl`` package. It needs ``psutil`` (a
+dependency) and ``httpx`` (the ``dev`` extra, as every client here does). Programs outside
+``tools/`` put this directory on ``sys.path`` to import it.
 """
 
 from __future__ import annotations
@@ -35,9 +37,10 @@ import psutil
 if TYPE_CHECKING:
     from typing_extensions import Self
 
-# The directory that holds this `minisgl` package: the server must run the same code as the
-# process that starts it, installed or not (and, in a chapter's checkpoint, that checkpoint's).
-PACKAGE_ROOT = Path(__file__).resolve().parents[2]
+# The checkout that holds this file and its `minisgl` package: the server must run the same code
+# as the process that starts it, installed or not (and, in a chapter's checkpoint, that
+# checkpoint's).
+PACKAGE_ROOT = Path(__file__).resolve().parents[1]
 STARTUP_TIMEOUT_S = 300.0  # the tiny model on a CPU: seconds; a large one on a GPU: minutes
 STOP_TIMEOUT_S = 30.0  # SIGINT lets requests in flight finish (--shutdown-timeout, 5 s) first
 GRACE_S = 15.0  # for the rest of the family once the launcher is gone
