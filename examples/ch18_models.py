@@ -26,10 +26,12 @@ from transformers.utils import logging as hf_logging
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
-from minisgl.server.process import ServerProcess
 from minisgl.utils.torch_utils import count_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
+# The server harness is a tool of this repository, not part of the engine.
+sys.path.insert(0, str(ROOT / "tools"))
+from server_process import ServerProcess  # noqa: E402
 FAMILIES = ("llama", "qwen2", "qwen3", "qwen3-moe")
 PROMPTS = ["The capital of France is", "def fibonacci(n):", "东京是日本的首都"]
 NEW_TOKENS = 16

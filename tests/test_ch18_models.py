@@ -176,8 +176,7 @@ def test_server_greedy_matches_transformers(arch: str, ckpt: Path, llm,
                                             reference_greedy: list[list[int]],
                                             tmp_path: Path) -> None:
     from openai import OpenAI
-
-    from minisgl.server.process import ServerProcess
+    from server_process import ServerProcess  # tools/, see conftest.py
 
     expected = llm.generate(prompt_ids, greedy_params())
     with ServerProcess(ckpt, device="cpu", log_path=tmp_path / "server.log",
@@ -189,6 +188,17 @@ def test_server_greedy_matches_transformers(arch: str, ckpt: Path, llm,
             assert reply.usage.completion_tokens == len(want)
             assert result["token_ids"] == want
             assert reply.choices[0].text == result["text"], f"{arch}, prompt {prompt!r}"
+
+
+def test_tp2_greedy_equals_tp1(arch: str, ckpt: Path, llm, prompt_ids: list[list[int]]) -> None:
+    """Chapter 17's tensor parallelism on each family: two gloo ranks, each with half the
+    heads (and, for Qwen3-MoE, half of every expert's intermediate width), give TP=1's tokens."""
+    from minisgl.llm import LLM
+
+    expected = [r["token_ids"] for r in llm.generate(prompt_ids, greedy_params())]
+    with LLM(ckpt, device="cpu", tp=2) as sharded:
+        got = [r["token_ids"] for r in sharded.generate(prompt_ids, greedy_params())]
+    assert got == expected, f"{arch}: greedy tokens at TP=2 differ from TP=1"
 
 
 # ------------------------------------------------------------------ checkpoints transformers writes
