@@ -1,14 +1,17 @@
 """Chapter 14: the tokenizer and detokenizer workers, alone and then wired to the scheduler.
 
 First the pure logic, in this process: a chat conversation rendered by the checkpoint's chat
-template; a text whose CJK and emoji characters the tiny tokenizer splits into several tokens,
-decoded one token at a time (a piece is held back while its character is incomplete); and a stop
-string that arrives split across tokens. Then the real thing: a tokenizer, a scheduler and a
+template; a text whose CJK and emoji characters the model's byte-level BPE (trained on English
+plays, it has no merge for them) splits into several tokens, decoded one token at a time (a
+piece is held back while its character is incomplete); and a stop string that arrives split
+across tokens. Then the real thing: a tokenizer, a scheduler and a
 detokenizer, each a spawned process, fed and read by this script as the API server of chapter 15
 will: three requests (a text prompt, a chat, one with a stop string) whose text must equal
 ``LLM.generate``'s, and one long request aborted after its third reply.
 
-    python examples/ch14_tokenizer.py [--model models/tiny-qwen3] [--device auto|cpu|cuda]
+    python examples/ch14_tokenizer.py [--model models/tiny-shakespeare] [--device auto|cpu|cuda]
+
+The default model is the book's small trained one, so the replies in part 4 are words.
 """
 
 from __future__ import annotations
@@ -185,7 +188,8 @@ def run_pipeline(model: str, device: str, tokenizer) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="models/tiny-qwen3", help="a checkpoint directory")
+    parser.add_argument("--model", default="models/tiny-shakespeare",
+                        help="a checkpoint directory")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda (the scheduler's)")
     args = parser.parse_args()
     example_checkpoint(args.model)

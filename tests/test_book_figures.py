@@ -622,30 +622,70 @@ def test_ch13_round_trip_usages() -> None:
 
 
 # --------------------------------------------------------------------------- chapter 14
+def ch14_requests(text: str) -> dict[int, tuple[int, str, int, int, str]]:
+    """Requests 1 to 3 of chapter 14's recording: uid -> (replies, finish, prompt tokens,
+    completion tokens, the text as Python wrote it), each checked equal to LLM.generate's."""
+    found = re.findall(r"request (\d) \(.*?\): (\d+) replies, finish (\w+), usage (\d+)\+(\d+)\n"
+                       r" +(.*?)  equal to LLM.generate: (\w+)", text)
+    assert [f[0] for f in found] == ["1", "2", "3"], found
+    assert all(f[-1] == "True" for f in found), "a reply differs from LLM.generate's"
+    return {int(f[0]): (int(f[1]), f[2], int(f[3]), int(f[4]), f[5]) for f in found}
+
+
 def test_ch14_prompt_tokens_add_up_over_the_four_requests() -> None:
+    from minisgl.tokenizer.tokenize import load_tokenizer
+
     text = recording("ch14_tokenizer-cpu")
-    prompts = [number(text, rf"request {i} \(.*?\): \d+ replies, finish \w+, usage (\d+)\+")
-               for i in (1, 2, 3)]
+    requests = ch14_requests(text)
+    prompts = [requests[uid][2] for uid in (1, 2, 3)]
     total = number(text, r"'prompt_tokens': (\d+)")
     chat_ids = number(text, r"(\d+) token ids; equal to transformers")
-    assert prompts[1] == chat_ids == 33
-    assert prompts == [7, 33, 8] and total == 56
+    assert prompts[1] == chat_ids  # the worker renders the chat as part 1 does
     fourth = total - sum(prompts)  # request 4 was aborted: its usage is never printed
-    assert fourth == 8
-    assert_on_page("ch14", f"`prompt_tokens` is {total}: 7 + 33 + 8 for requests 1 to 3, and "
-                           f"{fourth} for request 4")
+    model = re.search(r"^model: (\S+),", text, re.M).group(1)
+    assert fourth == len(load_tokenizer(ROOT / model).encode("Tell me a long story."))
+    first, chat, third = prompts
+    assert_on_page("ch14", f"`prompt_tokens` is {total}: {first} + {chat} + {third} for requests "
+                           f"1 to 3, and {fourth} for request 4", f"{chat_ids} ids, equal to",
+                   f"the same {chat_ids} prompt ids as part 1", f"on a CPU, {Path(model).name}")
 
 
 def test_ch14_stop_string_and_window_counts() -> None:
+    import ast
+
     text = recording("ch14_tokenizer-cpu")
-    assert number(text, r"is (\d+) tokens\n") == 15
-    assert "finish_reason 'stop' after 12 tokens, usage 5+12" in text
-    assert "the 3 later tokens are dropped" in text
-    pieces = re.search(r"pieces: (\[.*\])", text).group(1)
-    assert pieces.count("'") // 2 == 12 and pieces.endswith("'', '']")
-    assert "request 3 (text, stop '()yp'): 9 replies, finish stop, usage 8+9" in text
-    assert_on_page("ch14", "the 15 pieces joined", "12 replies, the last two empty",
-                   "usage 5+12", "usage 8+9", "the 3 later tokens")
+    window = number(text, r"is (\d+) tokens\n")
+    assert "pieces joined == full decode: True" in text
+    m = re.search(r"the stop string '(.*?)' in '(.*?)' \((\d+) tokens\)\n  pieces: (\[.*\])\n"
+                  r"  finish_reason 'stop' after (\d+) tokens, usage (\d+)\+(\d+)", text)
+    assert m, "no stop-string part in chapter 14's recording"
+    stop, fed = (ast.literal_eval(f"'{g}'") for g in m.group(1, 2))
+    fed_tokens, received, prompt, completion = (int(g) for g in m.group(3, 5, 6, 7))
+    pieces = ast.literal_eval(m.group(4))
+    later = number(text, r"the (\d+) later tokens are dropped")
+    assert "".join(pieces) == fed[:fed.index(stop)]  # the answer, the stop string left out
+    assert len(pieces) == received == completion and received + later == fed_tokens
+    last_text = max(i for i, piece in enumerate(pieces) if piece)
+    empty = len(pieces) - 1 - last_text  # the stop string's tokens: held, then dropped
+    words = {1: "one", 2: "two", 3: "three", 4: "four"}
+    assert_on_page("ch14", f"the {window} pieces joined",
+                   f"{received} replies, the last {words[empty]} empty",
+                   f"usage {prompt}+{completion}", f"the {later} later tokens")
+
+
+def test_ch14_pipeline_replies_and_the_stop_string() -> None:
+    text = recording("ch14_tokenizer-cpu")
+    requests = ch14_requests(text)
+    for replies, _, _, completion, _ in requests.values():
+        assert replies == completion  # one reply per token, a stop token's included
+    stop = re.search(r"request 3 \(text, stop '(.*?)'\)", text).group(1)
+    (r1, f1, p1, c1, _), (r2, f2, p2, c2, _), (r3, f3, p3, c3, sent) = (
+        requests[uid] for uid in (1, 2, 3))
+    assert (f1, f3) == ("length", "stop")
+    # the page's whitespace is collapsed before figures are looked for, so the quote's is too
+    assert_on_page("ch14", f"`{f1}` with {r1} replies", f"usage {p1}+{c1}", f"usage {p2}+{c2}",
+                   f"finish `{f2}`", f"stop string `'{stop}'`", " ".join(f"sent `{sent}`".split()),
+                   f"held `'{stop[:2]}'`", f"`{f3}`, usage {p3}+{c3}")
 
 
 # --------------------------------------------------------------------------- chapter 15
