@@ -55,6 +55,13 @@ from minisgl.utils.mp import (
     stop_process,
 )
 
+# Chapter 17 adds the messages rank 0 sends its followers; in a tree that has them (any later
+# chapter's) they are registered message types too, and must round-trip like the others.
+try:
+    from minisgl.scheduler.tp import RankInput, RankStep
+except ImportError:  # chapter 13 to 16's trees
+    RankInput = RankStep = None  # type: ignore[assignment,misc]
+
 # ---------------------------------------------------------------------------------- examples
 EXAMPLES: list[Message] = [
     TokenizeRequest(uid=0, sampling_params=SamplingParams(), text="Hello"),
@@ -109,6 +116,13 @@ STRATEGIES: dict[type, st.SearchStrategy[Message]] = {
     UserReply: st.builds(UserReply, uid=uids, delta=st.text(), finish_reason=finish_reasons,
                          usage=usages),
 }
+
+if RankInput is not None:  # chapter 17's messages, in the trees that have them
+    EXAMPLES += [RankInput(AbortRequest(uid=3)), RankStep(step=12),
+                 RankInput(UserRequest(uid=4, input_ids=[7, 8], sampling_params=SamplingParams()))]
+    STRATEGIES[RankInput] = st.builds(RankInput, message=st.one_of(STRATEGIES[AbortRequest],
+                                                                   STRATEGIES[UserRequest]))
+    STRATEGIES[RankStep] = st.builds(RankStep, step=st.integers(0, 2**63 - 1))
 
 
 def strictly_equal(a: Any, b: Any) -> bool:

@@ -74,7 +74,7 @@ def test_the_shell_keeps_one_request_slot_unless_told_otherwise() -> None:
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--tp", "2"], "--tp 2: tensor parallelism is not available yet"),
+    (["--tp", "0"], "--tp must be an integer >= 1, got 0"),
     (["--port", "0"], "--port must be an integer in [1, 65535], got 0"),
     (["--num-tokenizers", "0"], "--num-tokenizers must be an integer >= 1, got 0"),
     (["--page-size", "0"], "page_size must be an integer >= 1, got 0"),
