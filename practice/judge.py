@@ -74,7 +74,7 @@ class Exercise:
     summary: str
     folder: Path
     engine_answer: dict[str, str]  # the learner's name -> "minisgl.module:qualname" it may not be
-    in_browser: bool = False  # `browser = true`: its tests need no torch (see docs/hooks/browser.py)
+    in_browser: bool = False  # `browser = true`: no torch needed (see docs/hooks/browser.py)
 
     @property
     def starter(self) -> Path:

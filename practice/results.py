@@ -45,7 +45,8 @@ def read_results(report: Path, failures: Path | None = None) -> list[TestResult]
                 or first_lines(bad.get("message") or bad.text or "")
             results.append(TestResult(name, "failed", message, detail.get("locals", {})))
         elif skipped is not None:
-            results.append(TestResult(name, "skipped", first_lines(skipped.get("message") or "", 1)))
+            reason = first_lines(skipped.get("message") or "", 1)
+            results.append(TestResult(name, "skipped", reason))
         else:
             results.append(TestResult(name, "passed", ""))
     return results

@@ -160,7 +160,7 @@ def test_tour_shows_the_process_diagram_and_highlighted_code(
         assert cdn not in dom, f"the page loads scripts from {cdn}"
 
 
-# --------------------------------------------------------------------------- exercises in the browser
+# ----------------------------------------------------------------------- exercises in the browser
 def browser_exercises(repo_script: Callable[[str], ModuleType]) -> list[Any]:
     return [ex for ex in repo_script("practice/judge.py").load_exercises() if ex.in_browser]
 
@@ -168,15 +168,17 @@ def browser_exercises(repo_script: Callable[[str], ModuleType]) -> list[Any]:
 def run_in_page(page: Any, timeout_ms: int) -> dict[str, list[str]]:
     """Click "Run the tests" and wait for the verdict: {outcome: [test names with messages]}."""
     page.click(".exercise-run")
-    page.wait_for_selector('.exercise-runner[data-state="done"], .exercise-runner[data-state="error"]',
-                           timeout=timeout_ms)
+    page.wait_for_selector(
+        '.exercise-runner[data-state="done"], .exercise-runner[data-state="error"]',
+        timeout=timeout_ms)
     assert page.get_attribute(".exercise-runner", "data-state") == "done", (
         f"the run failed: {page.inner_text('.exercise-status')}\n"
         f"{page.inner_text('.exercise-output pre')[-2000:]}"
     )
     by_outcome: dict[str, list[str]] = {}
     for item in page.query_selector_all(".exercise-result"):
-        by_outcome.setdefault(item.get_attribute("data-outcome") or "?", []).append(item.inner_text())
+        outcome = item.get_attribute("data-outcome") or "?"
+        by_outcome.setdefault(outcome, []).append(item.inner_text())
     return by_outcome
 
 

@@ -48,14 +48,27 @@ STACK_SWITCHING = ("Chrome or Edge 137 or newer (they run asyncio code through W
                    "stack switching); Firefox and Safari do not yet")
 
 
-def load_judge() -> ModuleType:
-    """practice/judge.py, which knows the exercises and how a run is laid out."""
+# practice/judge.py and its exercises, as this build read them (see on_config)
+_judge: ModuleType | None = None
+_exercises: list[Any] = []
+
+
+def on_config(config: MkDocsConfig) -> MkDocsConfig:
+    """Read practice/judge.py (and, through it, every exercise) once per build, not per page."""
+    global _judge, _exercises
     spec = importlib.util.spec_from_file_location("_browser_judge", ROOT / "practice" / "judge.py")
     assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
-    return module
+    _judge = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = _judge
+    spec.loader.exec_module(_judge)
+    _exercises = _judge.load_exercises()
+    return config
+
+
+def judge() -> ModuleType:
+    """practice/judge.py, which knows the exercises and how a run is laid out."""
+    assert _judge is not None, "on_config reads practice/judge.py before any page"
+    return _judge
 
 
 def runtime_ready() -> bool:
@@ -63,7 +76,7 @@ def runtime_ready() -> bool:
 
 
 def exercises() -> list[Any]:
-    return load_judge().load_exercises()
+    return _exercises
 
 
 def uses_asyncio(ex: Any) -> bool:
@@ -84,15 +97,16 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
 
 
 def runner_section(ex: Any) -> str:
-    judge = f"`python practice/judge.py {ex.id}`"
+    command = f"`python practice/judge.py {ex.id}`"
     if not ex.in_browser:
         return ("## Run the tests\n\n"
                 f"This exercise needs PyTorch, which does not run in a browser: write "
-                f"`practice/{ex.id}/{ex.file}` in your checkout and judge it with {judge}.\n")
+                f"`practice/{ex.id}/{ex.file}` in your checkout and judge it with {command}.\n")
     if not runtime_ready():
         return ("## Run the tests\n\n"
                 f"This site was built without the in-browser runner (`python "
-                f"tools/browser_runtime.py`, then rebuild, adds it): judge locally with {judge}.\n")
+                f"tools/browser_runtime.py`, then rebuild, adds it): judge locally with "
+                f"{command}.\n")
     note = ""
     if uses_asyncio(ex):
         note = (f"\nIts tests use asyncio, which runs in the browser in {STACK_SWITCHING}; "
@@ -100,7 +114,7 @@ def runner_section(ex: Any) -> str:
     return (
         "## Run the tests in your browser\n\n"
         f"Write `{ex.file}` below and run its tests here: the same `test_exercise.py` the "
-        f"local judge runs ({judge}), with pytest in Python compiled to WebAssembly, on this "
+        f"local judge runs ({command}), with pytest in Python compiled to WebAssembly, on this "
         f"page, offline. Your code is kept in this browser's local storage.\n{note}\n"
         f'<div class="exercise-runner" data-exercise="{ex.id}" data-file="{ex.file}">\n'
         f'<textarea class="exercise-editor" spellcheck="false" aria-label="{ex.file}"></textarea>\n'
@@ -121,7 +135,8 @@ def browser_list() -> str:
     rows = ["| exercise | chapter | note |", "|---|---|---|"]
     for ex in mine:
         note = "asyncio: needs WebAssembly stack switching" if uses_asyncio(ex) else ""
-        rows.append(f"| [{ex.title}](practice/{ex.id}.md) | {ex.chapter[2:].lstrip('0')} | {note} |")
+        chapter = ex.chapter[2:].lstrip("0")
+        rows.append(f"| [{ex.title}](practice/{ex.id}.md) | {chapter} | {note} |")
     return "\n".join(rows)
 
 
@@ -136,10 +151,10 @@ def on_post_build(config: MkDocsConfig) -> None:
     shutil.copytree(RUNTIME / "pyodide", target, dirs_exist_ok=True)
     shutil.copytree(RUNTIME / "wheels", target / "wheels", dirs_exist_ok=True)
     shutil.copy2(RUNTIME / "runtime.json", target / "runtime.json")
-    judge = load_judge()
-    for ex in judge.load_exercises():
+    judge().steps.ensure_tiny_model(ROOT)  # its config files go into the bundles
+    for ex in exercises():
         if ex.in_browser:
-            bundle = exercise_bundle(judge, ex)
+            bundle = exercise_bundle(judge(), ex)
             out = site / "assets" / "exercises" / f"{ex.id}.json"
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(bundle, sort_keys=True), encoding="utf-8")
@@ -147,7 +162,6 @@ def on_post_build(config: MkDocsConfig) -> None:
 
 def exercise_bundle(judge: ModuleType, ex: Any) -> dict[str, Any]:
     """The judge's layout for `ex`, as {relative path: text}, with the starter beside it."""
-    judge.steps.ensure_tiny_model(ROOT)
     files: dict[str, str] = {}
     with tempfile.TemporaryDirectory(prefix=f"bundle-{ex.id}-") as tmp:
         workdir = Path(tmp)

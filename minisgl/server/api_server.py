@@ -194,7 +194,7 @@ def check_model(request: Request, model: str | None) -> None:
                        code="model_not_found")
 
 
-def check_at_most(request: Request, name: str, value: int, limit: int | None) -> None:
+def check_at_most(name: str, value: int, limit: int | None) -> None:
     if limit is not None and value > limit:
         raise APIError(400, f"{name} is {value}, but this server serves at most {limit} tokens "
                             "per request", name, code="context_length_exceeded")
@@ -281,7 +281,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.max_completion_tokens is not None and body.max_tokens is not None:
         # Both given: max_completion_tokens counts (as in vLLM); the other must still be valid.
         body.sampling_params(body.max_tokens, DEFAULT_CHAT_MAX_TOKENS)
-        check_at_most(request, "max_tokens", body.max_tokens, request.app.state.max_seq_len)
+        check_at_most("max_tokens", body.max_tokens, request.app.state.max_seq_len)
     check_token_ids(request, "stop_token_ids", body.stop_token_ids or ())
     record = _access(request)
     uid = await frontend.submit(params, messages=[m.as_dict() for m in body.messages],
