@@ -66,7 +66,11 @@ from minisgl.server.api_server import create_app
 from minisgl.server.frontend import FrontendManager
 from minisgl.shell import Shell
 from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqPushQueue, ipc_address
-from server_process import ServerProcess, still_running  # tools/, see conftest.py
+from server_process import (  # tools/, see conftest.py
+    ServerProcess,
+    still_running,
+    stream_in_thread,
+)
 
 STARTUP_TIMEOUT_S = 180.0
 
@@ -1218,24 +1222,6 @@ def test_load_128_streams_a_third_leaving_leave_nothing_behind(server: Server) -
 
 
 # =========================================================================== servers that stop
-def stream_in_thread(url: str, results: dict[int, list[str]], i: int,
-                     max_tokens: int = 3000) -> threading.Thread:
-    def read() -> None:
-        lines: list[str] = []
-        try:
-            with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
-                    "prompt": f"Story number {i}", "max_tokens": max_tokens,
-                    "ignore_eos": True, "stream": True}) as response:
-                lines = [line for line in response.iter_lines() if line]
-        except httpx.HTTPError as exc:
-            lines.append(f"cut off: {exc!r}")
-        results[i] = lines
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
-
-
 def wait_running(server: Server, n: int) -> None:
     deadline = time.monotonic() + 30
     while server.metrics()["minisgl_running_requests"] < n:

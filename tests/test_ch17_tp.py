@@ -53,7 +53,11 @@ from minisgl.distributed.group import (
     init_tp_group,
 )
 from minisgl.llm import LLM
-from server_process import ServerProcess, still_running  # tools/, see conftest.py
+from server_process import (  # tools/, see conftest.py
+    ServerProcess,
+    still_running,
+    stream_in_thread,
+)
 
 RANK_TIMEOUT_S = 240.0
 STARTUP_TIMEOUT_S = 240.0
@@ -473,28 +477,12 @@ def wait_until(condition: Callable[[], bool], timeout_s: float) -> None:
         time.sleep(0.05)
 
 
-def stream_in_thread(url: str, results: dict[int, list[str]], i: int) -> threading.Thread:
-    def read() -> None:
-        lines = results.setdefault(i, [])  # filled as the lines arrive
-        try:
-            with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
-                    "prompt": f"Story number {i}", "max_tokens": 900, "ignore_eos": True,
-                    "stream": True}) as response:
-                lines.extend(line for line in response.iter_lines() if line)
-        except httpx.HTTPError as exc:
-            lines.append(f"cut off: {exc!r}")
-
-    thread = threading.Thread(target=read, daemon=True)
-    thread.start()
-    return thread
-
-
 @pytest.mark.slow
 def test_sigterm_stops_every_rank(servers: dict[int, Server]) -> None:
     """Runs last of the module servers' tests: it stops the --tp 2 server, busy."""
     server = servers[2]
     results: dict[int, list[str]] = {}
-    thread = stream_in_thread(server.url, results, 0)
+    thread = stream_in_thread(server.url, results, 0, max_tokens=900)
     server.wait_for(lambda m: m["minisgl_rank1_running"] == 1)
     ranks = [psutil.Process(server.worker_pid(name)) for name in ("scheduler",
                                                                   "scheduler-rank1")]
@@ -514,7 +502,7 @@ def test_a_killed_rank_gives_503s_and_the_server_still_stops_cleanly(
     try:
         server.wait_ready()
         results: dict[int, list[str]] = {}
-        stream = stream_in_thread(server.url, results, 0)
+        stream = stream_in_thread(server.url, results, 0, max_tokens=900)
         whole: list[httpx.Response] = []
         waiter = threading.Thread(target=lambda: whole.append(httpx.post(
             f"{server.url}/v1/completions", timeout=60, json={

@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
@@ -105,6 +106,28 @@ def _kill(processes: Iterable[psutil.Process]) -> None:
             process.kill()
         except psutil.Error:  # it ended meanwhile
             pass
+
+
+def stream_in_thread(url: str, results: dict[int, list[str]], i: int,
+                     max_tokens: int = 3000) -> threading.Thread:
+    """Stream the completion of ``"Story number i"`` from the server at ``url`` in a thread.
+
+    ``results[i]`` is the stream's non-empty lines, filled as they arrive (so a test can wait
+    for the first one), ending with ``"cut off: ..."`` if the connection broke.
+    """
+    def read() -> None:
+        lines = results.setdefault(i, [])
+        try:
+            with httpx.stream("POST", f"{url}/v1/completions", timeout=60, json={
+                    "prompt": f"Story number {i}", "max_tokens": max_tokens,
+                    "ignore_eos": True, "stream": True}) as response:
+                lines.extend(line for line in response.iter_lines() if line)
+        except httpx.HTTPError as exc:
+            lines.append(f"cut off: {exc!r}")
+
+    thread = threading.Thread(target=read, daemon=True)
+    thread.start()
+    return thread
 
 
 class ServerError(RuntimeError):
