@@ -20,7 +20,7 @@
 
     const stackSwitching = typeof WebAssembly !== "undefined" &&
       typeof WebAssembly.Suspending === "function";
-    if (!stackSwitching && box.closest("article").textContent.includes("stack switching")) {
+    if (!stackSwitching && box.dataset.asyncio === "true") {
       status.textContent = "This browser lacks WebAssembly stack switching, which these asyncio " +
         "tests need: use the local judge, or Chrome/Edge 137+.";
     }

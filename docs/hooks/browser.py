@@ -116,7 +116,8 @@ def runner_section(ex: Any) -> str:
         f"Write `{ex.file}` below and run its tests here: the same `test_exercise.py` the "
         f"local judge runs ({command}), with pytest in Python compiled to WebAssembly, on this "
         f"page, offline. Your code is kept in this browser's local storage.\n{note}\n"
-        f'<div class="exercise-runner" data-exercise="{ex.id}" data-file="{ex.file}">\n'
+        f'<div class="exercise-runner" data-exercise="{ex.id}" data-file="{ex.file}" '
+        f'data-asyncio="{str(uses_asyncio(ex)).lower()}">\n'
         f'<textarea class="exercise-editor" spellcheck="false" aria-label="{ex.file}"></textarea>\n'
         '<p class="exercise-buttons"><button type="button" class="md-button md-button--primary '
         'exercise-run">Run the tests</button> <button type="button" class="md-button '

@@ -251,12 +251,11 @@ class SchedulerIO:
     def _publish(self) -> None:
         if self.stats is None:
             return
-        cache = self.scheduler.cache
         self.stats.update(
             running=self.scheduler.num_running,
             waiting=self.scheduler.num_waiting,
             # Held by requests; pages the prefix cache keeps but could evict are not in use.
-            kv_pages_in_use=cache.pages_in_use - cache.prefix_cache.num_evictable_pages,
+            kv_pages_in_use=self.scheduler.cache.pages_held_by_requests,
         )
 
 

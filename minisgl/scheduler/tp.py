@@ -244,9 +244,8 @@ def publish_follower(scheduler: OverlapScheduler, stats: SharedCounters | None,
                      rank: int) -> None:
     if stats is None:
         return
-    cache = scheduler.cache
     stats.update(**{
         f"rank{rank}_running": scheduler.num_running,
         f"rank{rank}_waiting": scheduler.num_waiting,
-        f"rank{rank}_kv_pages_in_use": cache.pages_in_use - cache.prefix_cache.num_evictable_pages,
+        f"rank{rank}_kv_pages_in_use": scheduler.cache.pages_held_by_requests,
     })
