@@ -200,6 +200,29 @@ def test_a_body_that_is_not_utf8_is_said_so(client: TestClient) -> None:
     assert f"0xe9 at position {latin1.index(0xe9)}" in message
 
 
+def test_a_client_gone_before_its_body_arrived_is_a_400_not_a_500(
+        client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    """A client that disconnects while the body is read (as a load test's leaving clients
+    do) is answered like any bad body, with no traceback in the log."""
+    scope = {"type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+             "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"",
+             "query_string": b"", "root_path": "", "server": ("test", 80),
+             "client": ("test", 1), "headers": [(b"content-type", b"application/json")]}
+    sent: list[dict[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return {"type": "http.disconnect"}
+
+    async def send(message: dict[str, Any]) -> None:
+        sent.append(message)
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(client.app(scope, receive, send))
+    start = next(m for m in sent if m["type"] == "http.response.start")
+    assert start["status"] == 400, sent
+    assert not [r for r in caplog.records if r.levelno >= logging.ERROR], caplog.text
+
+
 def test_one_access_log_line_per_request(client: TestClient,
                                          caplog: pytest.LogCaptureFixture) -> None:
     logging.getLogger("minisgl").addHandler(caplog.handler)

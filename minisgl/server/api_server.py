@@ -31,6 +31,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
+from starlette.requests import ClientDisconnect
 
 from minisgl.message import UserReply
 from minisgl.server.frontend import FrontendManager
@@ -118,7 +119,11 @@ class Utf8BodyRoute(APIRoute):
         handler = super().get_route_handler()
 
         async def checked(request: Request) -> Response:
-            body = await request.body()  # read once; the handler reads the same copy
+            try:
+                body = await request.body()  # read once; the handler reads the same copy
+            except ClientDisconnect:  # gone before its body arrived: a 400, as FastAPI answers
+                raise APIError(400, "the client disconnected before its request body "
+                                    "arrived") from None
             try:
                 body.decode("utf-8")
             except UnicodeDecodeError as exc:
