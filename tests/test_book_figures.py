@@ -744,3 +744,26 @@ def test_ch16_every_scene_ends_with_nothing_held() -> None:
     assert_on_page("ch16", "5,000 tokens against the tiny model's 4,096-token context",
                    "its 64 replies", "second abort", "143 (128 + 15)")
     assert "10.3 s" not in page("ch16"), "chapter 16 quotes a time no current recording gives"
+
+
+def test_ch18_moe_paths_on_the_h200() -> None:
+    rows = {}
+    for line in recording("ch18_moe_paths-cuda").splitlines():
+        cells = [c.strip() for c in line.split("|")]
+        if len(cells) == 8 and cells[0].isdigit():
+            rows[int(cells[0])] = cells
+    ms = {t: {name: float(c[i]) if c[i] != "-" else None
+              for i, name in ((2, "floor"), (3, "reference"), (4, "grouped"), (5, "fused"),
+                              (6, "graph"))} for t, c in rows.items()}
+    # Eagerly the two fast paths are never a third apart; captured, the fused one wins at every T.
+    assert all(max(m["grouped"], m["fused"]) / min(m["grouped"], m["fused"]) < 4 / 3
+               for m in ms.values())
+    assert all(m["graph"] < m["grouped"] for m in ms.values())
+    assert round(ms[1]["grouped"] / ms[1]["graph"]) == 4
+    slow = [m["reference"] / fast for m in ms.values() if m["reference"]
+            for fast in (m["grouped"], m["graph"])]
+    errors = [float(e) for c in rows.values() for e in c[7].split(",")]
+    assert_on_page("ch18", f"{ms[1]['grouped']:.3f}", f"{ms[1]['fused']:.3f}",
+                   f"{ms[1]['floor']:.3f}", f"{ms[1]['graph']:.3f}", f"{ms[8192]['graph']:.3f}",
+                   f"{ms[8192]['grouped']:.3f}", f"{round(min(slow))} to {round(max(slow))}",
+                   f"within {math.ceil(max(errors) * 1000) / 10:.1f}%")

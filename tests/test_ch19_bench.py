@@ -289,3 +289,24 @@ def test_plots_are_redrawn_byte_for_byte_from_the_json(
     assert (tmp_path / "c" / "ch19_ttft_by_rate.svg").read_bytes() != \
         (tmp_path / "a" / "ch19_ttft_by_rate.svg").read_bytes()
     assert len(changed) == 4
+
+
+def test_the_moe_paths_agree_and_count_the_experts_they_read(
+        repo_script: Callable[[str], ModuleType], tmp_path: Path,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    # Only the config is read: the benchmark draws its own weights.
+    subprocess.run([sys.executable, str(ROOT / "tools" / "make_tiny_model.py"), "--arch",
+                    "qwen3-moe", "--no-weights", "--out", str(tmp_path)],
+                   check=True, cwd=ROOT, capture_output=True)
+    moe_paths = repo_script("benchmark/moe_paths.py")
+    config = json.loads((tmp_path / "config.json").read_text())
+    rows = moe_paths.main(["--model", str(tmp_path), "--device", "cpu", "--dtype", "float32",
+                           "--tokens", "1,3,64", "--repeats", "1"])
+    assert [r["tokens"] for r in rows] == [1, 3, 64]
+    top_k, num_experts = config["num_experts_per_tok"], config["num_experts"]
+    assert rows[0]["experts_hit"] == top_k  # one token visits exactly top_k distinct experts
+    assert all(top_k <= r["experts_hit"] <= min(num_experts, r["tokens"] * top_k) for r in rows)
+    for r in rows:  # float32 on a CPU: the grouped path sums what the loop sums
+        assert set(r["errors"]) == {"grouped"} and r["errors"]["grouped"] < 1e-5, r
+        assert r["reference_ms"] > 0 and r["grouped_ms"] > 0
+    assert "grouped ms" in capsys.readouterr().out
