@@ -284,12 +284,14 @@ def run_minisgl(args: argparse.Namespace, workload: Workload, configs: Sequence[
         wanted = [c for c in configs if c.endswith("+" + cache)]
         if not wanted:
             continue
-        print(f"minisgl: starting an engine with the {cache} prefix cache", flush=True)
-        llm = LLM(args.model, device=args.device, dtype=args.dtype, prefix_cache=cache)
+        ranks = f" on {args.tp} tensor-parallel ranks" if args.tp > 1 else ""
+        print(f"minisgl: starting an engine with the {cache} prefix cache{ranks}", flush=True)
+        llm = LLM(args.model, device=args.device, dtype=args.dtype, prefix_cache=cache,
+                  tp=args.tp)
         engine = llm.engine
         warm_up_minisgl(llm)
         weight_bytes = sum(p.numel() * p.element_size() for p in engine.model.parameters())
-        kv_bytes = engine.model_config.kv_bytes_per_token(engine.dtype)
+        kv_bytes = engine.rank_config.kv_bytes_per_token(engine.dtype)  # this rank's heads
         for config in wanted:
             overlap = config.startswith("overlap")
             set_overlap(llm.scheduler, overlap)
@@ -311,6 +313,7 @@ def run_minisgl(args: argparse.Namespace, workload: Workload, configs: Sequence[
                 wall_s=wall, computed_tokens=sum(lens),
                 output_lens_ok=lens == workload.output_lens,
                 decode=decode_stats(log, weight_bytes, kv_bytes, bandwidth)))
+        llm.close()  # stops the other ranks, if any
         del llm, engine
         free_device_memory(resolve_device(args.device), say=f"minisgl ({cache}) freed")
 
@@ -996,6 +999,9 @@ def build_parser() -> argparse.ArgumentParser:
                         default=list(MINISGL_CONFIGS), metavar="CONFIG",
                         help=f"minisgl configurations: {', '.join(MINISGL_CONFIGS)} "
                              "(default: all four)")
+    parser.add_argument("--tp", type=int, default=1,
+                        help="tensor-parallel ranks for minisgl (chapter 17; default: 1). Its "
+                             "decode floor is then per rank: each reads its share of the weights")
     parser.add_argument("--hf-batch-size", type=int, default=None,
                         help="requests per padded transformers batch (default: all in one)")
     parser.add_argument("--out", type=Path, default=None,
@@ -1030,6 +1036,8 @@ def build_parser() -> argparse.ArgumentParser:
 def check_args(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.num_requests < 1:
         parser.error(f"--num-requests must be >= 1, got {args.num_requests}")
+    if args.tp < 1:
+        parser.error(f"--tp must be >= 1, got {args.tp}")
     if not 1 <= args.min_len <= args.max_len:
         parser.error(f"need 1 <= --min-len <= --max-len, got {args.min_len} and {args.max_len}")
     for flag in ("num_prefixes", "prefix_len", "short_requests", "long_requests", "long_len",

@@ -310,3 +310,22 @@ def test_the_moe_paths_agree_and_count_the_experts_they_read(
         assert set(r["errors"]) == {"grouped"} and r["errors"]["grouped"] < 1e-5, r
         assert r["reference_ms"] > 0 and r["grouped_ms"] > 0
     assert "grouped ms" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_the_offline_benchmark_runs_tensor_parallel_ranks_and_stops_them(
+        offline: ModuleType, tiny_model_dir: Path, tmp_path: Path) -> None:
+    import psutil
+
+    def ranks() -> list[int]:
+        return [p.pid for p in psutil.Process().children(recursive=True)
+                if "rank" in " ".join(p.cmdline())]
+
+    out = tmp_path / "tp.json"
+    offline.main(["--model", str(tiny_model_dir), "--device", "cpu", "--tp", "2",
+                  "--systems", "minisgl", "--minisgl-configs", "overlap+radix",
+                  "--num-requests", "5", "--min-len", "4", "--max-len", "12", "--no-progress",
+                  "--out", str(out)])
+    (result,) = json.loads(out.read_text())["results"]
+    assert result["output_lens_ok"] and result["output_tokens"] == result["computed_tokens"]
+    assert ranks() == [], "rank 1 outlived the benchmark"
