@@ -31,7 +31,7 @@ class SharedCounters:
         if not self.names or len(set(self.names)) != len(self.names):
             raise ValueError(f"counters need distinct names, got {self.names!r}")
         self._index = {name: i for i, name in enumerate(self.names)}
-        # From the spawn context, like the workers: a lock made for fork could not be handed to one.
+        # From the spawn context, like the workers: a fork context's lock cannot go to them.
         self._values = SPAWN.Array("q", len(self.names))  # "q": signed 64-bit, zeroed
 
     def update(self, **values: int) -> None:

@@ -14,8 +14,8 @@ it runs in a process of its own, and its loop is :func:`run_scheduler`:
 requests, and a step's results into messages), so that a test can drive it directly.
 
 The scheduler publishes its state after every step in a
-:class:`~minisgl.utils.counters.SharedCounters` with the names :data:`SCHEDULER_COUNTERS`, which the
-API server reads for ``/metrics``.
+:class:`~minisgl.utils.counters.SharedCounters` with the names :data:`SCHEDULER_COUNTERS`,
+which the API server reads for ``/metrics``.
 """
 
 from __future__ import annotations
