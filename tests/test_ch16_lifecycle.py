@@ -374,6 +374,32 @@ def test_a_reader_that_lets_replies_pile_up_is_cut_off_at_once() -> None:
     assert last.error.code == "slow_reader" and aborted == [0]
 
 
+def test_the_policy_decides_on_the_clock_it_is_given() -> None:
+    """The lifecycle policy's rules, run on a clock the test chooses: nothing ends before the
+    timeout, a reader behind for longer is cut off (and the workers told), and an error nobody
+    comes for is forgotten. The router changes nothing by itself meanwhile."""
+    async def scenario() -> tuple[list[Any], list[int], int]:
+        frontend, fake = fake_frontend(slow_reader_timeout_s=30)
+        uid = await frontend.submit(SamplingParams(), text="endless x")
+        await asyncio.sleep(0.05)  # replies arrive; nobody reads them
+        now = time.monotonic()
+        states = []
+        for later in (0, 31, 62):
+            frontend.lifecycle.check(now + later)
+            await asyncio.sleep(0)  # the abort's send runs as a task
+            buffer = frontend.buffers.get(uid)
+            states.append(None if buffer is None else
+                          (buffer.failed, [r.error.code for r in buffer.replies if r.error]))
+        slow = frontend.lifecycle.slow_readers
+        await frontend.close()
+        return states, aborts(fake), slow
+
+    states, aborted, slow = run(scenario)
+    assert states[0] == (False, []), "a reader behind for less than the timeout is left alone"
+    assert states[1] == (True, ["slow_reader"]) and aborted == [0] and slow == 1
+    assert states[2] is None, "an error nobody came for is forgotten after another timeout"
+
+
 def test_a_reader_that_keeps_up_is_not_cut_off_by_a_burst(tmp_path: Path) -> None:
     """Replies that reach the inbox while the event loop is busy (a fast engine) come out of
     ZMQ back to back, without a pause; the reader waiting for them is not a slow reader."""
