@@ -33,7 +33,8 @@ from minisgl.message import (
     dumps,
     loads,
 )
-from minisgl.utils.mp import ZmqPullQueue, ZmqPushQueue, ipc_address, start_process, stop_process
+from minisgl.utils.processes import start_process, stop_process
+from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue, ipc_address
 
 
 # ---------------------------------------------------------------- the fake scheduler (child)

@@ -34,16 +34,9 @@ from minisgl.tokenizer.detokenize import DecodeStream, DetokenizeManager
 from minisgl.tokenizer.server import detokenizer_counters, run_detokenizer, run_tokenizer
 from minisgl.tokenizer.tokenize import TokenizeManager, load_tokenizer
 from minisgl.utils.hf import example_checkpoint
-from minisgl.utils.mp import (
-    SharedCounters,
-    ZmqPullQueue,
-    ZmqPushQueue,
-    ipc_address,
-    new_ready_queue,
-    start_process,
-    stop_processes,
-    wait_ready,
-)
+from minisgl.utils.counters import SharedCounters
+from minisgl.utils.processes import new_ready_queue, start_process, stop_processes, wait_ready
+from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue, ipc_address
 
 ENGINE_OPTIONS = {"page_size": 4, "num_pages": 256, "max_running_reqs": 8}
 CHAT = [{"role": "system", "content": "You are terse."},

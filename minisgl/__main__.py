@@ -13,10 +13,10 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 if TYPE_CHECKING:
-    from minisgl.server.frontend import FrontendManager
+    from minisgl.server.frontend import RequestRouter
 
 
-def run_terminal_chat(frontend_factory: Callable[[], FrontendManager], model_path: Path,
+def run_terminal_chat(frontend_factory: Callable[[], RequestRouter], model_path: Path,
                       max_tokens: int) -> None:
     """``--shell``: chat with the model in the terminal, with its generation defaults."""
     from minisgl.shell import run_shell, sampling_params_for

@@ -1,6 +1,6 @@
 """The interactive chat: ``python -m minisgl --model PATH --shell``.
 
-The shell is a client of the same :class:`~minisgl.server.frontend.FrontendManager` the HTTP
+The shell is a client of the same :class:`~minisgl.server.frontend.RequestRouter` the HTTP
 server uses, without HTTP in between: each line you type becomes a chat request (with the
 conversation so far), and the reply is printed as it streams in. The worker processes are the
 server's, started the same way by the launcher.
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import TextIO
 
 from minisgl.core import SamplingParams
-from minisgl.server.frontend import FrontendManager
+from minisgl.server.frontend import RequestRouter
 from minisgl.server.protocol import APIError
 from minisgl.utils.hf import load_hf_config
 from minisgl.utils.logger import get_logger
@@ -56,7 +56,7 @@ def sampling_params_for(model_dir: str | Path, max_tokens: int) -> SamplingParam
 # --8<-- [start:shell_loop]
 @dataclass
 class Shell:
-    """A conversation in the terminal, over a :class:`FrontendManager`.
+    """A conversation in the terminal, over a :class:`RequestRouter`.
 
     Args:
         frontend: sends each turn to the workers and streams the reply back.
@@ -64,7 +64,7 @@ class Shell:
         out: where replies (and the shell's own messages) are written.
     """
 
-    frontend: FrontendManager
+    frontend: RequestRouter
     params: SamplingParams
     out: TextIO = field(default_factory=lambda: sys.stdout)
     history: list[dict[str, str]] = field(default_factory=list)
@@ -215,7 +215,7 @@ def _settle(future: asyncio.Future[str], line: str | None, exc: BaseException | 
 
 
 # --8<-- [start:run_shell]
-def run_shell(frontend_factory: Callable[[], FrontendManager], params: SamplingParams,
+def run_shell(frontend_factory: Callable[[], RequestRouter], params: SamplingParams,
               read_line: Callable[[str], Awaitable[str]] = read_stdin_line) -> None:
     """Run the shell on a new event loop until the user leaves."""
 

@@ -45,14 +45,13 @@ from minisgl.message import (
     loads,
     registered_types,
 )
-from minisgl.utils.mp import (
+from minisgl.utils.processes import start_process, stop_process
+from minisgl.utils.queues import (
     ZmqAsyncPullQueue,
     ZmqAsyncPushQueue,
     ZmqPullQueue,
     ZmqPushQueue,
     ipc_address,
-    start_process,
-    stop_process,
 )
 
 # Chapter 17 adds the messages rank 0 sends its followers; in a tree that has them (any later

@@ -52,16 +52,9 @@ from minisgl.tokenizer.detokenize import (
     StopMatcher,
 )
 from minisgl.tokenizer.tokenize import TokenizeManager, load_tokenizer
-from minisgl.utils.mp import (
-    SharedCounters,
-    ZmqPullQueue,
-    ZmqPushQueue,
-    ipc_address,
-    new_ready_queue,
-    start_process,
-    stop_processes,
-    wait_ready,
-)
+from minisgl.utils.counters import SharedCounters
+from minisgl.utils.processes import new_ready_queue, start_process, stop_processes, wait_ready
+from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue, ipc_address
 
 TEXTS = {
     "ascii": "The quick brown fox jumps over the lazy dog, twice.",
@@ -361,7 +354,8 @@ def test_a_worker_that_dies_silently_is_reported() -> None:
 ORPHAN_PARENT = """
 import os, sys
 from minisgl.tokenizer.server import run_tokenizer
-from minisgl.utils.mp import ipc_address, new_ready_queue, start_process, wait_ready
+from minisgl.utils.processes import new_ready_queue, start_process, wait_ready
+from minisgl.utils.queues import ipc_address
 
 if __name__ == "__main__":
     ready = new_ready_queue()

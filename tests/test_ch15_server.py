@@ -43,7 +43,7 @@ from minisgl.core import SamplingParams
 from minisgl.message import AbortRequest, TokenizeRequest, TokenUsage, UserReply
 from minisgl.server.api_server import abort_on_disconnect, create_app
 from minisgl.server.args import ServerArgs, parse_args
-from minisgl.server.frontend import FrontendManager
+from minisgl.server.frontend import RequestRouter
 from minisgl.server.responses import SSE_DONE, ResponseMeta, sse_event, stream_chat
 from minisgl.shell import Shell, sampling_params_for
 from server_process import ServerProcess, parse_metrics, still_running  # tools/, see conftest.py
@@ -130,11 +130,11 @@ class FakeInbox:
 
 
 def fake_frontend(num_tokenizers: int = 1, endless: bool = False
-                  ) -> tuple[FrontendManager, list[FakeWorkers]]:
+                  ) -> tuple[RequestRouter, list[FakeWorkers]]:
     """A frontend over fake workers; call it inside the event loop."""
     replies: asyncio.Queue[UserReply] = asyncio.Queue()
     fakes = [FakeWorkers(replies, endless) for _ in range(num_tokenizers)]
-    return FrontendManager(fakes, FakeInbox(replies)), fakes
+    return RequestRouter(fakes, FakeInbox(replies)), fakes
 
 
 # =========================================================================== the frontend
@@ -185,7 +185,7 @@ def test_a_reply_nobody_waits_for_is_dropped() -> None:
 
 
 def test_a_stream_that_stops_early_aborts_its_request() -> None:
-    async def scenario() -> tuple[list[bytes], list[Any], FrontendManager]:
+    async def scenario() -> tuple[list[bytes], list[Any], RequestRouter]:
         frontend, fakes = fake_frontend(endless=True)
         uid = await frontend.submit(SamplingParams(), text="never ending story")
         meta = ResponseMeta(f"chatcmpl-{uid}", 0, "m")

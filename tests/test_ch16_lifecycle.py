@@ -63,9 +63,9 @@ from minisgl.message import (
     UserRequest,
 )
 from minisgl.server.api_server import create_app
-from minisgl.server.frontend import FrontendManager
+from minisgl.server.frontend import RequestRouter
 from minisgl.shell import Shell
-from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqPushQueue, ipc_address
+from minisgl.utils.queues import ZmqAsyncPullQueue, ZmqPushQueue, ipc_address
 from server_process import (  # tools/, see conftest.py
     ServerProcess,
     still_running,
@@ -137,11 +137,11 @@ class FakeInbox:
         return await self.replies.get()
 
 
-def fake_frontend(**options: Any) -> tuple[FrontendManager, FakeWorkers]:
+def fake_frontend(**options: Any) -> tuple[RequestRouter, FakeWorkers]:
     """A frontend over fake workers; call it inside the event loop."""
     replies: asyncio.Queue[UserReply] = asyncio.Queue()
     fake = FakeWorkers(replies)
-    return FrontendManager([fake], FakeInbox(replies), **options), fake
+    return RequestRouter([fake], FakeInbox(replies), **options), fake
 
 
 def run(scenario: Any, timeout_s: float = 10.0) -> Any:
@@ -348,9 +348,9 @@ def test_a_reader_that_stays_behind_is_cut_off_with_an_error() -> None:
         async for reply in replies:
             got.append(reply)
         await asyncio.sleep(0)
-        stats = frontend.stats
+        slow = frontend.lifecycle.slow_readers
         await frontend.close()
-        return got, aborts(fake), stats.slow_readers
+        return got, aborts(fake), slow
 
     got, aborted, slow = run(scenario)
     assert got[-1].finish_reason == "error" and got[-1].error.code == "slow_reader"
@@ -374,6 +374,32 @@ def test_a_reader_that_lets_replies_pile_up_is_cut_off_at_once() -> None:
     assert last.error.code == "slow_reader" and aborted == [0]
 
 
+def test_the_policy_decides_on_the_clock_it_is_given() -> None:
+    """The lifecycle policy's rules, run on a clock the test chooses: nothing ends before the
+    timeout, a reader behind for longer is cut off (and the workers told), and an error nobody
+    comes for is forgotten. The router changes nothing by itself meanwhile."""
+    async def scenario() -> tuple[list[Any], list[int], int]:
+        frontend, fake = fake_frontend(slow_reader_timeout_s=30)
+        uid = await frontend.submit(SamplingParams(), text="endless x")
+        await asyncio.sleep(0.05)  # replies arrive; nobody reads them
+        now = time.monotonic()
+        states = []
+        for later in (0, 31, 62):
+            frontend.lifecycle.check(now + later)
+            await asyncio.sleep(0)  # the abort's send runs as a task
+            buffer = frontend.buffers.get(uid)
+            states.append(None if buffer is None else
+                          (buffer.failed, [r.error.code for r in buffer.replies if r.error]))
+        slow = frontend.lifecycle.slow_readers
+        await frontend.close()
+        return states, aborts(fake), slow
+
+    states, aborted, slow = run(scenario)
+    assert states[0] == (False, []), "a reader behind for less than the timeout is left alone"
+    assert states[1] == (True, ["slow_reader"]) and aborted == [0] and slow == 1
+    assert states[2] is None, "an error nobody came for is forgotten after another timeout"
+
+
 def test_a_reader_that_keeps_up_is_not_cut_off_by_a_burst(tmp_path: Path) -> None:
     """Replies that reach the inbox while the event loop is busy (a fast engine) come out of
     ZMQ back to back, without a pause; the reader waiting for them is not a slow reader."""
@@ -382,7 +408,7 @@ def test_a_reader_that_keeps_up_is_not_cut_off_by_a_burst(tmp_path: Path) -> Non
     async def scenario() -> tuple[list[UserReply], int]:
         inbox = ZmqAsyncPullQueue(address, FrontendMessage, bind=True)
         detokenizer = ZmqPushQueue(address, FrontendMessage, bind=False)
-        frontend = FrontendManager([FakeWorkers(asyncio.Queue())], inbox, reply_buffer_size=4)
+        frontend = RequestRouter([FakeWorkers(asyncio.Queue())], inbox, reply_buffer_size=4)
         uid = await frontend.submit(SamplingParams(), text="quiet")
 
         async def read_all() -> list[UserReply]:
@@ -396,7 +422,7 @@ def test_a_reader_that_keeps_up_is_not_cut_off_by_a_burst(tmp_path: Path) -> Non
                              for i in range(40, 80))
         time.sleep(0.3)  # the loop is busy while they arrive
         got = await reader
-        slow = frontend.stats.slow_readers
+        slow = frontend.lifecycle.slow_readers
         await frontend.close()
         detokenizer.close()
         inbox.close()
@@ -537,7 +563,7 @@ def test_a_dead_listener_fails_every_waiting_request() -> None:
 
     async def scenario() -> UserReply:
         inbox = BrokenInbox()
-        frontend = FrontendManager([FakeWorkers(asyncio.Queue())], inbox)
+        frontend = RequestRouter([FakeWorkers(asyncio.Queue())], inbox)
         uid = await frontend.submit(SamplingParams(), text="anything")
         inbox.go.set()
         last = [r async for r in frontend.replies(uid)][-1]
@@ -854,15 +880,8 @@ def pipeline(tiny_model_dir: Path) -> Iterator[Pipeline]:
     from minisgl.scheduler.config import SchedulerConfig
     from minisgl.scheduler.io import scheduler_counters
     from minisgl.tokenizer.server import detokenizer_counters, run_tokenizer
-    from minisgl.utils.mp import (
-        ZmqPullQueue,
-        ZmqPushQueue,
-        ipc_address,
-        new_ready_queue,
-        start_process,
-        stop_processes,
-        wait_ready,
-    )
+    from minisgl.utils.processes import new_ready_queue, start_process, stop_processes, wait_ready
+    from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue, ipc_address
 
     model = str(tiny_model_dir)
     tokenizer_in, scheduler_in, detokenizer_in, frontend_in = (

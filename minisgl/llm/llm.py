@@ -36,7 +36,7 @@ from minisgl.scheduler.tp import TPLaunch, TPLeaderScheduler, check_tp, run_tp_f
 from minisgl.utils.checks import is_int
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import get_logger
-from minisgl.utils.mp import new_ready_queue, start_process, stop_processes, wait_ready
+from minisgl.utils.processes import new_ready_queue, start_process, stop_processes, wait_ready
 from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)

@@ -1,7 +1,7 @@
 """The messages the engine's processes send each other, and their serialization.
 
 One request travels through four processes; each arrow is a ZMQ push/pull queue
-(``minisgl.utils.mp``) carrying one family of messages::
+(``minisgl.utils.queues``) carrying one family of messages::
 
     API server --TokenizeRequest, AbortRequest--> tokenizer
     tokenizer  --UserRequest, AbortRequest------> scheduler

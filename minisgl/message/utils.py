@@ -97,8 +97,9 @@ class Message:
         if not family:
             register_wire_type(cls)
 
-    # The codec comes with the family: a queue (``minisgl.utils.mp``, a lower package that
-    # knows nothing of messages) writes and reads its frames with the class it is typed with.
+    # The codec comes with the family: a queue (``minisgl.utils.queues``, in a lower package
+    # that knows nothing of messages) writes and reads its frames with the class it is typed
+    # with.
     @staticmethod
     def dumps(obj: Any) -> bytes:
         return dumps(obj)

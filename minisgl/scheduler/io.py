@@ -14,8 +14,8 @@ it runs in a process of its own, and its loop is :func:`run_scheduler`:
 requests, and a step's results into messages), so that a test can drive it directly.
 
 The scheduler publishes its state after every step in a
-:class:`~minisgl.utils.mp.SharedCounters` with the names :data:`SCHEDULER_COUNTERS`, which the
-API server reads for ``/metrics``.
+:class:`~minisgl.utils.counters.SharedCounters` with the names :data:`SCHEDULER_COUNTERS`,
+which the API server reads for ``/metrics``.
 
 Chapter 16: a request the scheduler cannot serve is answered, never dropped. A prompt longer
 than the context, or a token id outside the vocabulary, and every request of a step that
@@ -49,15 +49,9 @@ from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.tp import TPLaunch, TPLeaderScheduler
 from minisgl.scheduler.utils import output_room
 from minisgl.utils.logger import get_logger
-from minisgl.utils.mp import (
-    SharedCounters,
-    ShutdownRequested,
-    ShutdownSignals,
-    ZmqPullQueue,
-    ZmqPushQueue,
-    close_queues,
-    reporting_readiness,
-)
+from minisgl.utils.counters import SharedCounters
+from minisgl.utils.processes import ShutdownRequested, ShutdownSignals, reporting_readiness
+from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue, close_queues
 from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)
@@ -271,7 +265,7 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
         inbox: the address this process binds, where the tokenizers send
             :class:`UserRequest` and :class:`AbortRequest` messages.
         detokenizer_addr: the detokenizer's inbox, where the tokens go.
-        ready: a queue from :func:`~minisgl.utils.mp.new_ready_queue` to report start-up on,
+        ready: a queue from :func:`~minisgl.utils.processes.new_ready_queue` to report start-up on,
             or None.
         stats: counters named :data:`SCHEDULER_COUNTERS` to publish, or None.
         tp: chapter 17: the tensor-parallel group this process leads as rank 0, or None.

@@ -47,16 +47,9 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import OverlapScheduler
 from minisgl.scheduler.utils import StepResult
 from minisgl.utils.logger import get_logger
-from minisgl.utils.mp import (
-    SharedCounters,
-    ShutdownRequested,
-    ShutdownSignals,
-    ZmqPullQueue,
-    ZmqPushQueue,
-    close_queues,
-    ipc_address,
-    reporting_readiness,
-)
+from minisgl.utils.counters import SharedCounters
+from minisgl.utils.processes import ShutdownRequested, ShutdownSignals, reporting_readiness
+from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue, close_queues, ipc_address
 from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device
 
 logger = get_logger(__name__)

@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: the FastAPI app and its routes.
 
 Each route parses its body (:mod:`minisgl.server.protocol`), submits the request through the
-:class:`~minisgl.server.frontend.FrontendManager`, and answers either with the whole text or
+:class:`~minisgl.server.frontend.RequestRouter`, and answers either with the whole text or
 with a Server-Sent Events stream of it. The routes: ``POST /v1/chat/completions``,
 ``POST /v1/completions``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics``, built by
 :func:`create_app`.
@@ -34,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minisgl.message import UserReply
-from minisgl.server.frontend import FrontendManager
+from minisgl.server.frontend import RequestRouter
 from minisgl.server.lifecycle import ClientDisconnected, wait_or_disconnect
 from minisgl.server.protocol import (
     DEFAULT_CHAT_MAX_TOKENS,
@@ -59,7 +59,7 @@ logger = get_logger(__name__)
 
 
 # --8<-- [start:abort_on_disconnect]
-async def abort_on_disconnect(frontend: FrontendManager, uid: int,
+async def abort_on_disconnect(frontend: RequestRouter, uid: int,
                               chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Pass ``chunks`` through; if the stream stops before they end, abort request ``uid``.
 
@@ -68,7 +68,7 @@ async def abort_on_disconnect(frontend: FrontendManager, uid: int,
     every generator below), or, when the disconnect shows as a failed write, stops iterating
     it. Either way ``finally`` runs with the stream unfinished (chapter 16: :class:`SSEResponse`
     closes this generator explicitly, so "finally" means now, not when the garbage collector
-    gets to it). :meth:`FrontendManager.abort` only schedules its send: a cancelled task may
+    gets to it). :meth:`RequestRouter.abort` only schedules its send: a cancelled task may
     not wait for anything.
     """
     finished = False
@@ -104,7 +104,7 @@ class SSEResponse(StreamingResponse):
             await self.body_iterator.aclose()
 
 
-def sse_response(frontend: FrontendManager, uid: int,
+def sse_response(frontend: RequestRouter, uid: int,
                  chunks: AsyncIterator[bytes]) -> SSEResponse:
     return SSEResponse(abort_on_disconnect(frontend, uid, chunks))
 # --8<-- [end:sse_response]
@@ -171,7 +171,7 @@ class AccessRecord:
         self.finish_reasons.append(reply.finish_reason or "error")
 
 
-def _frontend(request: Request) -> FrontendManager:
+def _frontend(request: Request) -> RequestRouter:
     return request.app.state.frontend
 
 
@@ -226,14 +226,14 @@ async def _observed(replies: AsyncIterator[UserReply],
 
 
 # --8<-- [start:answer]
-async def whole_answer(request: Request, frontend: FrontendManager, uid: int,
+async def whole_answer(request: Request, frontend: RequestRouter, uid: int,
                        prompt_param: str) -> tuple[str, UserReply]:
     """Request ``uid``'s whole text and last reply, for a response that is not streamed.
 
     Chapter 16: nothing is sent to the client until the answer is complete, so a client that
     disconnects is not noticed by a failed write: a watcher waits for the disconnect at the
     same time, and wins the race if the client goes first. Collecting then stops, and
-    :meth:`FrontendManager.replies` aborts the request. A request that failed is answered
+    :meth:`RequestRouter.replies` aborts the request. A request that failed is answered
     with its error's status and an OpenAI error body.
     """
     text, last = await wait_or_disconnect(frontend.collect(uid), request)
@@ -242,7 +242,7 @@ async def whole_answer(request: Request, frontend: FrontendManager, uid: int,
     return text, last
 
 
-async def first_reply_then_rest(request: Request, frontend: FrontendManager, uid: int,
+async def first_reply_then_rest(request: Request, frontend: RequestRouter, uid: int,
                                 prompt_param: str) -> AsyncIterator[UserReply]:
     """Request ``uid``'s replies for a streamed response, once its first reply has come.
 
@@ -336,7 +336,7 @@ async def completions(body: CompletionRequest, request: Request):
     return completion_body(meta, answers)
 
 
-async def submit_prompts(frontend: FrontendManager, prompts: Sequence[str | list[int]],
+async def submit_prompts(frontend: RequestRouter, prompts: Sequence[str | list[int]],
                          params: Any, strict_max_tokens: bool) -> list[int]:
     """Send every prompt as a request of its own; if one cannot be sent, abort the others."""
     uids: list[int] = []
@@ -355,7 +355,7 @@ async def submit_prompts(frontend: FrontendManager, prompts: Sequence[str | list
     return uids
 
 
-async def whole_answers(request: Request, frontend: FrontendManager,
+async def whole_answers(request: Request, frontend: RequestRouter,
                         uids: Sequence[int]) -> list[tuple[str, UserReply]]:
     """:func:`whole_answer` for several requests at once; the first error answers for all."""
     answers = await wait_or_disconnect(
@@ -366,7 +366,7 @@ async def whole_answers(request: Request, frontend: FrontendManager,
     return answers
 
 
-async def first_replies_then_rest(request: Request, frontend: FrontendManager,
+async def first_replies_then_rest(request: Request, frontend: RequestRouter,
                                   uids: Sequence[int]) -> list[AsyncIterator[UserReply]]:
     """:func:`first_reply_then_rest` for several requests: the stream starts once each has
     its first reply, so a prompt refused at once is a 400 for the whole request."""
@@ -456,7 +456,7 @@ async def health(request: Request):
     """200 while every worker process runs; 503 and the reason otherwise (chapter 16: also
     while the API server cannot serve: its reply listener stopped, or it is shutting down)."""
     problem = request.app.state.health()
-    unavailable = _frontend(request).unavailable
+    unavailable = _frontend(request).lifecycle.unavailable
     if problem is None and unavailable is not None:
         problem = unavailable.message
     if problem is not None:
@@ -487,7 +487,7 @@ WORKER_METRICS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def metrics_text(worker_counters: Mapping[str, int], frontend: FrontendManager) -> str:
+def metrics_text(worker_counters: Mapping[str, int], frontend: RequestRouter) -> str:
     """The Prometheus text exposition of the workers' counters and the frontend's."""
     rows = [(*WORKER_METRICS.get(name, (f"minisgl_{name}", "gauge", name)), value)
             for name, value in worker_counters.items()]
@@ -506,7 +506,8 @@ def metrics_text(worker_counters: Mapping[str, int], frontend: FrontendManager) 
         ("minisgl_frontend_failed_total", "counter",
          "Requests that ended with an error.", frontend.stats.failed),
         ("minisgl_frontend_slow_readers_total", "counter",
-         "Requests cut off because their client read too slowly.", frontend.stats.slow_readers),
+         "Requests cut off because their client read too slowly.",
+         frontend.lifecycle.slow_readers),
     ]
     lines = []
     for name, kind, help_text, value in rows:
@@ -596,7 +597,7 @@ def openapi_schema(app: FastAPI, model_name: str, max_token_id: int | None,
 
 # =========================================================================== the app
 # --8<-- [start:create_app]
-def create_app(frontend_factory: Callable[[], FrontendManager], model_name: str, *,
+def create_app(frontend_factory: Callable[[], RequestRouter], model_name: str, *,
                model_root: str | None = None, aliases: Sequence[str] = (),
                vocab_size: int | None = None, max_seq_len: int | None = None,
                metrics: Callable[[], Mapping[str, int]] | None = None,
@@ -604,7 +605,7 @@ def create_app(frontend_factory: Callable[[], FrontendManager], model_name: str,
     """The FastAPI application.
 
     Args:
-        frontend_factory: builds the :class:`FrontendManager`. It is called in the app's
+        frontend_factory: builds the :class:`RequestRouter`. It is called in the app's
             lifespan, inside the server's event loop, where its async queues must live.
         model_name: the name ``/v1/models`` and every response report.
         model_root: the checkpoint directory, for ``/v1/models``.

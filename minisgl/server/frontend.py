@@ -1,31 +1,28 @@
-"""The frontend: the API server's link to the workers, and the state that ties requests to
-their replies.
+"""The frontend's router: the API server's link to the workers, and the state that ties
+requests to their replies.
 
 The API server is one asyncio event loop and two ZMQ queues: it pushes a
 :class:`~minisgl.message.TokenizeRequest` to a tokenizer worker for every HTTP request, and it
 pulls :class:`~minisgl.message.UserReply` messages (new text) from the detokenizer for all of
-them at once. :class:`FrontendManager` numbers requests (the *uid*), sends each to tokenizer
+them at once. :class:`RequestRouter` numbers requests (the *uid*), sends each to tokenizer
 ``uid % N``, and runs the one *listener* task that reads every reply and hands it to the
 request it belongs to (a :class:`~minisgl.server.lifecycle.ReplyBuffer` per uid).
 
 It knows nothing of HTTP: :mod:`minisgl.server.api_server` turns its replies into responses,
-and the interactive shell (:mod:`minisgl.shell`) uses it directly.
-
-Chapter 16 makes every request end, and free what it holds, however it ends: a reader that
-stops early, a worker that fails or dies, a reader slower than the engine
-(:mod:`minisgl.server.lifecycle`), the server shutting down. :class:`FrontendStats` counts
-what ``/metrics`` shows.
+and the interactive shell (:mod:`minisgl.shell`) uses it directly. Nor does it decide when a
+request must end before its last reply (chapter 16: a reader too slow, a worker dead, the
+server shutting down): its :class:`~minisgl.server.lifecycle.LifecyclePolicy` does, and ends
+the request through :meth:`RequestRouter.fail`.
 """
 
 from __future__ import annotations
 
 import asyncio
-import logging
-import math
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from minisgl.core import SamplingParams
@@ -41,19 +38,15 @@ from minisgl.message import (
 from minisgl.server.lifecycle import (
     DEFAULT_REPLY_BUFFER_SIZE,
     DEFAULT_SLOW_READER_TIMEOUT_S,
-    SHUTTING_DOWN,
+    LifecyclePolicy,
     ReplyBuffer,
-    slow_reader_error,
-    unavailable_error,
 )
 from minisgl.server.protocol import APIError
-from minisgl.utils.checks import check_int
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
 
 
-# =========================================================================== the frontend
 class _Outbox(Protocol):
     async def put(self, message: TokenizerMessage) -> None: ...
 
@@ -65,16 +58,15 @@ class _Inbox(Protocol):
 # --8<-- [start:frontend_state]
 @dataclass
 class FrontendStats:
-    """Counters the frontend keeps for ``/metrics`` (totals since start)."""
+    """Counters the router keeps for ``/metrics`` (totals since start)."""
 
     submitted: int = 0
     finished: int = 0
     aborted: int = 0
     failed: int = 0  # chapter 16: ended with an error (a worker's, or the frontend's own)
-    slow_readers: int = 0  # chapter 16: cut off for reading too slowly
 
 
-class FrontendManager:
+class RequestRouter:
     """Sends requests to the tokenizer workers and routes every reply to its request.
 
     Many HTTP requests are in flight at once, but replies come back through a single queue.
@@ -82,18 +74,11 @@ class FrontendManager:
     listener task reads the queue and pushes each reply into its uid's buffer, which wakes that
     request's reader, waiting on its own buffer only.
 
-    Chapter 16 makes sure every request ends, and frees what it holds, however it ends:
-
-    - :meth:`replies` owns a request's state. It frees it when it hands out the last reply,
-      and its ``finally`` frees it, aborting the request, when the reader stops early: it
-      breaks out and closes the generator (every reader in this package does), its task is
-      cancelled, or it raises;
-    - a reader that stays behind longer than ``slow_reader_timeout_s``, or lets
-      ``reply_buffer_size`` replies pile up, has its request ended with an error (which also
-      catches a reader that walked away without closing its generator);
-    - a *watchdog* task checks ``health`` a few times a second: once a worker process has
-      died, every waiting request ends with an error and new ones are refused (HTTP 503),
-      instead of waiting for replies that will never come. So does a listener that stopped.
+    Chapter 16: :meth:`replies` owns a request's state, and frees it (aborting the request)
+    however its reader stops. Every other way a request ends early is decided by
+    :attr:`lifecycle`, a :class:`~minisgl.server.lifecycle.LifecyclePolicy` made from the
+    last three arguments: the router asks it whether a new request may come in, and what to do
+    with a reader whose buffer is full; the policy ends requests with :meth:`fail`.
 
     Args:
         tokenizers: one outgoing queue per tokenizer worker; request ``uid`` goes to
@@ -105,8 +90,8 @@ class FrontendManager:
         health: returns None while every worker runs, else what is wrong; None: not checked.
 
     Use it from one event loop. :meth:`start` (or the first :meth:`submit`) starts the listener
-    and the watchdog; it has to run inside the loop, which is why the app builds the manager in
-    its lifespan.
+    and the policy's watchdog; it has to run inside the loop, which is why the app builds the
+    router in its lifespan.
     """
 
     def __init__(self, tokenizers: Sequence[_Outbox], inbox: _Inbox, *,
@@ -114,32 +99,25 @@ class FrontendManager:
                  slow_reader_timeout_s: float = DEFAULT_SLOW_READER_TIMEOUT_S,
                  health: Callable[[], str | None] | None = None) -> None:
         if not tokenizers:
-            raise ValueError("FrontendManager needs at least one tokenizer queue")
-        check_int("reply_buffer_size", reply_buffer_size, at_least=1)
-        if not (isinstance(slow_reader_timeout_s, (int, float))
-                and math.isfinite(slow_reader_timeout_s) and slow_reader_timeout_s > 0):
-            raise ValueError(f"slow_reader_timeout_s must be a number of seconds > 0, "
-                             f"got {slow_reader_timeout_s!r}")
+            raise ValueError("RequestRouter needs at least one tokenizer queue")
         self._tokenizers = list(tokenizers)
         self._inbox = inbox
-        self.reply_buffer_size = reply_buffer_size
-        self.slow_reader_timeout_s = float(slow_reader_timeout_s)
-        self._health = health
         self._next_uid = 0
         self._pending: dict[int, ReplyBuffer] = {}
         self._listener: asyncio.Task[None] | None = None
-        self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()  # abort sends still in flight
-        self.unavailable: RequestError | None = None  # set once the frontend cannot serve
         self.stats = FrontendStats()
+        self.lifecycle = LifecyclePolicy(self, reply_buffer_size=reply_buffer_size,
+                                         slow_reader_timeout_s=slow_reader_timeout_s,
+                                         health=health)
     # --8<-- [end:frontend_state]
 
     @classmethod
     def connect(cls, tokenizer_addrs: Sequence[str], inbox_addr: str,
-                **options: Any) -> FrontendManager:
-        """A manager on real ZMQ queues: it binds ``inbox_addr`` and connects to each
+                **options: Any) -> RequestRouter:
+        """A router on real ZMQ queues: it binds ``inbox_addr`` and connects to each
         tokenizer's inbox. ``options`` are the constructor's keyword arguments."""
-        from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqAsyncPushQueue
+        from minisgl.utils.queues import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
         inbox = ZmqAsyncPullQueue(inbox_addr, FrontendMessage, bind=True)
         tokenizers = [ZmqAsyncPushQueue(addr, TokenizerMessage, bind=False)
@@ -156,13 +134,26 @@ class FrontendManager:
         """Replies received and not taken by their readers yet, over all requests."""
         return sum(len(buffer.replies) for buffer in self._pending.values())
 
+    @property
+    def buffers(self) -> Mapping[int, ReplyBuffer]:
+        """Every waiting request's buffer, by uid (a read-only view, for the policy)."""
+        return MappingProxyType(self._pending)
+
+    @property
+    def listener_error(self) -> BaseException | None:
+        """What stopped the listener, if it stopped; without it, no reply reaches anyone."""
+        task = self._listener
+        if task is None or not task.done() or task.cancelled():
+            return None
+        return task.exception()
+
     def start(self) -> None:
-        """Start the listener and the watchdog (once); call from inside the event loop."""
+        """Start the listener and the policy's watchdog (once); call from inside the event
+        loop."""
         if self._listener is None:
-            loop = asyncio.get_running_loop()
-            self._listener = loop.create_task(self._listen())
-            self._listener.add_done_callback(self._on_listener_exit)
-            self._watchdog = loop.create_task(self._watch())
+            self._listener = asyncio.get_running_loop().create_task(self._listen())
+            self._listener.add_done_callback(_report_listener_exit)
+            self.lifecycle.start()
 
     # ----------------------------------------------------------------- requests out
     # --8<-- [start:frontend_submit]
@@ -180,14 +171,13 @@ class FrontendManager:
             APIError: the server cannot serve (a worker died, it is shutting down: 503), or
                 the request cannot be sent (a value too large for the wire: 400).
         """
-        if self.unavailable is not None:
-            raise APIError.of(self.unavailable)
+        buffer = self.lifecycle.admit()  # chapter 16: refused once the server cannot serve
         self.start()
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         request = TokenizeRequest(uid, params, text=text, input_ids=input_ids, messages=messages,
                                   strict_max_tokens=strict_max_tokens)
         # The buffer exists before the request leaves, so no reply can find it missing.
-        self._pending[uid] = ReplyBuffer(self.reply_buffer_size)
+        self._pending[uid] = buffer
         try:
             await self._tokenizer_of(uid).put(request)
         except SerializationError as exc:  # e.g. an integer that does not fit in 64 bits
@@ -249,7 +239,7 @@ class FrontendManager:
         if reply.error is not None:
             self.stats.failed += 1
         if not buffer.push(reply, time.monotonic()):  # chapter 16: the reader is too slow
-            self._cut_off(reply.uid, buffer)
+            self.lifecycle.cut_off(reply.uid, buffer)
     # --8<-- [end:frontend_dispatch]
 
     # --8<-- [start:frontend_replies]
@@ -294,7 +284,7 @@ class FrontendManager:
     # --8<-- [end:frontend_replies]
 
     # ----------------------------------------------------------------- ending requests
-    # --8<-- [start:frontend_failures]
+    # --8<-- [start:frontend_fail]
     def fail(self, uid: int, error: RequestError, *, abort: bool = True) -> None:
         """End request ``uid`` with ``error``: its reader gets it as the last reply, what was
         buffered is dropped, later replies are ignored, and (``abort``) the workers are told
@@ -307,74 +297,28 @@ class FrontendManager:
         buffer.fail(UserReply.failure(uid, error), time.monotonic())
         self.stats.failed += 1
 
-    def fail_all(self, error: RequestError) -> None:
-        """End every waiting request with ``error``, and refuse new ones with it.
-
-        For when the server cannot serve any more: a worker died (an abort would go nowhere)
-        or the server is shutting down (its workers are stopped next), so no abort is sent.
-        """
-        if self.unavailable is None:
-            self.unavailable = error
-            level = logging.INFO if error is SHUTTING_DOWN else logging.ERROR
-            if self._pending or level == logging.ERROR:
-                logger.log(level, "ending %d waiting request(s): %s", len(self._pending),
-                           error.message)
-        for uid in list(self._pending):
-            self.fail(uid, error, abort=False)
-
-    def _cut_off(self, uid: int, buffer: ReplyBuffer) -> None:
-        lag = buffer.lag(time.monotonic())
-        logger.warning("request %d: its client reads too slowly (%d replies unread, the "
-                       "oldest for %.1f s): aborting it", uid, len(buffer.replies), lag)
-        self.stats.slow_readers += 1
-        self.fail(uid, slow_reader_error(lag, len(buffer.replies)))
-
-    def check(self, now: float) -> None:
-        """What the watchdog does, a few times a second: fail every request if a worker has
-        died; cut off readers that have been behind too long; free requests whose reader
-        has not even come for the error they were ended with."""
-        problem = self._health() if self._health is not None else None
-        if problem is not None:
-            self.fail_all(unavailable_error(problem, "worker_died"))
-        for uid, buffer in list(self._pending.items()):
-            if buffer.lag(now) <= self.slow_reader_timeout_s:
-                continue
-            if buffer.failed:  # abandoned: nobody reads this request any more
-                self._pending.pop(uid, None)
-            else:
-                self._cut_off(uid, buffer)
-
-    async def _watch(self) -> None:
-        interval = min(0.25, self.slow_reader_timeout_s / 4)
-        while True:
-            await asyncio.sleep(interval)
-            try:
-                self.check(time.monotonic())
-            except Exception:  # the watchdog must outlive a bad health check
-                logger.exception("the frontend's watchdog failed")
-
-    def _on_listener_exit(self, task: asyncio.Task[None]) -> None:
-        # Without its listener the frontend is deaf: every request would wait for ever.
-        if task.cancelled():
-            return
-        exc = task.exception()
-        logger.error("the frontend's reply listener died: %r", exc)
-        self.fail_all(unavailable_error(f"the API server's reply listener stopped: {exc!r}",
-                                        "listener_died"))
-    # --8<-- [end:frontend_failures]
+    def forget(self, uid: int) -> None:
+        """Drop request ``uid``'s state: its reader has gone without a word."""
+        self._pending.pop(uid, None)
+    # --8<-- [end:frontend_fail]
 
     async def close(self) -> None:
-        """End what still waits, stop the listener and the watchdog, let the abort sends
-        finish, close the queues."""
-        self.fail_all(SHUTTING_DOWN)
-        for task in (self._watchdog, self._listener):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        self._listener = self._watchdog = None
+        """End what still waits (the policy says with what), stop the listener, let the abort
+        sends finish, close the queues."""
+        await self.lifecycle.close()
+        if self._listener is not None:
+            self._listener.cancel()
+            await asyncio.gather(self._listener, return_exceptions=True)
+            self._listener = None
         if self._background:
             await asyncio.wait(self._background, timeout=1.0)
         for queue in (*self._tokenizers, self._inbox):
             close = getattr(queue, "close", None)
             if close is not None:
                 close()
+
+
+def _report_listener_exit(task: asyncio.Task[None]) -> None:
+    # Without its listener the router is deaf; the policy's watchdog ends what waits.
+    if not task.cancelled() and task.exception() is not None:
+        logger.error("the frontend's reply listener died: %r", task.exception())

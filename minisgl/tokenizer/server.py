@@ -40,15 +40,9 @@ from minisgl.message import (
 from minisgl.tokenizer.detokenize import DetokenizeManager
 from minisgl.tokenizer.tokenize import TokenizeManager, load_tokenizer
 from minisgl.utils.logger import get_logger
-from minisgl.utils.mp import (
-    SharedCounters,
-    ShutdownRequested,
-    ShutdownSignals,
-    ZmqPullQueue,
-    ZmqPushQueue,
-    close_queues,
-    reporting_readiness,
-)
+from minisgl.utils.counters import SharedCounters
+from minisgl.utils.processes import ShutdownRequested, ShutdownSignals, reporting_readiness
+from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue, close_queues
 from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)
@@ -96,7 +90,7 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
         inbox: the address this process binds, where the API server sends
             :class:`TokenizeRequest` and :class:`AbortRequest` messages.
         scheduler_addr: the scheduler's inbox.
-        ready: a queue from :func:`~minisgl.utils.mp.new_ready_queue`, or None.
+        ready: a queue from :func:`~minisgl.utils.processes.new_ready_queue`, or None.
         name: this tokenizer's name in readiness reports and errors.
     """
     configure_cpu_threads("helper")  # the cores are the scheduler's
@@ -137,7 +131,7 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
             :class:`~minisgl.message.DetokenizeRequest` and :class:`AbortRequest` messages.
         frontend_addr: the API server's inbox, for the :class:`~minisgl.message.UserReply`
             messages.
-        ready: a queue from :func:`~minisgl.utils.mp.new_ready_queue`, or None.
+        ready: a queue from :func:`~minisgl.utils.processes.new_ready_queue`, or None.
         stats: counters named :data:`DETOKENIZER_COUNTERS` to publish, or None.
         scheduler_addr: the scheduler's inbox, to stop a request that a stop string ended;
             None leaves such requests running to their end (their extra tokens are dropped).

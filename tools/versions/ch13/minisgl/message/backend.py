@@ -8,9 +8,9 @@ Two kinds arrive, both from the tokenizer worker:
   unchanged, behind any request of the same uid it is still tokenizing, so the scheduler can
   never see the abort before the request. It belongs to both families.
 
-Many messages can travel in one frame (``put_many`` on the queues of ``minisgl.utils.mp``): the
-tokenizer sends everything it tokenized in one go, and the scheduler reads them all before its
-next step.
+Many messages can travel in one frame (``put_many`` on the queues of
+``minisgl.utils.queues``): the tokenizer sends everything it tokenized in one go, and the
+scheduler reads them all before its next step.
 """
 
 from __future__ import annotations

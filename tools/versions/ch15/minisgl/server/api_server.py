@@ -1,7 +1,7 @@
 """The OpenAI-compatible HTTP API: the FastAPI app and its routes.
 
 Each route parses its body (:mod:`minisgl.server.protocol`), submits the request through the
-:class:`~minisgl.server.frontend.FrontendManager`, and answers either with the whole text or
+:class:`~minisgl.server.frontend.RequestRouter`, and answers either with the whole text or
 with a Server-Sent Events stream of it. The routes: ``POST /v1/chat/completions``,
 ``POST /v1/completions``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics``, built by
 :func:`create_app`.
@@ -20,7 +20,7 @@ from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
 
-from minisgl.server.frontend import FrontendManager
+from minisgl.server.frontend import RequestRouter
 from minisgl.server.protocol import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -39,7 +39,7 @@ from minisgl.server.responses import (
 
 
 # --8<-- [start:abort_on_disconnect]
-async def abort_on_disconnect(frontend: FrontendManager, uid: int,
+async def abort_on_disconnect(frontend: RequestRouter, uid: int,
                               chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Pass ``chunks`` through; if the stream stops before they end, abort request ``uid``.
 
@@ -47,7 +47,7 @@ async def abort_on_disconnect(frontend: FrontendManager, uid: int,
     this generator (a ``CancelledError`` rises out of the ``await`` the stream waits in, through
     every generator below), or, when the disconnect shows as a failed write, drops the
     generator, which Python then closes. Either way ``finally`` runs with the stream
-    unfinished. :meth:`FrontendManager.abort` only schedules its send: a cancelled task may not
+    unfinished. :meth:`RequestRouter.abort` only schedules its send: a cancelled task may not
     wait for anything.
     """
     finished = False
@@ -61,7 +61,7 @@ async def abort_on_disconnect(frontend: FrontendManager, uid: int,
 # --8<-- [end:abort_on_disconnect]
 
 
-def sse_response(frontend: FrontendManager, uid: int,
+def sse_response(frontend: RequestRouter, uid: int,
                  chunks: AsyncIterator[bytes]) -> StreamingResponse:
     return StreamingResponse(abort_on_disconnect(frontend, uid, chunks),
                              media_type="text/event-stream",
@@ -72,7 +72,7 @@ def sse_response(frontend: FrontendManager, uid: int,
 router = APIRouter()
 
 
-def _frontend(request: Request) -> FrontendManager:
+def _frontend(request: Request) -> RequestRouter:
     return request.app.state.frontend
 
 
@@ -160,7 +160,7 @@ WORKER_METRICS: dict[str, tuple[str, str, str]] = {
 }
 
 
-def metrics_text(worker_counters: Mapping[str, int], frontend: FrontendManager) -> str:
+def metrics_text(worker_counters: Mapping[str, int], frontend: RequestRouter) -> str:
     """The Prometheus text exposition of the workers' counters and the frontend's."""
     rows = [(*WORKER_METRICS.get(name, (f"minisgl_{name}", "gauge", name)), value)
             for name, value in worker_counters.items()]
@@ -183,14 +183,14 @@ def metrics_text(worker_counters: Mapping[str, int], frontend: FrontendManager) 
 
 # =========================================================================== the app
 # --8<-- [start:create_app]
-def create_app(frontend_factory: Callable[[], FrontendManager], model_name: str, *,
+def create_app(frontend_factory: Callable[[], RequestRouter], model_name: str, *,
                model_root: str | None = None,
                metrics: Callable[[], Mapping[str, int]] | None = None,
                health: Callable[[], str | None] | None = None) -> FastAPI:
     """The FastAPI application.
 
     Args:
-        frontend_factory: builds the :class:`FrontendManager`. It is called in the app's
+        frontend_factory: builds the :class:`RequestRouter`. It is called in the app's
             lifespan, inside the server's event loop, where its async queues must live.
         model_name: the name ``/v1/models`` and every response report.
         model_root: the checkpoint directory, for ``/v1/models``.

@@ -4,7 +4,7 @@ their replies.
 The API server is one asyncio event loop and two ZMQ queues: it pushes a
 :class:`~minisgl.message.TokenizeRequest` to a tokenizer worker for every HTTP request, and it
 pulls :class:`~minisgl.message.UserReply` messages (new text) from the detokenizer for all of
-them at once. :class:`FrontendManager` numbers requests (the *uid*), sends each to tokenizer
+them at once. :class:`RequestRouter` numbers requests (the *uid*), sends each to tokenizer
 ``uid % N``, and runs the one *listener* task that reads every reply and hands it to the
 request it belongs to (a buffer and an :class:`asyncio.Event` per uid).
 
@@ -60,7 +60,7 @@ class FrontendStats:
     aborted: int = 0
 
 
-class FrontendManager:
+class RequestRouter:
     """Sends requests to the tokenizer workers and routes every reply to its request.
 
     Many HTTP requests are in flight at once, but replies come back through a single queue.
@@ -75,12 +75,12 @@ class FrontendManager:
         inbox: the queue the detokenizer sends every :class:`UserReply` to.
 
     Use it from one event loop. :meth:`start` (or the first :meth:`submit`) starts the listener;
-    it has to run inside the loop, which is why the app builds the manager in its lifespan.
+    it has to run inside the loop, which is why the app builds the router in its lifespan.
     """
 
     def __init__(self, tokenizers: Sequence[_Outbox], inbox: _Inbox) -> None:
         if not tokenizers:
-            raise ValueError("FrontendManager needs at least one tokenizer queue")
+            raise ValueError("RequestRouter needs at least one tokenizer queue")
         self._tokenizers = list(tokenizers)
         self._inbox = inbox
         self._next_uid = 0
@@ -91,10 +91,10 @@ class FrontendManager:
     # --8<-- [end:frontend_state]
 
     @classmethod
-    def connect(cls, tokenizer_addrs: Sequence[str], inbox_addr: str) -> FrontendManager:
-        """A manager on real ZMQ queues: it binds ``inbox_addr`` and connects to each
+    def connect(cls, tokenizer_addrs: Sequence[str], inbox_addr: str) -> RequestRouter:
+        """A router on real ZMQ queues: it binds ``inbox_addr`` and connects to each
         tokenizer's inbox."""
-        from minisgl.utils.mp import ZmqAsyncPullQueue, ZmqAsyncPushQueue
+        from minisgl.utils.queues import ZmqAsyncPullQueue, ZmqAsyncPushQueue
 
         inbox = ZmqAsyncPullQueue(inbox_addr, FrontendMessage, bind=True)
         tokenizers = [ZmqAsyncPushQueue(addr, TokenizerMessage, bind=False)

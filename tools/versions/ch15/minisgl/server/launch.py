@@ -34,24 +34,19 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.utils.hf import ModelPathError, resolve_model_path
 from minisgl.utils.logger import configure_logging, get_logger
-from minisgl.utils.mp import (
-    SharedCounters,
-    ipc_address,
-    new_ready_queue,
-    start_process,
-    stop_processes,
-    wait_ready,
-)
+from minisgl.utils.counters import SharedCounters
+from minisgl.utils.processes import new_ready_queue, start_process, stop_processes, wait_ready
+from minisgl.utils.queues import ipc_address
 
 if TYPE_CHECKING:
-    from minisgl.server.frontend import FrontendManager
+    from minisgl.server.frontend import RequestRouter
 
 logger = get_logger(__name__)
 
 # What ``--shell`` runs instead of the HTTP server: it gets a way to connect a frontend, the
 # model's directory and the answer's token limit. ``python -m minisgl`` passes the terminal
 # chat of ``minisgl.shell``; the shell sits above the server, so the server never imports it.
-ShellRunner = Callable[[Callable[[], "FrontendManager"], Path, int], None]
+ShellRunner = Callable[[Callable[[], "RequestRouter"], Path, int], None]
 
 # Seconds uvicorn lets requests in flight finish after SIGINT/SIGTERM before cancelling them.
 GRACEFUL_SHUTDOWN_S = 5
@@ -148,7 +143,7 @@ def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
     if args.shell and shell is None:
         raise ValueError("--shell needs the terminal front end: run python -m minisgl --shell")
     from minisgl.server.api_server import create_app
-    from minisgl.server.frontend import FrontendManager
+    from minisgl.server.frontend import RequestRouter
 
     if args.shell:  # the terminal is for the conversation: by default, warnings and errors only
         os.environ.setdefault("MINISGL_LOG_LEVEL", "WARNING")  # the workers inherit it
@@ -160,8 +155,8 @@ def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
             model_path = resolve_model_path(args.model)  # a hub id is downloaded here, once
             workers = start_workers(args, args.scheduler_config(str(model_path)))
 
-            def frontend() -> FrontendManager:
-                return FrontendManager.connect(workers.tokenizer_addrs, workers.frontend_addr)
+            def frontend() -> RequestRouter:
+                return RequestRouter.connect(workers.tokenizer_addrs, workers.frontend_addr)
 
             if shell is not None and args.shell:
                 shell(frontend, model_path, args.shell_max_tokens)

@@ -49,25 +49,20 @@ from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.lifecycle import SHUTTING_DOWN
 from minisgl.utils.hf import ModelPathError, default_model, load_hf_config, resolve_model_path
 from minisgl.utils.logger import configure_logging, get_logger
-from minisgl.utils.mp import (
-    SharedCounters,
-    ipc_address,
-    new_ready_queue,
-    start_process,
-    stop_processes,
-    wait_ready,
-)
+from minisgl.utils.counters import SharedCounters
+from minisgl.utils.processes import new_ready_queue, start_process, stop_processes, wait_ready
+from minisgl.utils.queues import ipc_address
 from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device
 
 if TYPE_CHECKING:
-    from minisgl.server.frontend import FrontendManager
+    from minisgl.server.frontend import RequestRouter
 
 logger = get_logger(__name__)
 
 # What ``--shell`` runs instead of the HTTP server: it gets a way to connect a frontend, the
 # model's directory and the answer's token limit. ``python -m minisgl`` passes the terminal
 # chat of ``minisgl.shell``; the shell sits above the server, so the server never imports it.
-ShellRunner = Callable[[Callable[[], "FrontendManager"], Path, int], None]
+ShellRunner = Callable[[Callable[[], "RequestRouter"], Path, int], None]
 
 # Chapter 16: uvicorn cancels what still runs this long after the shutdown timeout; by then the
 # frontend has ended every request, so it is only a last resort.
@@ -170,7 +165,7 @@ def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
         raise ValueError("--shell needs the terminal front end: run python -m minisgl --shell")
     resolve_device(args.device)  # CUDA asked for where there is none: fail before anything starts
     from minisgl.server.api_server import create_app
-    from minisgl.server.frontend import FrontendManager
+    from minisgl.server.frontend import RequestRouter
 
     if args.shell:  # the terminal is for the conversation: by default, warnings and errors only
         os.environ.setdefault("MINISGL_LOG_LEVEL", "WARNING")  # the workers inherit it
@@ -184,8 +179,8 @@ def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
             model_path = resolve_model_path(args.model)  # a hub id is downloaded here, once
             workers = start_workers(args, args.scheduler_config(str(model_path)))
 
-            def frontend() -> FrontendManager:
-                return FrontendManager.connect(
+            def frontend() -> RequestRouter:
+                return RequestRouter.connect(
                     workers.tokenizer_addrs, workers.frontend_addr, health=workers.health,
                     reply_buffer_size=args.reply_buffer_size,
                     slow_reader_timeout_s=args.slow_reader_timeout_s)
@@ -300,7 +295,7 @@ class OrderlyServer(uvicorn.Server):
     def _end_requests(self) -> None:
         frontend = getattr(self._app.state, "frontend", None)
         if frontend is not None:
-            frontend.fail_all(SHUTTING_DOWN)
+            frontend.lifecycle.fail_all(SHUTTING_DOWN)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()

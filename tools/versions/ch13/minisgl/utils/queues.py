@@ -1,19 +1,17 @@
-"""Processes and the queues between them.
+"""The queues between the engine's processes.
 
-The served engine is four kinds of process (API server, tokenizer, scheduler, detokenizer).
-This module holds what they share to talk and to live:
+The served engine is four kinds of process (API server, tokenizer, scheduler, detokenizer). A
+queue is a one-way ZMQ PUSH -> PULL channel carrying one family of messages:
+:class:`ZmqPushQueue` / :class:`ZmqPullQueue` block (the workers' loops);
+:class:`ZmqAsyncPushQueue` / :class:`ZmqAsyncPullQueue` are awaited (the API server's event
+loop). :func:`ipc_address` makes a fresh ``ipc://`` address (a Unix socket file) in a private
+temporary directory.
 
-- **Queues.** A one-way ZMQ PUSH -> PULL channel carrying one family of messages, serialized
-  with the codec of the class it is typed with (``message_type.dumps`` and ``.loads``; every
-  :class:`minisgl.message.Message` brings msgpack's, so this module imports no message).
-  :class:`ZmqPushQueue` / :class:`ZmqPullQueue` block (the workers' loops);
-  :class:`ZmqAsyncPushQueue` / :class:`ZmqAsyncPullQueue` are awaited (the API server's event
-  loop). Both ends name the message class they carry and check it, so a message
-  sent to the wrong process fails at once, with both names in the error.
-- **Addresses.** :func:`ipc_address` makes a fresh ``ipc://`` address (a Unix socket file) in a
-  private temporary directory.
-- **Processes.** :func:`start_process` starts a worker with the *spawn* start method;
-  :func:`stop_process` makes sure it is gone and reaped.
+The codec is passed in with the type: a queue is typed with a class that has ``dumps`` and
+``loads`` (every :class:`minisgl.message.Message` family brings msgpack's), and writes and reads
+its frames with them. So this module, below ``message`` in the package order, imports no
+message, and both ends check that what they carry is of that class: a message sent to the wrong
+process fails at once, with both names in the error.
 
 A frame (one ZMQ message) holds one message or a list of them (``put_many``); the pulling side
 returns them one by one, so a receiver never unwraps batches itself.
@@ -23,23 +21,17 @@ from __future__ import annotations
 
 import asyncio
 import atexit
-import multiprocessing
 import os
 import re
 import shutil
 import tempfile
 import uuid
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping
-from multiprocessing.process import BaseProcess
+from collections.abc import Iterable
 from typing import Any, Generic, TypeVar
 
 import zmq
 import zmq.asyncio
-
-from minisgl.utils.logger import get_logger
-
-logger = get_logger(__name__)
 
 T = TypeVar("T")
 
@@ -272,53 +264,3 @@ class ZmqAsyncPullQueue(_Queue, Generic[T]):
             self._ready.extend(_unframe(frame, self.message_type, self.address))
         return self._ready.popleft()
 # --8<-- [end:async_queue]
-
-
-# ---------------------------------------------------------------------------------- processes
-# --8<-- [start:spawn]
-# Every worker starts in a fresh interpreter ("spawn"), never as a copy of its parent ("fork").
-# fork copies the parent's memory but only the thread that called it: the CUDA driver cannot
-# run in a forked child once the parent has initialised it, and a lock that another thread
-# held at the time (ZMQ's I/O thread, torch's thread pools, logging) stays locked for ever in
-# the child. Spawn costs a second or so of start-up and needs a picklable target and arguments;
-# it buys a child that holds only what it imports itself.
-_SPAWN = multiprocessing.get_context("spawn")
-
-
-def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...] = (),
-                  kwargs: Mapping[str, Any] | None = None, daemon: bool = True) -> BaseProcess:
-    """Start ``target(*args, **kwargs)`` in a new process called ``name``, with spawn.
-
-    ``target`` must be importable by name (a module-level function), and ``args``/``kwargs``
-    picklable: pass queue addresses, not queues. ``name`` is the process name that the log
-    lines show. A daemon process (the default) is terminated when its parent exits normally, so
-    a crashed launcher leaves fewer orphans behind.
-    """
-    if not name:
-        raise ValueError("a process needs a name: its log lines show it")
-    process = _SPAWN.Process(target=target, name=name, args=args, kwargs=dict(kwargs or {}),
-                             daemon=daemon)
-    process.start()
-    logger.debug("started process %s (pid %d)", name, process.pid)
-    return process
-
-
-def stop_process(process: BaseProcess, timeout_s: float = 5.0) -> int | None:
-    """Wait for ``process`` to exit, escalating if it does not; returns its exit code.
-
-    Waits ``timeout_s`` seconds for a clean exit, then sends SIGTERM and waits again, then
-    SIGKILL. The process is always reaped (joined), so it does not linger as a zombie. The exit
-    code is negative when a signal ended the process (-15 for SIGTERM, -9 for SIGKILL).
-    """
-    process.join(timeout_s)
-    if process.is_alive():
-        logger.warning("process %s did not exit within %.1f s: terminating it",
-                       process.name, timeout_s)
-        process.terminate()
-        process.join(timeout_s)
-    if process.is_alive():
-        logger.warning("process %s ignored SIGTERM: killing it", process.name)
-        process.kill()
-        process.join()
-    return process.exitcode
-# --8<-- [end:spawn]

@@ -1,0 +1,275 @@
+"""The queues between the engine's processes.
+
+The served engine is four kinds of process (API server, tokenizer, scheduler, detokenizer). A
+queue is a one-way ZMQ PUSH -> PULL channel carrying one family of messages:
+:class:`ZmqPushQueue` / :class:`ZmqPullQueue` block (the workers' loops);
+:class:`ZmqAsyncPushQueue` / :class:`ZmqAsyncPullQueue` are awaited (the API server's event
+loop). :func:`ipc_address` makes a fresh ``ipc://`` address (a Unix socket file) in a private
+temporary directory.
+
+The codec is passed in with the type: a queue is typed with a class that has ``dumps`` and
+``loads`` (every :class:`minisgl.message.Message` family brings msgpack's), and writes and reads
+its frames with them. So this module, below ``message`` in the package order, imports no
+message, and both ends check that what they carry is of that class: a message sent to the wrong
+process fails at once, with both names in the error.
+
+A frame (one ZMQ message) holds one message or a list of them (``put_many``); the pulling side
+returns them one by one, so a receiver never unwraps batches itself.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import atexit
+import os
+import re
+import shutil
+import tempfile
+import uuid
+from collections import deque
+from collections.abc import Iterable
+from typing import Any, Generic, TypeVar
+
+import zmq
+import zmq.asyncio
+
+T = TypeVar("T")
+
+_SCHEMES = ("ipc://", "tcp://", "inproc://")
+# A Unix socket path must fit in sockaddr_un.sun_path: 108 bytes on Linux, 104 on macOS.
+_MAX_IPC_PATH = 103
+
+
+# ---------------------------------------------------------------------------------- addresses
+_ipc_dir: str | None = None  # this process's private directory, made on first use
+
+
+def ipc_address(name: str, directory: str | os.PathLike[str] | None = None) -> str:
+    """A fresh ``ipc://`` address for a queue called ``name``.
+
+    The socket file lives in ``directory``, or else in a private temporary directory that this
+    process makes on first use and removes when it exits. A random suffix keeps two addresses
+    (and two servers on one machine) apart. Pass the address string to the child processes;
+    each opens its own end of the queue.
+    """
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ValueError(f"ipc_address name must be letters, digits, '_', '.' or '-', "
+                         f"got {name!r}")
+    base = os.fspath(directory) if directory is not None else _private_ipc_dir()
+    path = os.path.join(base, f"{name}-{uuid.uuid4().hex[:8]}")
+    if len(path.encode()) > _MAX_IPC_PATH:
+        raise ValueError(f"the socket path {path!r} is {len(path.encode())} bytes; a Unix socket "
+                         f"path may have at most {_MAX_IPC_PATH}: pass a shorter directory")
+    return "ipc://" + path
+
+
+def _private_ipc_dir() -> str:
+    global _ipc_dir
+    if _ipc_dir is None:
+        _ipc_dir = tempfile.mkdtemp(prefix="minisgl-")
+        atexit.register(shutil.rmtree, _ipc_dir, ignore_errors=True)
+    return _ipc_dir
+
+
+# --8<-- [start:open_socket]
+def _open_socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
+    if not isinstance(address, str) or not address.startswith(_SCHEMES):
+        raise ValueError(f"a queue address must start with one of {_SCHEMES}, got {address!r}")
+    socket = context.socket(kind)
+    # Linger 0: closing a socket (or the interpreter exiting) never waits for a peer that may
+    # be dead already. A sender that must flush says so in close().
+    socket.setsockopt(zmq.LINGER, 0)
+    try:
+        socket.bind(address) if bind else socket.connect(address)
+    except zmq.ZMQError as exc:
+        socket.close()
+        verb = "bind" if bind else "connect"
+        raise OSError(f"cannot {verb} a queue to {address}: {exc}") from exc
+    return socket
+# --8<-- [end:open_socket]
+
+
+def _check_type(message: Any, message_type: type, address: str) -> None:
+    if not isinstance(message, message_type):
+        raise TypeError(f"the queue at {address} carries {message_type.__name__}; "
+                        f"got a {type(message).__name__}")
+
+
+def _frame(messages: list[Any], message_type: type, address: str) -> bytes:
+    for message in messages:
+        _check_type(message, message_type, address)
+    return message_type.dumps(messages[0] if len(messages) == 1 else messages)
+
+
+def _unframe(frame: bytes, message_type: type, address: str) -> list[Any]:
+    value = message_type.loads(frame)
+    messages = value if isinstance(value, list) else [value]
+    for message in messages:
+        _check_type(message, message_type, address)
+    return messages
+
+
+class _Queue:
+    """What both ends and both flavours share: the socket, the type it carries, closing."""
+
+    _socket: zmq.Socket
+
+    def __init__(self, context: zmq.Context, kind: int, address: str,
+                 message_type: type, bind: bool) -> None:
+        if not (isinstance(message_type, type) and callable(getattr(message_type, "dumps", None))
+                and callable(getattr(message_type, "loads", None))):
+            raise TypeError(f"message_type must be a class with dumps() and loads() (a message "
+                            f"family), got {message_type!r}")
+        self.address = address
+        self.message_type = message_type
+        self._socket = _open_socket(context, kind, address, bind)
+
+    @property
+    def closed(self) -> bool:
+        return self._socket.closed
+
+    # --8<-- [start:queue_close]
+    def close(self, linger_s: float = 0.0) -> None:
+        """Close the socket. Outgoing messages not yet handed to the peer are kept for at most
+        ``linger_s`` seconds: 0 (the default) at shutdown, when the peer may be gone; a second
+        or two for a sender that exits right after its last ``put``."""
+        if not self._socket.closed:
+            self._socket.close(linger=int(linger_s * 1000))
+    # --8<-- [end:queue_close]
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
+    def __getstate__(self) -> Any:
+        # A socket cannot cross a process boundary; under spawn, process arguments are pickled.
+        raise TypeError(f"a {type(self).__name__} cannot be sent to another process: pass its "
+                        f"address ({self.address}) and open a queue there")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}[{self.message_type.__name__}]({self.address})"
+
+
+# --8<-- [start:push_pull]
+class ZmqPushQueue(_Queue, Generic[T]):
+    """The sending end of a queue of ``message_type`` messages.
+
+    Args:
+        address: where the queue lives (see :func:`ipc_address`).
+        message_type: the class (usually a message family) every message must be.
+        bind: True on the end that creates the address; the other end connects. Bind on the
+            long-lived receiver, so senders can come and go.
+    """
+
+    def __init__(self, address: str, message_type: type[T], *, bind: bool) -> None:
+        super().__init__(zmq.Context.instance(), zmq.PUSH, address, message_type, bind)
+
+    def put(self, message: T) -> None:
+        """Send one message. Returns once ZMQ has queued it; the receiver gets it later."""
+        self._socket.send(_frame([message], self.message_type, self.address), copy=False)
+
+    def put_many(self, messages: Iterable[T]) -> None:
+        """Send several messages in one frame (one serialization, one wake-up for the peer)."""
+        batch = list(messages)
+        if batch:
+            self._socket.send(_frame(batch, self.message_type, self.address), copy=False)
+
+
+class ZmqPullQueue(_Queue, Generic[T]):
+    """The receiving end of a queue of ``message_type`` messages (blocking).
+
+    Messages come out one at a time and in the order they were sent by each sender, whether
+    they travelled alone or in a ``put_many`` frame.
+    """
+
+    def __init__(self, address: str, message_type: type[T], *, bind: bool) -> None:
+        super().__init__(zmq.Context.instance(), zmq.PULL, address, message_type, bind)
+        self._ready: deque[T] = deque()  # the rest of a frame that held several messages
+
+    def get(self, timeout_s: float | None = None) -> T:
+        """The next message; waits up to ``timeout_s`` seconds (None: for ever).
+
+        Raises:
+            TimeoutError: nothing arrived in time.
+        """
+        if not self._ready:
+            if timeout_s is not None and not self._socket.poll(int(timeout_s * 1000)):
+                raise TimeoutError(f"no message on {self.address} within {timeout_s} s")
+            self._receive(self._socket.recv())
+        return self._ready.popleft()
+
+    def drain(self) -> list[T]:
+        """Every message that has already arrived, in order; never waits."""
+        while self._socket.poll(0):
+            self._receive(self._socket.recv())
+        messages = list(self._ready)
+        self._ready.clear()
+        return messages
+
+    def empty(self) -> bool:
+        """True when :meth:`get` would have to wait."""
+        return not self._ready and not self._socket.poll(0)
+
+    def _receive(self, frame: bytes) -> None:
+        self._ready.extend(_unframe(frame, self.message_type, self.address))
+# --8<-- [end:push_pull]
+
+
+# --8<-- [start:async_queue]
+class ZmqAsyncPushQueue(_Queue, Generic[T]):
+    """:class:`ZmqPushQueue` for an asyncio event loop: ``await queue.put(message)``."""
+
+    def __init__(self, address: str, message_type: type[T], *, bind: bool) -> None:
+        super().__init__(zmq.asyncio.Context.instance(), zmq.PUSH, address, message_type, bind)
+
+    async def put(self, message: T) -> None:
+        """Send one message; yields to the event loop only if ZMQ's buffer is full."""
+        await self._socket.send(_frame([message], self.message_type, self.address), copy=False)
+
+    async def put_many(self, messages: Iterable[T]) -> None:
+        """Send several messages in one frame."""
+        batch = list(messages)
+        if batch:
+            await self._socket.send(_frame(batch, self.message_type, self.address), copy=False)
+
+
+class ZmqAsyncPullQueue(_Queue, Generic[T]):
+    """:class:`ZmqPullQueue` for an asyncio event loop: ``message = await queue.get()``.
+
+    While it waits, the event loop runs other coroutines (other HTTP requests): that is the
+    point of the async flavour. Use one queue from one event loop.
+    """
+
+    def __init__(self, address: str, message_type: type[T], *, bind: bool) -> None:
+        super().__init__(zmq.asyncio.Context.instance(), zmq.PULL, address, message_type, bind)
+        self._ready: deque[T] = deque()
+
+    async def get(self, timeout_s: float | None = None) -> T:
+        """The next message; waits up to ``timeout_s`` seconds (None: for ever).
+
+        Raises:
+            TimeoutError: nothing arrived in time.
+        """
+        if not self._ready:
+            if timeout_s is None:
+                frame = await self._socket.recv()
+            else:
+                try:
+                    frame = await asyncio.wait_for(self._socket.recv(), timeout_s)
+                except asyncio.TimeoutError:  # an alias of TimeoutError from Python 3.11
+                    raise TimeoutError(f"no message on {self.address} within {timeout_s} s"
+                                       ) from None
+            self._ready.extend(_unframe(frame, self.message_type, self.address))
+        return self._ready.popleft()
+# --8<-- [end:async_queue]
+
+
+def close_queues(*queues: _Queue | None) -> None:
+    """A worker's last act: close the queues it opened (None for one it never got to), then
+    the process's ZMQ context, which would otherwise wait for its sockets forever."""
+    for queue in queues:
+        if queue is not None:
+            queue.close()  # linger 0: frames not handed over yet are dropped
+    zmq.Context.instance().term()
