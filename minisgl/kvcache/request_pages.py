@@ -139,7 +139,9 @@ class RequestPages:
     def free_pages(self, pages: Sequence[int]) -> None:
         """Return pages that no row maps any more (closed rows, evicted cache entries)."""
         self._allocator.free(pages)
+    # --8<-- [end:rows]
 
+    # --8<-- [start:set_aside_page]
     def set_aside_page(self) -> int:
         """Take one page out of circulation for good; returns its id.
 
@@ -147,7 +149,7 @@ class RequestPages:
         page, which no request will ever own.
         """
         return self._allocator.alloc(1)[0]
-    # --8<-- [end:rows]
+    # --8<-- [end:set_aside_page]
 
     # ----------------------------------------------------------------------- counts
     @property
