@@ -20,8 +20,7 @@ import torch
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine, plan_kv_budget
-from minisgl.kvcache import OutOfPagesError
-from minisgl.kvcache.request_pages import RequestPages
+from minisgl.kvcache import OutOfPagesError, RequestPages
 from minisgl.models.config import ModelConfig
 
 # Prompt lengths: a one-token prompt, short ones, one that spans several 4-token pages.

@@ -38,8 +38,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.context import Context
 from minisgl.engine.graph import GraphRunner, capture_batch_sizes, cuda_graph_disabled_reason
 from minisgl.engine.sample import make_generator, sample_batch
-from minisgl.kvcache import MHAKVPool
-from minisgl.kvcache.request_pages import RequestPages
+from minisgl.kvcache import MHAKVPool, RequestPages
 from minisgl.layers.attention import use_attention_backend
 from minisgl.models import load_model
 from minisgl.models.config import ModelConfig
