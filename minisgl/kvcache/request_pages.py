@@ -55,7 +55,7 @@ class RequestPages:
         self.max_seq_len = max_seq_len
         self.page_size = page_size
         self._allocator = PageAllocator(num_pages)
-        self.table = PageTable(max_reqs, -(-max_seq_len // page_size), page_size=page_size,
+        self.table = PageTable(max_reqs, self._pages_for(max_seq_len), page_size=page_size,
                                device=device)
     # --8<-- [end:request_pages]
 
@@ -63,7 +63,7 @@ class RequestPages:
     def pages_needed(self, req: Req) -> int:
         """Pages :meth:`reserve` would take for ``req`` now (what admission control checks)."""
         if req.table_row is None:
-            return -(-req.num_tokens // self.page_size)
+            return self._pages_for(req.num_tokens)
         return self.table.pages_needed(req.table_row, req.num_tokens)
 
     def reserve(self, req: Req) -> int:
@@ -175,6 +175,9 @@ class RequestPages:
     def pages_held(self, req: Req) -> int:
         """Pages ``req``'s row maps (0 without a row)."""
         return 0 if req.table_row is None else self.table.num_pages(req.table_row)
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)  # ceiling division: a part-filled page counts
 
     def __repr__(self) -> str:
         return (f"RequestPages({self.num_free}/{self.num_pages} pages free, "
