@@ -336,7 +336,7 @@ def empty_prefix_cache(scheduler: Any) -> None:
     """Evict every page the prefix cache keeps (none are locked: nothing runs)."""
     assert not scheduler.has_work, "empty the prefix cache only while nothing runs"
     cache = scheduler.cache
-    cache.allocator.free(cache.prefix_cache.evict(cache.prefix_cache.num_evictable_pages))
+    cache.evict(cache.prefix_cache.num_evictable_pages)
     assert cache.pages_in_use == 0, "the prefix cache kept pages"
 
 

@@ -54,7 +54,7 @@ def start_requests(engine: Any, batch_size: int, context_len: int, max_tokens: i
     for first in range(0, batch_size, PREFILL_CHUNK):
         chunk = reqs[first:first + PREFILL_CHUNK]
         for req in chunk:
-            engine.reserve(req)
+            engine.pages.reserve(req)
         for req, token in zip(chunk, engine.forward(Batch(chunk, "prefill")).tolist()):
             req.append_token(token)
     return reqs
@@ -66,7 +66,7 @@ def decode_step(engine: Any, reqs: list[Any], use_graph: bool) -> float:
 
     start = time.perf_counter()
     for req in reqs:
-        engine.reserve(req)
+        engine.pages.reserve(req)
     tokens = engine.forward(Batch(reqs, "decode"), use_graph=use_graph).tolist()
     for req, token in zip(reqs, tokens):
         req.append_token(token)
@@ -148,7 +148,7 @@ def profile_batch(engine: Any, batch_size: int, args: argparse.Namespace,
     if bandwidth is not None:
         out["hbm_floor_ms"] = hbm_floor_ms(weight_bytes, kv_bytes, context, bandwidth)
     for req in reqs:
-        engine.release(req)
+        engine.pages.release(req)
     return out
 
 

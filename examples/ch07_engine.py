@@ -69,7 +69,7 @@ def run_batched(engine: Engine, prompts: list[list[int]], steps: int,
         live = [r for r in reqs if not r.is_finished]
         if not live:
             break
-        new_pages = sum(engine.reserve(r) for r in live)  # pages for this step's new tokens
+        new_pages = sum(engine.pages.reserve(r) for r in live)  # pages for this step's new tokens
         batch = Batch(live, "prefill" if step == 0 else "decode")
         lengths = [r.new_len for r in live]  # read before forward() moves cached_len up
         tokens = engine.forward(batch).tolist()
@@ -77,7 +77,7 @@ def run_batched(engine: Engine, prompts: list[list[int]], steps: int,
             req.append_token(token, engine.eos_token_ids)
         if verbose:
             positions = engine.attn_backend.metadata.positions.tolist()
-            used = engine.allocator.num_used
+            used = engine.pages.num_used
             print(f"{step:>4}  {batch.phase:<7} {batch.size:>4} {sum(lengths):>3}  "
                   f"{spans(positions, lengths):<17}{' '.join(f'{t:>4}' for t in tokens):<20}"
                   f"{used:>6} (+{new_pages})")
@@ -86,7 +86,7 @@ def run_batched(engine: Engine, prompts: list[list[int]], steps: int,
                 print(f"{'':>14}rows {[r.table_row for r in live]}, logits of rows {last} "
                       f"of the {sum(lengths)} outputs")
     for req in reqs:
-        engine.release(req)
+        engine.pages.release(req)
     return [r.output_ids for r in reqs]
 
 
@@ -112,9 +112,9 @@ def main() -> None:
     prompts = [tokenizer.encode(p) for p in PROMPTS]
     print(f"\nprompts: {', '.join(f'{len(p)} tokens' for p in prompts)} "
           f"({sum(len(p) for p in prompts)} in all); {args.page_size}-token pages")
-    free_before = engine.num_free_pages
+    free_before = engine.pages.num_free
     batched = run_batched(engine, prompts, args.steps, verbose=True)
-    print(f"pages free after release: {engine.num_free_pages} of {free_before}")
+    print(f"pages free after release: {engine.pages.num_free} of {free_before}")
 
     print("\none prompt at a time:")
     differ = 0

@@ -47,7 +47,7 @@ def decode_step(engine: Engine, reqs: list[Req], phase: str = "decode",
     """One whole step, from reserving pages to the sampled tokens on the host; its seconds."""
     start = time.perf_counter()
     for req in reqs:
-        engine.reserve(req)
+        engine.pages.reserve(req)
     tokens = engine.forward(Batch(reqs, phase), use_graph=use_graph).tolist()  # waits for the GPU
     for req, token in zip(reqs, tokens):
         req.append_token(token)
@@ -65,7 +65,7 @@ def compare_outputs(engine: Engine, runner: GraphRunner, reqs: list[Req]) -> str
     """Logits of one decode step three ways: eager, the graph's kernels launched one by one,
     and the graph replayed. The last two must be bit for bit equal."""
     for req in reqs:
-        engine.reserve(req)
+        engine.pages.reserve(req)
     ctx = engine.prepare(Batch(reqs, "decode"))
     eager = engine.run(ctx, use_graph=False).clone()
     launched = runner.run_padded_eagerly(ctx).clone()
@@ -92,7 +92,7 @@ def time_graphs(engine: Engine, runner: GraphRunner, steps: int) -> None:
         graph = median_ms(engine, reqs, steps, use_graph=True)
         print(f"  {bs:>5}  {eager:>9.2f}  {graph:>9.2f}  {eager / graph:>7.1f}x  {check}")
         for req in reqs:
-            engine.release(req)
+            engine.pages.release(req)
     print("replay = launches: replayed logits equal, bit for bit, those of the same kernels "
           "launched one by one\nvs eager: max |logit difference| from the eager step (bf16 "
           "rounding); same argmax: requests\nwhose greedy token is the same either way")
@@ -113,7 +113,7 @@ def explain_fallback(engine: Engine, runner: GraphRunner, sizes: list[int]) -> N
     print(f"\neager decode on {engine.device.type}, 4 requests, 4 steps after the prefill:")
     for req in reqs:
         print(f"  request {req.uid}: {req.output_ids}")
-        engine.release(req)
+        engine.pages.release(req)
 
 
 def describe(engine: Engine) -> None:

@@ -101,7 +101,7 @@ def main() -> None:
     assert isinstance(tree, RadixCache)
     print("\nthe radix tree after the run (token ids, | between pages):")
     print(tree.pretty(max_tokens=8))
-    free = scheduler.cache.allocator.num_free
+    free = scheduler.cache.pages.num_free
     print(f"pages: {free} free + {tree.num_cached_pages} cached = {scheduler.cache.num_pages}; "
           f"{tree.num_locked_pages} locked")
 

@@ -385,9 +385,9 @@ def test_ch08_operation_count_on_the_page(tiny_model_dir: Path) -> None:
     engine = Engine(EngineConfig(str(tiny_model_dir), device="cpu", dtype="float32",
                                  num_pages=64, cuda_graph=False))
     req = Req(0, list(range(1, 17)), SamplingParams(max_tokens=4, ignore_eos=True))
-    engine.reserve(req)
+    engine.pages.reserve(req)
     req.append_token(engine.forward(Batch([req], "prefill")).tolist()[0])
-    engine.reserve(req)
+    engine.pages.reserve(req)
 
     def counted(module: torch.nn.Module) -> Count:
         """Count the operations of every later call of `module`."""

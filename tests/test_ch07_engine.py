@@ -10,6 +10,7 @@ every page must come back when the requests are released.
 from __future__ import annotations
 
 import logging
+import random
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -19,7 +20,7 @@ import torch
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine, plan_kv_budget
-from minisgl.kvcache import OutOfPagesError
+from minisgl.kvcache import OutOfPagesError, RequestPages
 from minisgl.models.config import ModelConfig
 
 # Prompt lengths: a one-token prompt, short ones, one that spans several 4-token pages.
@@ -42,13 +43,13 @@ def run_to_completion(engine: Engine, reqs: list[Req]) -> list[list[int]]:
     phase = "prefill"
     while live := [r for r in reqs if not r.is_finished]:
         for req in live:
-            engine.reserve(req)
+            engine.pages.reserve(req)
         tokens = engine.forward(Batch(live, phase)).tolist()
         for req, token in zip(live, tokens, strict=True):
             req.append_token(token, engine.eos_token_ids)
         phase = "decode"
     for req in reqs:
-        engine.release(req)
+        engine.pages.release(req)
     return [r.output_ids for r in reqs]
 
 
@@ -95,8 +96,8 @@ def all_pages_return(request: pytest.FixtureRequest) -> Iterator[None]:
     yield
     if "engine" in request.fixturenames:
         engine: Engine = request.getfixturevalue("engine")
-        assert engine.num_free_pages == engine.kv_budget.num_pages, "pages leaked"
-        assert engine.page_table.num_free_rows == engine.config.max_running_reqs, "rows leaked"
+        assert engine.pages.num_free == engine.kv_budget.num_pages, "pages leaked"
+        assert engine.pages.num_free_rows == engine.config.max_running_reqs, "rows leaked"
 
 
 # --------------------------------------------------------------------------------------------
@@ -240,7 +241,7 @@ def test_on_cpu_the_pool_is_sized_from_the_cpu_kv_memory_flag(tiny_model_dir: Pa
     per_token = engine.model_config.kv_bytes_per_token(torch.float32)
     assert engine.kv_budget.budget_bytes == budget_bytes
     assert engine.kv_budget.num_pages == budget_bytes // (16 * per_token)  # 80 pages
-    assert engine.kv_pool.num_pages == engine.allocator.num_pages == engine.kv_budget.num_pages
+    assert engine.kv_pool.num_pages == engine.pages.num_pages == engine.kv_budget.num_pages
     assert engine.kv_pool.num_bytes <= budget_bytes
     assert engine.max_seq_len == min(engine.model_config.max_position_embeddings,
                                      engine.kv_budget.num_tokens)
@@ -267,53 +268,147 @@ def test_the_engine_logs_its_kv_budget(tiny_model_dir: Path, caplog: pytest.LogC
 
 def test_reserve_maps_the_prompt_and_a_new_page_every_page_size_steps(engine: Engine) -> None:
     req = Req(0, list(range(1, 6)), greedy(max_tokens=20))  # 5 tokens: two 4-token pages
-    assert engine.pages_to_reserve(req) == 2
-    assert engine.reserve(req) == 2 and req.table_row is not None
+    assert engine.pages.pages_needed(req) == 2
+    assert engine.pages.reserve(req) == 2 and req.table_row is not None
     grew = []
     for step in range(8):
         req.cached_len = req.num_tokens  # as if a forward pass had run
         req.append_token(1)
-        grew.append(engine.reserve(req))
+        grew.append(engine.pages.reserve(req))
     # tokens 6..13: a new page when token 9 and token 13 arrive
     assert grew == [0, 0, 0, 1, 0, 0, 0, 1]
-    assert engine.release(req) == 4 and req.table_row is None
+    assert engine.pages.release(req) == 4 and req.table_row is None
 
 
 def test_reserve_is_all_or_nothing_when_pages_run_out(tiny_model_dir: Path) -> None:
     engine = Engine(EngineConfig(tiny_model_dir, device="cpu", page_size=4, num_pages=3,
                                  max_running_reqs=2))
     small, large = Req(0, [1] * 8), Req(1, [1] * 8)
-    engine.reserve(small)  # 2 of the 3 pages
+    engine.pages.reserve(small)  # 2 of the 3 pages
     with pytest.raises(OutOfPagesError):
-        engine.reserve(large)
-    assert large.table_row is None and engine.page_table.num_free_rows == 1
-    assert engine.num_free_pages == 1
-    engine.release(small)
-    engine.reserve(large)  # now it fits
-    engine.release(large)
-    assert engine.num_free_pages == 3
+        engine.pages.reserve(large)
+    assert large.table_row is None and engine.pages.num_free_rows == 1
+    assert engine.pages.num_free == 1
+    engine.pages.release(small)
+    engine.pages.reserve(large)  # now it fits
+    engine.pages.release(large)
+    assert engine.pages.num_free == 3
+
+
+def test_a_row_that_cannot_grow_keeps_the_pages_it_had() -> None:
+    pages = RequestPages(num_pages=4, max_reqs=2, max_seq_len=32, page_size=4)
+    req = Req(0, [1] * 6)
+    assert pages.reserve(req) == 2
+    before = pages.table.row_pages(req.table_row).tolist()
+    req.cached_len = 6
+    for _ in range(11):  # 17 tokens: 5 pages, one more than the pool has
+        req.append_token(1)
+    with pytest.raises(OutOfPagesError):
+        pages.reserve(req)
+    assert pages.table.row_pages(req.table_row).tolist() == before
+    assert pages.num_free == 2 and pages.pages_held(req) == 2
+    pages.release(req)
+
+
+def test_no_free_row_means_no_pages_are_taken() -> None:
+    pages = RequestPages(num_pages=8, max_reqs=1, max_seq_len=16, page_size=4)
+    first, second = Req(0, [1] * 3), Req(1, [1] * 3)
+    pages.reserve(first)
+    with pytest.raises(RuntimeError, match="rows are in use"):
+        pages.reserve(second)
+    assert second.table_row is None and pages.num_free == 7
+
+
+def test_release_returns_every_page_and_the_row() -> None:
+    pages = RequestPages(num_pages=16, max_reqs=3, max_seq_len=40, page_size=4)
+    reqs = [Req(i, [1] * n) for i, n in enumerate([1, 9, 13])]  # 1 + 3 + 4 pages
+    taken = [pages.reserve(req) for req in reqs]
+    assert taken == [pages.pages_held(req) for req in reqs] == [1, 3, 4]
+    assert pages.num_free == 16 - 8 and pages.num_used == 8 and pages.num_free_rows == 0
+    mapped = [p for req in reqs for p in pages.table.row_pages(req.table_row).tolist()]
+    assert len(set(mapped)) == 8, "two rows map the same page"
+    assert pages.release(reqs[1]) == 3 and reqs[1].table_row is None
+    assert pages.num_free == 11 and pages.num_free_rows == 1
+    with pytest.raises(ValueError, match="holds no page-table row"):
+        pages.release(reqs[1])  # a second release would free its pages twice
+    for req in (reqs[0], reqs[2]):
+        pages.release(req)
+    assert pages.num_free == 16 and pages.num_free_rows == 3
+
+
+def test_a_row_can_start_with_pages_someone_else_holds() -> None:
+    """A prefix cache lends a new row its pages: they are mapped, not allocated; closing the
+    row hands every page back to the caller, and only what it frees becomes free."""
+    pages = RequestPages(num_pages=8, max_reqs=2, max_seq_len=32, page_size=4)
+    owner = Req(0, [1] * 8)
+    pages.reserve(owner)
+    prefix = pages.close_row(owner)  # now held by "the cache", not by a row
+    assert len(prefix) == 2 and pages.num_free == 6
+    borrower = Req(1, [1] * 10)  # 8 tokens of that prefix, 2 of its own
+    pages.open_row(borrower, prefix)
+    assert pages.pages_needed(borrower) == 1 and pages.reserve(borrower) == 1
+    row = pages.table.row_pages(borrower.table_row).tolist()
+    assert row[:2] == prefix and pages.num_free == 5
+    with pytest.raises(ValueError, match="already"):
+        pages.open_row(borrower)
+    assert pages.close_row(borrower) == row
+    pages.free_pages(row)  # the cache frees its prefix too
+    assert pages.num_free == 8
+
+
+def test_counts_agree_with_the_rows_under_random_traffic() -> None:
+    rng = random.Random(0)
+    pages = RequestPages(num_pages=40, max_reqs=6, max_seq_len=48, page_size=4)
+    running: list[Req] = []
+    for uid in range(300):
+        if running and (rng.random() < 0.4 or pages.num_free_rows == 0):
+            pages.release(running.pop(rng.randrange(len(running))))
+        req = Req(uid, [1] * rng.randint(1, 48))
+        free_before = pages.num_free
+        try:
+            got = pages.reserve(req)
+        except OutOfPagesError:
+            assert req.table_row is None and pages.num_free == free_before
+        else:
+            assert got == free_before - pages.num_free == pages.pages_held(req)
+            running.append(req)
+        held = sum(pages.pages_held(r) for r in running)
+        assert pages.num_free + held == pages.num_pages
+        assert pages.num_free_rows == 6 - len(running)
+    for req in running:
+        pages.release(req)
+    assert pages.num_free == 40
+
+
+def test_a_seeded_request_gets_its_generator_when_it_first_runs(engine: Engine) -> None:
+    req = Req(0, [3, 1, 4], SamplingParams(temperature=1.0, seed=7, max_tokens=2))
+    engine.pages.reserve(req)
+    assert req.generator is None, "pages are not a request's random stream"
+    engine.forward(Batch([req], "prefill"))
+    assert req.generator is not None
+    engine.pages.release(req)
 
 
 def test_a_request_longer_than_max_seq_len_is_refused(tiny_model_dir: Path) -> None:
     engine = Engine(EngineConfig(tiny_model_dir, device="cpu", num_pages=64, max_seq_len=10,
                                  max_running_reqs=2))
-    with pytest.raises(ValueError, match="max_seq_len is 10"):
-        engine.reserve(Req(0, [1] * 11))
+    with pytest.raises(ValueError, match="max_seq_len=10"):
+        engine.pages.reserve(Req(0, [1] * 11))
 
 
 def test_running_a_request_without_pages_is_an_error(engine: Engine) -> None:
-    with pytest.raises(ValueError, match="call engine.reserve"):
+    with pytest.raises(ValueError, match="call engine.pages.reserve"):
         engine.forward(Batch([Req(0, [1, 2])], "prefill"))
 
 
 def test_forward_moves_cached_len_past_the_tokens_it_fed(engine: Engine) -> None:
     req = Req(0, [3, 1, 4, 1, 5], greedy())
-    engine.reserve(req)
+    engine.pages.reserve(req)
     next_token = engine.forward(Batch([req], "prefill"))
     assert next_token.shape == (1,) and req.cached_len == 5 and req.new_len == 0
     req.append_token(int(next_token[0]))
     assert req.new_len == 1
-    engine.release(req)
+    engine.pages.release(req)
 
 
 # --------------------------------------------------------------------------------------------
@@ -343,7 +438,7 @@ def test_batched_equals_one_at_a_time_for_other_page_sizes(tiny_model_dir: Path,
     prompts = random_prompts([3, 17, 9], engine.model_config.vocab_size, seed=1)
     batched, alone = batched_and_alone(engine, prompts, greedy(max_tokens=6))
     assert batched == alone
-    assert engine.num_free_pages == engine.kv_budget.num_pages
+    assert engine.pages.num_free == engine.kv_budget.num_pages
 
 
 def test_each_request_samples_with_its_own_params_and_seed(engine: Engine,
@@ -364,8 +459,8 @@ def test_a_prompt_computed_in_chunks_continues_like_one_computed_at_once(
     that decodes meanwhile, give the same tokens as the whole prompt in one pass."""
     whole = run_to_completion(engine, [Req(0, prompts[3], greedy(6))])[0]
     chunked, other = Req(0, prompts[3], greedy(6)), Req(1, prompts[1], greedy(6))
-    engine.reserve(chunked)
-    engine.reserve(other)
+    engine.pages.reserve(chunked)
+    engine.pages.reserve(other)
     for size in (8, 8):  # the samples of a partial prompt mean nothing: dropped
         engine.forward(Batch([chunked], "prefill", chunk_lens=[size]))
     assert (chunked.cached_len, chunked.new_len, chunked.output_ids) == (16, 7, [])
@@ -379,11 +474,11 @@ def test_every_page_and_row_returns_after_release(engine: Engine,
                                                   prompts: list[list[int]]) -> None:
     reqs = [Req(i, p, greedy(5)) for i, p in enumerate(prompts)]
     for req in reqs:
-        engine.reserve(req)
-    assert engine.num_free_pages < engine.kv_budget.num_pages
+        engine.pages.reserve(req)
+    assert engine.pages.num_free < engine.kv_budget.num_pages
     run_to_completion(engine, reqs)
-    assert engine.num_free_pages == engine.kv_budget.num_pages
-    assert engine.page_table.num_free_rows == engine.config.max_running_reqs
+    assert engine.pages.num_free == engine.kv_budget.num_pages
+    assert engine.pages.num_free_rows == engine.config.max_running_reqs
 
 
 # --------------------------------------------------------------------------------------------
@@ -403,7 +498,7 @@ def greedy_with_logits(engine: Engine, prompts: list[list[int]],
     phase = "prefill"
     while live := [r for r in reqs if not r.is_finished]:
         for req in live:
-            engine.reserve(req)
+            engine.pages.reserve(req)
         batch = Batch(live, phase)
         step_logits = engine.run(engine.prepare(batch)).float().cpu()
         tokens = engine.sample(batch, step_logits).tolist()
@@ -413,7 +508,7 @@ def greedy_with_logits(engine: Engine, prompts: list[list[int]],
             logits[req.uid].append(row)
         phase = "decode"
     for req in reqs:
-        engine.release(req)
+        engine.pages.release(req)
     return [r.output_ids for r in reqs], [torch.stack(rows) for rows in logits]
 
 
@@ -494,4 +589,4 @@ def test_on_cuda_bf16_batched_matches_one_at_a_time_and_transformers(
         assert gap <= tolerance, f"prompt {i}: picked a token {gap:.3f} below transformers' best"
     print(f"bf16 {engine.attn_backend.name}: {identical}/{len(prompts)} prompts identical "
           "batched and alone")
-    assert engine.num_free_pages == engine.kv_budget.num_pages
+    assert engine.pages.num_free == engine.kv_budget.num_pages

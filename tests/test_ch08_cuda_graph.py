@@ -131,10 +131,10 @@ def decode_batch(engine: Engine, prompts: list[list[int]], max_tokens: int = 8) 
     reqs = [Req(i, p, SamplingParams(max_tokens=max_tokens, ignore_eos=True))
             for i, p in enumerate(prompts)]
     for req in reqs:
-        engine.reserve(req)
+        engine.pages.reserve(req)
     for req, token in zip(reqs, engine.forward(Batch(reqs, "prefill")).tolist()):
         req.append_token(token)
-        engine.reserve(req)
+        engine.pages.reserve(req)
     return reqs
 
 
@@ -142,7 +142,7 @@ def test_on_cpu_graphs_are_off_and_the_engine_still_decodes(cpu_engine: Engine) 
     runner = cpu_engine.graph_runner
     assert isinstance(runner, GraphRunner) and not runner.enabled
     assert "cpu" in runner.disabled_reason
-    assert cpu_engine.num_free_pages == cpu_engine.kv_budget.num_pages, "no pad page taken"
+    assert cpu_engine.pages.num_free == cpu_engine.kv_budget.num_pages, "no pad page taken"
     reqs = decode_batch(cpu_engine, [[1, 2, 3], [4, 5]])
     ctx = cpu_engine.prepare(Batch(reqs, "decode"))
     assert not runner.can_replay(ctx)
@@ -151,7 +151,7 @@ def test_on_cpu_graphs_are_off_and_the_engine_still_decodes(cpu_engine: Engine) 
     tokens = cpu_engine.forward(Batch(reqs, "decode"))  # eager, as if nothing happened
     assert tokens.shape == (2,)
     for req in reqs:
-        cpu_engine.release(req)
+        cpu_engine.pages.release(req)
 
 
 def test_the_flag_turns_graphs_off_and_says_so(tiny_model_dir: Path,
@@ -203,7 +203,7 @@ def check_replay_against_eager(engine: Engine, batch_sizes: list[int], steps: in
                             max_tokens=steps + 2)
         for step in range(steps):
             for req in reqs:
-                engine.reserve(req)
+                engine.pages.reserve(req)
             batch = Batch(reqs, "decode")
             ctx = engine.prepare(batch)
             assert runner.can_replay(ctx)
@@ -221,7 +221,7 @@ def check_replay_against_eager(engine: Engine, batch_sizes: list[int], steps: in
             for req, token in zip(reqs, tokens):
                 req.append_token(token)
         for req in reqs:
-            engine.release(req)
+            engine.pages.release(req)
 
 
 @pytest.mark.gpu
@@ -229,9 +229,9 @@ def check_replay_against_eager(engine: Engine, batch_sizes: list[int], steps: in
 def test_tiny_replay_equals_eager_for_exact_and_padded_batches(tiny_model_dir: Path,
                                                                page_size: int) -> None:
     engine = graph_engine(tiny_model_dir, page_size)
-    assert engine.allocator.num_used == 1, "one page is kept for the padding entries"
+    assert engine.pages.num_used == 1, "one page is kept for the padding entries"
     check_replay_against_eager(engine, [1, 3, 8, 13])  # 3 -> 4 and 13 -> 16 are padded
-    assert engine.num_free_pages == engine.kv_budget.num_pages - 1
+    assert engine.pages.num_free == engine.kv_budget.num_pages - 1
 
 
 @pytest.mark.gpu
@@ -255,7 +255,7 @@ def test_greedy_decoding_with_graphs_follows_eager(tiny_model_dir: Path) -> None
         logits = []
         while not reqs[0].is_finished:
             for req in reqs:
-                engine.reserve(req)
+                engine.pages.reserve(req)
             batch = Batch(reqs, "decode")
             ctx = engine.prepare(batch)
             step_logits = engine.run(ctx, use_graph=use_graph).clone()
@@ -265,7 +265,7 @@ def test_greedy_decoding_with_graphs_follows_eager(tiny_model_dir: Path) -> None
                 req.append_token(token)
         runs[use_graph] = ([r.output_ids for r in reqs], torch.stack(logits, dim=1))
         for req in reqs:
-            engine.release(req)
+            engine.pages.release(req)
     (eager_tokens, eager_logits), (graph_tokens, _) = runs[False], runs[True]
     for i in range(len(prompts)):
         tolerance = BF16_RELATIVE_TOLERANCE * float(eager_logits[i].abs().max())
@@ -281,12 +281,12 @@ def test_batches_the_graphs_cannot_serve_run_eagerly(tiny_model_dir: Path) -> No
     engine = graph_engine(tiny_model_dir, page_size=16, sizes=(1, 2))
     runner = engine.graph_runner
     prefill = [Req(0, [1, 2, 3])]
-    engine.reserve(prefill[0])
+    engine.pages.reserve(prefill[0])
     assert not runner.can_replay(engine.prepare(Batch(prefill, "prefill")))
-    engine.release(prefill[0])
+    engine.pages.release(prefill[0])
     reqs = decode_batch(engine, [[1, 2], [3, 4, 5], [6]])
     ctx = engine.prepare(Batch(reqs, "decode"))
     assert not runner.can_replay(ctx), "3 requests exceed the largest graph (2)"
     assert engine.forward(Batch(reqs, "decode")).shape == (3,)
     for req in reqs:
-        engine.release(req)
+        engine.pages.release(req)

@@ -91,7 +91,7 @@ def nothing_left_behind(request: pytest.FixtureRequest) -> Iterator[None]:
         assert not scheduler.has_work, "requests left waiting or running"
         scheduler.check_integrity()
         assert scheduler.cache.pages_in_use == 0, "pages leaked"
-        assert scheduler.engine.page_table.num_free_rows == 8, "rows leaked"
+        assert scheduler.engine.pages.num_free_rows == 8, "rows leaked"
 
 
 # --------------------------------------------------------------------------------------------
@@ -250,8 +250,8 @@ def test_every_page_and_row_returns_after_the_run(scheduler: Scheduler) -> None:
     reqs = [Req(i, p, greedy(5 + i)) for i, p in enumerate(random_prompts([5, 13, 2, 30]))]
     peak = max(r.pages_in_use for r in run(scheduler, reqs))
     assert peak > 0
-    assert scheduler.cache.pages_in_use == 0 and scheduler.engine.num_free_pages == 256
-    assert scheduler.engine.page_table.num_free_rows == scheduler.config.max_running_reqs
+    assert scheduler.cache.pages_in_use == 0 and scheduler.engine.pages.num_free == 256
+    assert scheduler.engine.pages.num_free_rows == scheduler.config.max_running_reqs
 
 
 # --8<-- [start:test_admission]

@@ -276,14 +276,14 @@ def test_a_request_mid_prefill_holds_its_row_and_pages(tiny_model_dir: Path,
     assert is_mid_prefill(long) and long.cached_len == 8 and long.output_ids == []
     assert result.waiting == (1,) and result.running == (0,), "it waits, at the head"
     row = long.table_row
-    pages = scheduler.engine.page_table.row_pages(row).tolist()
+    pages = scheduler.engine.pages.table.row_pages(row).tolist()
     assert len(pages) >= pages_for(8, PAGE_SIZE), "pages for the chunk it computed"
 
     while long.cached_len < 30:  # decode, chunk, decode, chunk...
         scheduler.step()
         scheduler.check_integrity()
         assert long.table_row == row, "the same row all along"
-        assert scheduler.engine.page_table.row_pages(row).tolist()[:len(pages)] == pages, \
+        assert scheduler.engine.pages.table.row_pages(row).tolist()[:len(pages)] == pages, \
             "its pages stay put: the K/V of the chunks computed so far are in them"
         if long.cached_len < 30:
             assert long.output_ids == [], "a chunk's sample is thrown away"
@@ -322,17 +322,17 @@ def test_abort_mid_prefill_gives_everything_back(tiny_model_dir: Path, plain: Sc
     assert is_mid_prefill(long) and long.cached_len == 10
     held = scheduler.cache.pages_held(long)
     in_use = scheduler.cache.pages_in_use
-    rows = scheduler.engine.page_table.num_free_rows
+    rows = scheduler.engine.pages.num_free_rows
 
     assert scheduler.abort(1) is long
     assert long.table_row is None and long.finish_reason is None and long.output_ids == []
     assert scheduler.cache.pages_in_use == in_use - held and held > 0
-    assert scheduler.engine.page_table.num_free_rows == rows + 1
+    assert scheduler.engine.pages.num_free_rows == rows + 1
     assert scheduler.num_waiting == 0
     scheduler.check_integrity()
     run(scheduler, [])
     assert scheduler.cache.pages_in_use == 0
-    assert scheduler.engine.page_table.num_free_rows == MAX_RUNNING
+    assert scheduler.engine.pages.num_free_rows == MAX_RUNNING
     assert running.output_ids == run_alone(plain, running)
 
 

@@ -623,7 +623,7 @@ def assert_pages_accounted(scheduler: Scheduler) -> None:
     cache = scheduler.cache
     prefix = cache.prefix_cache
     cached = prefix.num_cached_pages if isinstance(prefix, RadixCache) else 0
-    assert cache.allocator.num_free + cached == cache.num_pages, "a page leaked"
+    assert cache.pages.num_free + cached == cache.num_pages, "a page leaked"
     assert prefix.num_locked_pages == 0, "a finished request left its prefix locked"
     if isinstance(prefix, RadixCache):
         prefix.check_invariants()

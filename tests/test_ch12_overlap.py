@@ -85,10 +85,10 @@ def run(scheduler: OverlapScheduler, reqs: list[Req], arrivals: list[int]) -> li
     assert not any(PENDING in req.output_ids for req in reqs), "a placeholder was left behind"
     cache = scheduler.cache
     prefix = cache.prefix_cache
-    assert cache.allocator.num_free + prefix.num_evictable_pages == cache.num_pages, \
+    assert cache.pages.num_free + prefix.num_evictable_pages == cache.num_pages, \
         "a page leaked"
     assert prefix.num_locked_pages == 0, "a finished request left its prefix locked"
-    assert cache.num_admitted == 0 and scheduler.engine.page_table.num_free_rows == \
+    assert cache.num_admitted == 0 and scheduler.engine.pages.num_free_rows == \
         scheduler.config.max_running_reqs, "a row leaked"
     return results
 
@@ -273,4 +273,4 @@ def test_abort_while_in_flight(tiny_model_dir: Path) -> None:
         scheduler.check_integrity()
     assert len(dropped.output_ids) == kept and not dropped.is_finished
     assert all(len(reqs[i].output_ids) == 10 for i in (0, 2))
-    assert scheduler.cache.allocator.num_free == scheduler.cache.num_pages
+    assert scheduler.cache.pages.num_free == scheduler.cache.num_pages

@@ -6,6 +6,8 @@
 - ``allocator``: :class:`PageAllocator`, the free list of page ids.
 - ``page_table``: :class:`PageTable`, which pages hold which request's tokens. It is KV-cache
   state, read by the attention backends and the engine, so it lives here, below both.
+- ``request_pages`` (chapter 7): :class:`RequestPages`, the one owner of the allocator and the
+  page table together: the only code that gives a request pages and a row, or takes them back.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from minisgl.kvcache.base import (
 )
 from minisgl.kvcache.mha_pool import MHAKVPool
 from minisgl.kvcache.page_table import PageTable
+from minisgl.kvcache.request_pages import RequestPages
 
 __all__ = [
     "BaseKVPool",
@@ -31,4 +34,5 @@ __all__ = [
     "PageAllocator",
     "PageTable",
     "PrefixMatch",
+    "RequestPages",
 ]

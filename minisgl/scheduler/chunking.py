@@ -82,13 +82,18 @@ def unsampled(reqs: Sequence[Req]) -> Iterator[None]:
 
     A seeded request draws its samples from its own generator. A draw after a chunk would move
     that generator on, and every later token of the request would differ from an unchunked
-    run; restoring the generator's state afterwards keeps its stream where it was.
+    run; restoring the generator's state afterwards keeps its stream where it was. A request's
+    first step makes its generator (``Engine.prepare``): if that step is a cut chunk, the
+    generator is dropped again, and the next step makes it afresh from the seed.
     """
-    saved: list[tuple[torch.Generator, torch.Tensor]] = [
-        (req.generator, req.generator.get_state()) for req in reqs if req.generator is not None]
+    saved: list[tuple[Req, torch.Tensor | None]] = [
+        (req, None if req.generator is None else req.generator.get_state()) for req in reqs]
     try:
         yield
     finally:
-        for generator, state in saved:
-            generator.set_state(state)
+        for req, state in saved:
+            if state is None:
+                req.generator = None
+            else:
+                req.generator.set_state(state)
 # --8<-- [end:unsampled]

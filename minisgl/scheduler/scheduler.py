@@ -210,7 +210,7 @@ class Scheduler:
         budget_class = ChunkedPrefillBudget if self.config.chunked_prefill else PrefillBudget
         return budget_class(tokens=self.config.max_prefill_tokens,
                             pages=self.cache.available_pages - promised,
-                            rows=self.engine.page_table.num_free_rows)
+                            rows=self.engine.pages.num_free_rows)
     # --8<-- [end:schedule]
 
     def admitted_reqs(self) -> list[Req]:
@@ -282,7 +282,7 @@ class Scheduler:
         """
         self.cache.check_integrity()
         admitted = len(self.admitted_reqs())
-        rows_used = self.config.max_running_reqs - self.engine.page_table.num_free_rows
+        rows_used = self.config.max_running_reqs - self.engine.pages.num_free_rows
         if not admitted == self.cache.num_admitted == rows_used:
             raise RuntimeError(f"{admitted} request(s) should hold rows, the cache manager "
                                f"tracks {self.cache.num_admitted}, the page table has "

@@ -86,13 +86,13 @@ def mixed_batch(engine: Engine) -> Batch:
     decoding, chunked, fresh = (Req(0, prompt(9), params), Req(1, prompt(13), params),
                                 Req(2, prompt(5), params))
     for req in (decoding, chunked, fresh):
-        engine.reserve(req)
+        engine.pages.reserve(req)
     token = engine.forward(Batch([decoding], "prefill"))
     decoding.append_token(int(token[0]))
     # The first 6 tokens of the second prompt are computed ahead, as a chunked prefill would.
     engine.forward(Batch([chunked], "prefill", chunk_lens=[6]))
     for req in (decoding, chunked, fresh):
-        engine.reserve(req)
+        engine.pages.reserve(req)
     return Batch([decoding, chunked, fresh], "prefill")
 
 
@@ -112,7 +112,7 @@ def test_your_arrays_equal_the_engines(engine: Engine) -> None:
             "last-token indices differ from the engine's"
     finally:
         for req in batch.reqs:
-            engine.release(req)
+            engine.pages.release(req)
 
 
 def test_the_model_fed_your_arrays_gives_the_engines_logits(engine: Engine) -> None:
@@ -130,4 +130,4 @@ def test_the_model_fed_your_arrays_gives_the_engines_logits(engine: Engine) -> N
         assert torch.allclose(logits, expected, atol=1e-5), "the logits differ from the engine's"
     finally:
         for req in batch.reqs:
-            engine.release(req)
+            engine.pages.release(req)

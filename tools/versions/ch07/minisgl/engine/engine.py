@@ -5,10 +5,14 @@ positions, a sampler, a KV pool split into pages, a page table, attention backen
 the pages. The :class:`Engine` puts them together and owns them:
 
 1. **start-up**: load the model, size the KV pool from what memory is left (free GPU memory
-   times ``memory_fraction``, or a fixed budget on a CPU), build the pool, the page allocator,
-   the page table and the attention backend;
-2. **pages for requests**: :meth:`Engine.reserve` gives a request a page-table row and the
-   pages its next forward pass writes to; :meth:`Engine.release` takes them back;
+   times ``memory_fraction``, or a fixed budget on a CPU), build the pool, the owner of its
+   pages and rows (:class:`~minisgl.kvcache.request_pages.RequestPages`: the page allocator and
+   the page table together) and the attention backend;
+2. **pages for requests**: not the engine's business beyond building their owner:
+   ``engine.pages.reserve(req)`` gives a request a row and the pages its next forward pass
+   writes to, ``engine.pages.release(req)`` takes them back. Whoever decides which requests
+   run (an example's loop, chapter 9's scheduler) asks ``engine.pages``; the engine only
+   checks that every request of a batch has its pages;
 3. **a step**: :meth:`Engine.forward` packs a :class:`~minisgl.core.Batch` of requests into one
    flat input, lets the attention backend prepare the batch's metadata (slots, positions, the
    rows to score), runs the model once and samples one token per request, each with its own
@@ -29,11 +33,11 @@ import torch
 
 from minisgl.attention import BatchLayout, ReqSpan, create_attention_backend
 from minisgl.attention.utils import pages_for
-from minisgl.core import Batch, Req
+from minisgl.core import Batch
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.context import Context
 from minisgl.engine.sample import make_generator, sample_batch
-from minisgl.kvcache import MHAKVPool, OutOfPagesError, PageAllocator, PageTable
+from minisgl.kvcache import MHAKVPool, RequestPages
 from minisgl.layers.attention import use_attention_backend
 from minisgl.models import load_model
 from minisgl.models.config import ModelConfig
@@ -126,7 +130,8 @@ class Engine:
     Attributes:
         model: the loaded model, in eval mode.
         kv_budget: how the KV pool was sized.
-        kv_pool, allocator, page_table: the paged KV cache (chapter 5).
+        kv_pool: the paged KV cache (chapter 5).
+        pages: the one owner of the pool's pages and the page table's rows.
         attn_backend: the paged attention backend (chapter 6).
         max_seq_len: the longest sequence one request may reach.
         graph_runner: the CUDA-graph runner for decode steps (chapter 8).
@@ -151,15 +156,15 @@ class Engine:
                                                                           config.page_size))
         self.kv_pool = MHAKVPool.from_config(self.model_config, self.kv_budget.num_pages,
                                              config.page_size, self.dtype, self.device)
-        self.allocator = PageAllocator(self.kv_budget.num_pages)
         # One request can never outgrow the pool, so neither may its page-table row.
         self.max_seq_len = min(model_max_len, self.kv_budget.num_tokens)
-        self.page_table = PageTable(config.max_running_reqs,
-                                    pages_for(self.max_seq_len, config.page_size),
-                                    page_size=config.page_size, device=self.device)
+        self.pages = RequestPages(self.kv_budget.num_pages, config.max_running_reqs,
+                                  self.max_seq_len, page_size=config.page_size,
+                                  device=self.device)
         # Without tensor parallelism this device holds every query head.
         self.attn_backend = create_attention_backend(
-            config.attention_backend, self.kv_pool, self.page_table, self.model_config.num_qo_heads)
+            config.attention_backend, self.kv_pool, self.pages.table,
+            self.model_config.num_qo_heads)
         self._log_kv_budget()
         self.graph_runner: DecodeGraphs | None = self._make_graph_runner()
     # --8<-- [end:engine_init]
@@ -210,60 +215,6 @@ class Engine:
         return None
     # --8<-- [end:make_graph_runner]
 
-    # ----------------------------------------------------------------------- pages for requests
-    # --8<-- [start:reserve]
-    def pages_to_reserve(self, req: Req) -> int:
-        """Pages :meth:`reserve` would take for ``req`` now (what admission control checks)."""
-        if req.table_row is None:
-            return pages_for(req.num_tokens, self.config.page_size)
-        return self.page_table.pages_needed(req.table_row, req.num_tokens)
-
-    def reserve(self, req: Req) -> int:
-        """Make ``req``'s next forward pass possible: a page-table row and pages for its tokens.
-
-        A request without a row gets one (and, if seeded, its random generator). Then its row
-        grows to map all ``req.num_tokens`` tokens: the cached ones and those the next pass
-        writes. With ``page_size`` 16 a decoding request needs a new page every 16 steps and
-        none in between. All or nothing: if the pages are not there, nothing changes.
-
-        Returns:
-            The number of pages allocated.
-
-        Raises:
-            ValueError: the request would outgrow ``max_seq_len``.
-            OutOfPagesError: too few free pages (the caller may free some and retry).
-            RuntimeError: every page-table row is in use.
-        """
-        if req.num_tokens > self.max_seq_len:
-            raise ValueError(f"request {req.uid} has {req.num_tokens} tokens; this engine's "
-                             f"max_seq_len is {self.max_seq_len}")
-        new_row = req.table_row is None
-        row = self.page_table.alloc_row() if new_row else req.table_row
-        try:
-            pages = self.allocator.alloc(self.page_table.pages_needed(row, req.num_tokens))
-        except OutOfPagesError:
-            if new_row:
-                self.page_table.free_row(row)
-            raise
-        self.page_table.append_pages(row, pages)
-        req.table_row = row
-        if req.params.seed is not None and req.generator is None:
-            req.generator = make_generator(req.params.seed, self.device)
-        return len(pages)
-
-    def release(self, req: Req) -> int:
-        """Return ``req``'s pages to the allocator and its row to the table; returns the pages.
-
-        A prefix cache (chapter 11) keeps some pages instead; this is the plain case.
-        """
-        if req.table_row is None:
-            raise ValueError(f"request {req.uid} holds no page-table row")
-        pages = self.page_table.free_row(req.table_row)
-        self.allocator.free(pages)
-        req.table_row = None
-        return len(pages)
-    # --8<-- [end:reserve]
-
     # ----------------------------------------------------------------------- one forward step
     # --8<-- [start:forward]
     @torch.no_grad()
@@ -288,11 +239,17 @@ class Engine:
         return next_tokens
 
     def prepare(self, batch: Batch) -> Context:
-        """Pack the batch's new tokens and describe it to the attention backend."""
+        """Pack the batch's new tokens and describe it to the attention backend.
+
+        A seeded request gets its random generator here, at its first step: it belongs to the
+        request's run, not to its pages.
+        """
         for req in batch.reqs:
-            if req.table_row is None or self.pages_to_reserve(req):
+            if req.table_row is None or self.pages.pages_needed(req):
                 raise ValueError(f"request {req.uid} has no pages for its {req.num_tokens} "
-                                 "tokens: call engine.reserve(req) before running it")
+                                 "tokens: call engine.pages.reserve(req) before running it")
+            if req.params.seed is not None and req.generator is None:
+                req.generator = make_generator(req.params.seed, self.device)
         layout = BatchLayout([ReqSpan(req.table_row, req.cached_len, new_len)
                               for req, new_len in zip(batch.reqs, batch.new_lens)],
                              is_decode=batch.is_decode)
@@ -322,11 +279,6 @@ class Engine:
     # --8<-- [end:forward]
 
     # ----------------------------------------------------------------------- bookkeeping
-    @property
-    def num_free_pages(self) -> int:
-        """Pages the allocator can hand out now."""
-        return self.allocator.num_free
-
     def __repr__(self) -> str:
         name = ", ".join(self.model_config.architectures) or self.model_config.model_type
         return (f"Engine({name} on {self.device}, {str(self.dtype)[6:]}, "

@@ -1,11 +1,14 @@
 """The cache manager: every KV page a request holds, from admission to release.
 
-Three things decide where a request's keys and values live: the engine's page allocator (which
-pages are free), its page table (which pages a request's row maps, in token order) and a prefix
-cache (which pages outlive their request, to be shared by the next request with the same
-prefix). The :class:`CacheManager` is the one door to all three, so that the scheduler only ever
-says *what* happens to a request (it is admitted, it needs pages for its next step, it is done)
-and never *how* pages move.
+Two things decide where a request's keys and values live: the engine's
+:class:`~minisgl.kvcache.request_pages.RequestPages` (which pages are free, which pages a
+request's row maps, in token order), the only code that moves a page, and a prefix cache (which
+pages outlive their request, to be shared by the next request with the same prefix). The
+:class:`CacheManager` is the prefix-cache *policy* between them: what a new request may reuse,
+what to keep when it finishes, what to evict to make room. It asks ``engine.pages`` for every
+page it hands out or takes back, so that the scheduler only ever says *what* happens to a
+request (it is admitted, it needs pages for its next step, it is done) and never *how* pages
+move.
 
 Chapter 9 runs it with :class:`~minisgl.kvcache.naive_cache.NaivePrefixCache`, which keeps
 nothing; chapter 11 plugs in a radix tree. The bookkeeping below is already the general one: a
@@ -46,21 +49,20 @@ class CacheManager:
     """Hands KV pages to requests and takes them back, through a prefix cache.
 
     Args:
-        engine: the engine whose allocator and page table hold the pages.
+        engine: the engine whose ``pages`` own the pages and rows.
         prefix_cache: the policy that may keep pages after their request finishes.
 
     Attributes:
-        num_pages: the pages this manager hands out: every page the allocator had free when it
-            was made (on a GPU the engine keeps one page back for CUDA-graph padding).
+        pages: ``engine.pages``, the owner this manager asks.
+        num_pages: the pages this manager hands out: every page that was free when it was made
+            (on a GPU the engine keeps one page back for CUDA-graph padding).
     """
 
     def __init__(self, engine: Engine, prefix_cache: BasePrefixCache) -> None:
-        self.engine = engine
-        self.allocator = engine.allocator
-        self.page_table = engine.page_table
+        self.pages = engine.pages
         self.page_size = engine.config.page_size
         self.prefix_cache = prefix_cache
-        self.num_pages = engine.num_free_pages
+        self.num_pages = self.pages.num_free
         # The cached prefix each admitted request started from, and locked; popped on release.
         self._handles: dict[Req, CacheHandle] = {}
 
@@ -68,16 +70,16 @@ class CacheManager:
     @property
     def available_pages(self) -> int:
         """Pages a new request could get: the free ones, and those the cache could evict."""
-        return self.allocator.num_free + self.prefix_cache.num_evictable_pages
+        return self.pages.num_free + self.prefix_cache.num_evictable_pages
 
     @property
     def pages_in_use(self) -> int:
         """Pages not free: held by requests, or kept by the prefix cache."""
-        return self.num_pages - self.allocator.num_free
+        return self.num_pages - self.pages.num_free
 
     def pages_held(self, req: Req) -> int:
         """Pages mapped by ``req``'s page-table row (0 before admission)."""
-        return 0 if req.table_row is None else self.page_table.num_pages(req.table_row)
+        return self.pages.pages_held(req)
     # --8<-- [end:available]
 
     # --8<-- [start:admit]
@@ -98,11 +100,8 @@ class CacheManager:
         """
         if req.table_row is not None or req in self._handles:
             raise ValueError(f"request {req.uid} was admitted already")
-        row = self.page_table.alloc_row()  # first: if no row is free, nothing has changed
+        self.pages.open_row(req, match.pages)  # first: if no row is free, nothing has changed
         self.prefix_cache.lock(match.handle)
-        if match.pages:
-            self.page_table.append_pages(row, match.pages)
-        req.table_row = row
         req.cached_len = match.num_tokens
         self._handles[req] = match.handle
     # --8<-- [end:admit]
@@ -111,15 +110,22 @@ class CacheManager:
     def reserve(self, req: Req) -> int:
         """Pages for ``req``'s next forward pass; returns how many were allocated.
 
-        When the allocator is short, unlocked pages of the prefix cache are evicted first. The
+        When too few pages are free, unlocked pages of the prefix cache are evicted first. The
         scheduler admits requests only while their worst case fits, so after eviction the pages
-        are always there; running out here would be a bookkeeping bug, and the engine says so
-        (``OutOfPagesError``) instead of corrupting anyone's cache.
+        are always there; running out here would be a bookkeeping bug, and ``engine.pages`` says
+        so (``OutOfPagesError``) instead of corrupting anyone's cache.
         """
-        short = self.engine.pages_to_reserve(req) - self.allocator.num_free
+        short = self.pages.pages_needed(req) - self.pages.num_free
         if short > 0:
-            self.allocator.free(self.prefix_cache.evict(short))
-        return self.engine.reserve(req)
+            self.evict(short)
+        return self.pages.reserve(req)
+
+    def evict(self, num_pages: int) -> int:
+        """Evict up to ``num_pages`` unlocked pages of the prefix cache; returns how many went
+        back to the free pages."""
+        evicted = self.prefix_cache.evict(num_pages)
+        self.pages.free_pages(evicted)
+        return len(evicted)
     # --8<-- [end:reserve]
 
     # --8<-- [start:release]
@@ -140,8 +146,7 @@ class CacheManager:
         handle = self._handles.pop(req, None)
         if handle is None or req.table_row is None:
             raise ValueError(f"request {req.uid} holds no pages to release")
-        pages = self.page_table.free_row(req.table_row)
-        req.table_row = None
+        pages = self.pages.close_row(req)
         full_pages = req.cached_len // self.page_size  # a cache only keeps whole pages
         result = self.prefix_cache.insert(req.token_ids[:full_pages * self.page_size],
                                           pages[:full_pages])
@@ -152,7 +157,7 @@ class CacheManager:
         kept = result.handle.num_tokens // self.page_size
         assert prefix <= already <= kept <= full_pages, (prefix, already, kept, full_pages)
         to_free = pages[prefix:already] + pages[kept:]
-        self.allocator.free(to_free)
+        self.pages.free_pages(to_free)
         return len(to_free)
     # --8<-- [end:release]
 
@@ -165,10 +170,10 @@ class CacheManager:
         Raises:
             RuntimeError: the counts do not add up (a page leaked or was counted twice).
         """
-        held = sum(self.page_table.num_pages(req.table_row) - handle.num_tokens // self.page_size
+        held = sum(self.pages.pages_held(req) - handle.num_tokens // self.page_size
                    for req, handle in self._handles.items())
         cached = self.prefix_cache.num_evictable_pages + self.prefix_cache.num_locked_pages
-        free = self.allocator.num_free
+        free = self.pages.num_free
         if free + held + cached != self.num_pages:
             raise RuntimeError(f"KV page accounting is off: {free} free + {held} held by "
                                f"{len(self._handles)} request(s) + {cached} in the prefix cache "

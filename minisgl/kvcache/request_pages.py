@@ -1,0 +1,185 @@
+"""The one owner of KV pages and page-table rows: every page a request gets or gives back.
+
+Chapter 5 built two pieces of bookkeeping: the :class:`~minisgl.kvcache.allocator.PageAllocator`
+knows which pages are free, the :class:`~minisgl.kvcache.page_table.PageTable` which pages each
+row maps. A page moves in both at once, or the two disagree: a page allocated and never
+appended leaks, a row freed without its pages going somewhere leaks them all. So one object
+holds both and is the only code that moves pages; the engine builds it, and the scheduler's
+prefix-cache policy, the examples and the tests ask it. A test parses ``minisgl/`` and fails if
+anything else allocates or frees a page or a row.
+
+What it answers, for a :class:`~minisgl.core.Req`:
+
+- :meth:`RequestPages.pages_needed`: how many pages the request's next forward pass lacks;
+- :meth:`RequestPages.reserve`: a row (if it has none) and those pages, all or nothing;
+- :meth:`RequestPages.release`: its row and every page back to the free list;
+- :meth:`RequestPages.open_row` and :meth:`RequestPages.close_row`: a row that starts with a
+  cached prefix's pages, and a row taken back with its pages handed to the caller, for a prefix
+  cache (chapters 9 and 11) to keep some of them; :meth:`RequestPages.free_pages` returns the
+  rest, and whatever the cache evicts later.
+
+It decides nothing about *which* pages to keep or evict: that is the prefix cache's policy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from minisgl.core import Req
+from minisgl.kvcache.allocator import OutOfPagesError, PageAllocator
+from minisgl.kvcache.page_table import PageTable
+from minisgl.utils.checks import check_int
+
+
+# --8<-- [start:request_pages]
+class RequestPages:
+    """The KV pool's pages and the page table's rows, handed to requests and taken back.
+
+    Args:
+        num_pages: pages in the KV pool.
+        max_reqs: page-table rows: requests that can hold pages at the same time.
+        max_seq_len: the longest sequence (prompt and output) one request may reach.
+        page_size: token slots per page.
+        device: where the page table lives (the pool's device: attention reads it there).
+
+    Attributes:
+        table: the page table, for the attention backends to *read* (slots, page ids); only
+            this class changes it.
+    """
+
+    def __init__(self, num_pages: int, max_reqs: int, max_seq_len: int, *, page_size: int,
+                 device: torch.device | str = "cpu") -> None:
+        check_int("max_seq_len", max_seq_len, at_least=1)
+        self.max_seq_len = max_seq_len
+        self.page_size = page_size
+        self._allocator = PageAllocator(num_pages)
+        self.table = PageTable(max_reqs, self._pages_for(max_seq_len), page_size=page_size,
+                               device=device)
+    # --8<-- [end:request_pages]
+
+    # --8<-- [start:reserve]
+    def pages_needed(self, req: Req) -> int:
+        """Pages :meth:`reserve` would take for ``req`` now (what admission control checks)."""
+        if req.table_row is None:
+            return self._pages_for(req.num_tokens)
+        return self.table.pages_needed(req.table_row, req.num_tokens)
+
+    def reserve(self, req: Req) -> int:
+        """Make ``req``'s next forward pass possible: a row and pages for all its tokens.
+
+        A request without a row gets one; then its row grows to map all ``req.num_tokens``
+        tokens, the cached ones and those the next pass writes. With ``page_size`` 16 a decoding
+        request needs a new page every 16 steps and none in between. All or nothing: if the
+        pages are not there, nothing changes, not even the row.
+
+        Returns:
+            The number of pages allocated.
+
+        Raises:
+            ValueError: the request would outgrow ``max_seq_len``.
+            OutOfPagesError: too few free pages (the caller may free some and retry).
+            RuntimeError: every page-table row is in use.
+        """
+        if req.num_tokens > self.max_seq_len:
+            raise ValueError(f"request {req.uid} has {req.num_tokens} tokens; the longest "
+                             f"sequence this cache holds is max_seq_len={self.max_seq_len}")
+        needed = self.pages_needed(req)
+        if needed > self._allocator.num_free:  # before taking a row: nothing to undo
+            raise OutOfPagesError(requested=needed, free=self._allocator.num_free)
+        if req.table_row is None:
+            self.open_row(req)
+        if needed:  # most decode steps need none: a page holds page_size tokens
+            self.table.append_pages(req.table_row, self._allocator.alloc(needed))
+        return needed
+
+    def release(self, req: Req) -> int:
+        """Give back ``req``'s row and every page it maps; returns how many pages were freed.
+
+        The plain case: a prefix cache that keeps pages uses :meth:`close_row` instead.
+        """
+        pages = self.close_row(req)
+        self._allocator.free(pages)
+        return len(pages)
+    # --8<-- [end:reserve]
+
+    # --8<-- [start:rows]
+    def open_row(self, req: Req, prefix_pages: Sequence[int] = ()) -> int:
+        """Give ``req`` a row whose first entries are ``prefix_pages``; returns the row.
+
+        The prefix's pages are not allocated here: a prefix cache holds them (and has locked
+        them, so nothing evicts them while ``req`` reads them). With no prefix the row starts
+        empty and :meth:`reserve` fills it.
+
+        Raises:
+            ValueError: ``req`` holds a row already.
+            RuntimeError: every row is in use (nothing has changed).
+        """
+        if req.table_row is not None:
+            raise ValueError(f"request {req.uid} holds row {req.table_row} already")
+        row = self.table.alloc_row()
+        if prefix_pages:
+            self.table.append_pages(row, prefix_pages)
+        req.table_row = row
+        return row
+
+    def close_row(self, req: Req) -> list[int]:
+        """Take ``req``'s row back; returns the pages it mapped, in token order, still in use.
+
+        What becomes of them is the caller's decision: a prefix cache keeps some and gives the
+        rest to :meth:`free_pages`.
+        """
+        if req.table_row is None:
+            raise ValueError(f"request {req.uid} holds no page-table row")
+        pages = self.table.free_row(req.table_row)
+        req.table_row = None
+        return pages
+
+    def free_pages(self, pages: Sequence[int]) -> None:
+        """Return pages that no row maps any more (closed rows, evicted cache entries)."""
+        self._allocator.free(pages)
+    # --8<-- [end:rows]
+
+    # --8<-- [start:set_aside_page]
+    def set_aside_page(self) -> int:
+        """Take one page out of circulation for good; returns its id.
+
+        Chapter 8's CUDA graphs pad a batch with entries that write somewhere harmless: this
+        page, which no request will ever own.
+        """
+        return self._allocator.alloc(1)[0]
+    # --8<-- [end:set_aside_page]
+
+    # ----------------------------------------------------------------------- counts
+    @property
+    def num_pages(self) -> int:
+        """Pages in the pool, free or not."""
+        return self._allocator.num_pages
+
+    @property
+    def num_free(self) -> int:
+        """Pages free now."""
+        return self._allocator.num_free
+
+    @property
+    def num_used(self) -> int:
+        """Pages mapped by rows, kept by a prefix cache, or set aside."""
+        return self._allocator.num_used
+
+    @property
+    def num_free_rows(self) -> int:
+        """Rows free now: how many more requests could start."""
+        return self.table.num_free_rows
+
+    def pages_held(self, req: Req) -> int:
+        """Pages ``req``'s row maps (0 without a row)."""
+        return 0 if req.table_row is None else self.table.num_pages(req.table_row)
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)  # ceiling division: a part-filled page counts
+
+    def __repr__(self) -> str:
+        return (f"RequestPages({self.num_free}/{self.num_pages} pages free, "
+                f"{self.num_free_rows}/{self.table.max_reqs} rows free, "
+                f"page_size={self.page_size})")
