@@ -291,6 +291,7 @@ class Engine:
 
     # ----------------------------------------------------------------------- one forward step
     # --8<-- [start:forward]
+    # --8<-- [start:forward_in_flight]
     @torch.no_grad()
     def forward(self, batch: Batch, use_graph: bool = True) -> torch.Tensor:
         """One step: every request of ``batch`` computes its new tokens and samples one more.
@@ -327,6 +328,7 @@ class Engine:
                               for req, new_len in zip(batch.reqs, batch.new_lens)],
                              is_decode=batch.is_decode)
         return Context(batch=batch, layout=layout, input_ids=self.token_pool.input_ids(batch))
+    # --8<-- [end:forward_in_flight]
 
     @torch.no_grad()
     def run(self, ctx: Context, use_graph: bool = True) -> torch.Tensor:
