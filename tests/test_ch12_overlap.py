@@ -310,7 +310,6 @@ def test_the_token_pool_holds_what_the_host_read(tiny_model_dir: Path, overlap: 
 # --8<-- [end:pool_invariant]
 
 
-# --8<-- [start:no_read_at_launch]
 def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
                                                    monkeypatch: pytest.MonkeyPatch) -> None:
     """From scheduling to launch the host reads no token value: not the pool, not a step's
@@ -370,4 +369,3 @@ def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
     # step launches nothing and reads the last batch.
     assert events == ["launch"] + ["launch", "read"] * 4 + ["read"]
     assert [len(req.output_ids) for req in reqs] == [5, 5]
-# --8<-- [end:no_read_at_launch]

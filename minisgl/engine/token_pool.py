@@ -44,6 +44,7 @@ class TokenPool:
 
     def __init__(self, num_rows: int, max_seq_len: int, device: torch.device) -> None:
         self.row_len = max_seq_len + 1
+        # int64, as the sampler writes and the embedding reads: no conversion on either side.
         self.ids = torch.zeros(num_rows, self.row_len, dtype=torch.int64, device=device)
         self._flat = self.ids.view(-1)  # (row, position) is flat index row * row_len + position
 
