@@ -8,13 +8,13 @@ flight, results processed one step late, zombies) runs all the same.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from minisgl.core import Req, SamplingParams
+from minisgl.core import Batch, Req, SamplingParams
 from minisgl.llm import LLM
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import InFlight, OverlapScheduler
@@ -321,7 +321,7 @@ def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
     events: list[str] = []
     launching = False
 
-    def refuse_during_launch(name: str):
+    def refuse_during_launch(name: str) -> Callable[..., object]:
         real = getattr(torch.Tensor, name)
 
         def guarded(self: torch.Tensor, *args: object, **kwargs: object) -> object:
@@ -333,7 +333,7 @@ def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
     for name in ("tolist", "item", "__bool__", "__int__", "__index__", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, refuse_during_launch(name))
 
-    def recorded(function):
+    def recorded(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
         def call(*args: object) -> torch.Tensor:
             tokens = function(*args)
             holding_tokens.add(tokens.untyped_storage().data_ptr())
@@ -344,7 +344,7 @@ def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
     monkeypatch.setattr(engine, "forward", recorded(engine.forward))
     forward, wait = scheduler.forward_batch, InFlight.wait
 
-    def watched_forward(batch):
+    def watched_forward(batch: Batch) -> torch.Tensor:
         nonlocal launching
         launching = True
         try:
