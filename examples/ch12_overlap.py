@@ -77,7 +77,7 @@ def run(config: SchedulerConfig, overlap: bool, stop_token: int | None,
     scheduler.schedule_next_batch = timed(timing.plan, scheduler.schedule_next_batch)
     scheduler.prepare_batch = timed(timing.plan, scheduler.prepare_batch, add=True)
     if overlap:
-        scheduler._process = timed(timing.wait, scheduler._process)
+        scheduler._read = timed(timing.wait, scheduler._read)
     else:
         scheduler.process_batch = timed(timing.wait, scheduler.process_batch)
     reqs = []

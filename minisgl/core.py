@@ -181,11 +181,15 @@ class Req:
     token (the last sampled one, whose K/V nobody has computed yet), so every later pass is a
     one-token decode step.
 
+    Chapter 12: a sampled token is *in flight* from the moment the engine writes it into its
+    token pool on the device until the host reads it and appends it to ``output_ids``. It
+    counts in the request's length (the next step feeds it) but not in ``output_ids``.
+
     Attributes:
         uid: the caller's id for the request (unique among running requests).
         prompt_ids: the prompt's token ids (at least one).
         params: how to sample and when to stop.
-        output_ids: tokens generated so far, in order.
+        output_ids: tokens generated so far and read by the host, in order.
         table_row: the request's row of the page table while it holds one (set by the engine
             on admission), else None.
         cached_len: leading tokens whose K/V are stored in the pool.
@@ -193,6 +197,7 @@ class Req:
             engine on the engine's device), else None.
         finish_reason: None while running; "stop" (EOS or a stop token) or "length"
             (``max_tokens`` reached) once finished.
+        in_flight: tokens sampled on the device that the host has not read yet (chapter 12).
     """
 
     uid: int
@@ -203,6 +208,7 @@ class Req:
     cached_len: int = 0
     generator: torch.Generator | None = field(default=None, repr=False)
     finish_reason: FinishReason | None = None
+    in_flight: int = 0
 
     def __post_init__(self) -> None:
         # Accept any sequence of ids, or a 1-D tensor; store a plain list of ints.
@@ -221,13 +227,14 @@ class Req:
 
     @property
     def token_ids(self) -> list[int]:
-        """Prompt and output, in order: the sequence the model continues."""
+        """Prompt and output, in order: the sequence the model continues, as the host has it."""
         return self.prompt_ids + self.output_ids
 
     @property
     def num_tokens(self) -> int:
-        """Tokens in the sequence so far; the next pass leaves this many in the pool."""
-        return len(self.prompt_ids) + len(self.output_ids)
+        """Tokens in the sequence so far, in flight included; the next pass leaves this many
+        in the pool."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.in_flight
 
     @property
     def new_len(self) -> int:
@@ -235,7 +242,8 @@ class Req:
         return self.num_tokens - self.cached_len
 
     def new_token_ids(self) -> list[int]:
-        """The token ids the next forward pass feeds to the model for this request."""
+        """The token ids the next forward pass feeds to the model for this request (those the
+        host has: from chapter 12 the engine reads them from its token pool instead)."""
         return self.token_range(self.cached_len, self.num_tokens)
 
     def token_range(self, start: int, end: int) -> list[int]:
@@ -265,11 +273,16 @@ class Req:
         The rule is chapter 4's: a stop token always ends the request, an end-of-sequence
         token ends it unless ``ignore_eos``, and reaching ``max_tokens`` ends it. The stopping
         token is kept in ``output_ids``. Returns the finish reason, or None to keep going.
+
+        Chapter 12: when a token is in flight, this is that token reaching the host: it moves
+        from ``in_flight`` to ``output_ids``, and the length does not change.
         """
         if self.is_finished:
             raise RuntimeError(f"request {self.uid} already finished ({self.finish_reason}); "
                                "it cannot take another token")
         self.output_ids.append(int(token_id))
+        if self.in_flight:
+            self.in_flight -= 1
         if token_id in self.params.stop_token_ids:
             self.finish_reason = "stop"
         elif not self.params.ignore_eos and token_id in eos_token_ids:

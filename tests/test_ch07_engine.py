@@ -405,9 +405,9 @@ def test_forward_moves_cached_len_past_the_tokens_it_fed(engine: Engine) -> None
     req = Req(0, [3, 1, 4, 1, 5], greedy())
     engine.pages.reserve(req)
     next_token = engine.forward(Batch([req], "prefill"))
-    assert next_token.shape == (1,) and req.cached_len == 5 and req.new_len == 0
+    assert next_token.shape == (1,) and req.cached_len == 5
     req.append_token(int(next_token[0]))
-    assert req.new_len == 1
+    assert req.new_len == 1 and req.token_ids == [3, 1, 4, 1, 5, int(next_token[0])]
     engine.pages.release(req)
 
 

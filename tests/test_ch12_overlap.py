@@ -2,22 +2,22 @@
 
 Every end-to-end test runs the same workload with overlap on and off and compares the outputs
 token for token, checking the scheduler's bookkeeping after every step. On a CPU nothing runs
-asynchronously, but the overlapped code path (placeholders, device-side gathering of pending
-input ids, results processed one step late, zombies) runs all the same.
+asynchronously, but the overlapped code path (input ids gathered from the token pool, tokens in
+flight, results processed one step late, zombies) runs all the same.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
 
-from minisgl.core import Req, SamplingParams
+from minisgl.core import Batch, Req, SamplingParams
 from minisgl.llm import LLM
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.overlap import PENDING, OverlapScheduler
+from minisgl.scheduler.overlap import InFlight, OverlapScheduler
 from minisgl.scheduler.utils import StepResult
 
 PAGE_SIZE = 4
@@ -82,7 +82,7 @@ def run(scheduler: OverlapScheduler, reqs: list[Req], arrivals: list[int]) -> li
         step += 1
         assert step < 2000, "the run does not end"
     assert all(req.is_finished for req in reqs), "a request did not finish"
-    assert not any(PENDING in req.output_ids for req in reqs), "a placeholder was left behind"
+    assert not any(req.in_flight for req in reqs), "a token was left in flight"
     cache = scheduler.cache
     prefix = cache.prefix_cache
     assert cache.pages.num_free + prefix.num_evictable_pages == cache.num_pages, \
@@ -265,7 +265,7 @@ def test_abort_while_in_flight(tiny_model_dir: Path) -> None:
     scheduler.step()  # prefill launched
     scheduler.step()  # decode launched, prefill processed
     dropped = scheduler.abort(1)
-    assert dropped is reqs[1] and PENDING not in dropped.output_ids
+    assert dropped is reqs[1] and dropped.in_flight == 0
     scheduler.check_integrity()
     kept = len(dropped.output_ids)
     while scheduler.has_work:
@@ -274,3 +274,98 @@ def test_abort_while_in_flight(tiny_model_dir: Path) -> None:
     assert len(dropped.output_ids) == kept and not dropped.is_finished
     assert all(len(reqs[i].output_ids) == 10 for i in (0, 2))
     assert scheduler.cache.pages.num_free == scheduler.cache.num_pages
+
+
+# --8<-- [start:pool_invariant]
+def assert_pool_holds_every_token(scheduler: OverlapScheduler) -> None:
+    """Every admitted request's row of the token pool starts with the tokens the host has read
+    (a request between two chunks of its prompt: the chunks computed so far)."""
+    pool = scheduler.engine.token_pool.ids
+    for req in scheduler.admitted_reqs():
+        known = req.token_ids[:req.cached_len] if req.cached_len < len(req.prompt_ids) \
+            else req.token_ids
+        on_device = pool[req.table_row, :len(known)].tolist()
+        assert on_device == known, f"request {req.uid}: the pool holds other tokens"
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["sync", "overlap"])
+def test_the_token_pool_holds_what_the_host_read(tiny_model_dir: Path, overlap: bool) -> None:
+    """After every step, each running request's row of the pool equals its prompt and the
+    outputs read so far, and nothing else stands in ``output_ids``: a token the host has not
+    read is counted in ``in_flight`` only, at most one per request between two steps."""
+    scheduler = make_scheduler(tiny_model_dir, overlap=overlap, chunked_prefill=True,
+                               max_prefill_tokens=BUDGETS["small"])
+    reqs, arrivals = workload()
+    step = 0
+    while step <= max(arrivals) or scheduler.has_work:
+        for req, arrival in zip(reqs, arrivals):
+            if arrival == step:
+                scheduler.add(req)
+        scheduler.step()
+        scheduler.check_integrity()
+        assert_pool_holds_every_token(scheduler)
+        assert all(req.in_flight <= (1 if overlap else 0) for req in reqs)
+        step += 1
+    assert all(req.is_finished and req.in_flight == 0 for req in reqs)
+# --8<-- [end:pool_invariant]
+
+
+def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """From scheduling to launch the host reads no token value: not the pool, not a step's
+    input ids, not a step's samples. It reads the batch launched the step before, and only
+    after launching the next one."""
+    scheduler = make_scheduler(tiny_model_dir, overlap=True)
+    engine, pool = scheduler.engine, scheduler.engine.token_pool
+    holding_tokens = {pool.ids.untyped_storage().data_ptr()}  # storages of token values
+    events: list[str] = []
+    launching = False
+
+    def refuse_during_launch(name: str) -> Callable[..., object]:
+        real = getattr(torch.Tensor, name)
+
+        def guarded(self: torch.Tensor, *args: object, **kwargs: object) -> object:
+            if launching and self.untyped_storage().data_ptr() in holding_tokens:
+                raise AssertionError(f"Tensor.{name} read token values during a launch")
+            return real(self, *args, **kwargs)
+        return guarded
+
+    for name in ("tolist", "item", "__bool__", "__int__", "__index__", "numpy"):
+        monkeypatch.setattr(torch.Tensor, name, refuse_during_launch(name))
+
+    def recorded(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def call(*args: object) -> torch.Tensor:
+            tokens = function(*args)
+            holding_tokens.add(tokens.untyped_storage().data_ptr())
+            return tokens
+        return call
+
+    monkeypatch.setattr(pool, "input_ids", recorded(pool.input_ids))
+    monkeypatch.setattr(engine, "forward", recorded(engine.forward))
+    forward, wait = scheduler.forward_batch, InFlight.wait
+
+    def watched_forward(batch: Batch) -> torch.Tensor:
+        nonlocal launching
+        launching = True
+        try:
+            return forward(batch)
+        finally:
+            launching = False
+            events.append("launch")
+
+    def watched_wait(flight: InFlight) -> list[int]:
+        events.append("read")
+        return wait(flight)
+
+    monkeypatch.setattr(scheduler, "forward_batch", watched_forward)
+    monkeypatch.setattr(InFlight, "wait", watched_wait)
+    reqs = [Req(i, p, SamplingParams(max_tokens=5, ignore_eos=True))
+            for i, p in enumerate(random_prompts([6, 9], seed=2))]
+    for req in reqs:
+        scheduler.add(req)
+    while scheduler.has_work:
+        scheduler.step()
+    # Every step after the first launches its batch, then reads the one before; the last
+    # step launches nothing and reads the last batch.
+    assert events == ["launch"] + ["launch", "read"] * 4 + ["read"]
+    assert [len(req.output_ids) for req in reqs] == [5, 5]

@@ -18,6 +18,11 @@ the pages. The :class:`Engine` puts them together and owns them:
    rows to score), runs the model once and samples one token per request, each with its own
    sampling parameters.
 
+Chapter 12: the input ids are no longer packed from the host's lists. The engine keeps every
+running request's tokens on the device, in a :class:`~minisgl.engine.token_pool.TokenPool`,
+writes each step's samples there and gathers the next step's input from it, so a step can be
+launched before the host has read the tokens it feeds.
+
 The engine decides nothing about *which* requests run together or when: that is the
 scheduler's job (chapter 9), which calls these methods. Examples and tests of this chapter call
 them by hand.
@@ -45,6 +50,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.context import Context
 from minisgl.engine.graph import GraphRunner, capture_batch_sizes, cuda_graph_disabled_reason
 from minisgl.engine.sample import make_generator, sample_batch
+from minisgl.engine.token_pool import TokenPool
 from minisgl.kvcache import MHAKVPool, RequestPages
 from minisgl.layers.attention import use_attention_backend
 from minisgl.layers.base import local_kv_heads
@@ -183,6 +189,11 @@ class Engine:
                                   device=self.device)
         self.attn_backend = create_attention_backend(
             config.attention_backend, self.kv_pool, self.pages.table, self.rank_config.num_qo_heads)
+        # --8<-- [start:make_token_pool]
+        # Chapter 12: the token ids of every row, on the device, so that a step can be launched
+        # before the host has read the tokens the step before sampled.
+        self.token_pool = TokenPool(config.max_running_reqs, self.max_seq_len, self.device)
+        # --8<-- [end:make_token_pool]
         self._log_kv_budget()
         self.graph_runner: DecodeGraphs | None = self._make_graph_runner()
     # --8<-- [end:engine_init]
@@ -259,29 +270,35 @@ class Engine:
 
     # ----------------------------------------------------------------------- one forward step
     # --8<-- [start:forward]
+    # --8<-- [start:forward_in_flight]
     @torch.no_grad()
     def forward(self, batch: Batch, use_graph: bool = True) -> torch.Tensor:
         """One step: every request of ``batch`` computes its new tokens and samples one more.
 
         Afterwards the K/V of every token fed in this step are in the pool, so each request's
-        ``cached_len`` moves past them (up to its ``num_tokens``, unless the batch computed
-        only a chunk: then the token sampled for that request continues a partial prompt and
-        means nothing). The sampled tokens stay on the device; the caller appends them
-        (:meth:`Req.append_token`) when it brings them to the host. ``use_graph=False`` runs a
-        decode step eagerly even where a CUDA graph could serve it (chapter 8).
+        ``cached_len`` moves past them. The sampled token of a request that computed all it had
+        left is *in flight* (chapter 12): written into the token pool, where the request's next
+        step reads it, and counted in ``req.in_flight`` until the caller appends it
+        (:meth:`Req.append_token`) once it has the value on the host. A request that computed
+        only a chunk of its prompt sampled nothing meaningful and gains no token.
+        ``use_graph=False`` runs a decode step eagerly even where a CUDA graph could serve it
+        (chapter 8).
 
         Returns:
-            ``[B]`` int64 next-token ids, one per request, in batch order.
+            ``[B]`` int64 next-token ids, one per request, in batch order, on the device.
         """
         ctx = self.prepare(batch)
         logits = self.run(ctx, use_graph=use_graph)
         next_tokens = self.sample(batch, logits)
         for req, computed in zip(batch.reqs, batch.new_lens):
+            sampled = computed == req.new_len
             req.cached_len += computed
+            if sampled:
+                req.in_flight += 1
         return next_tokens
 
     def prepare(self, batch: Batch) -> Context:
-        """Pack the batch's new tokens and describe it to the attention backend.
+        """Describe the batch to the attention backend and gather its input ids on the device.
 
         A seeded request gets its random generator here, at its first step: it belongs to the
         request's run, not to its pages.
@@ -295,9 +312,8 @@ class Engine:
         layout = BatchLayout([ReqSpan(req.table_row, req.cached_len, new_len)
                               for req, new_len in zip(batch.reqs, batch.new_lens)],
                              is_decode=batch.is_decode)
-        input_ids = torch.tensor(batch.new_token_ids(), dtype=torch.int64)
-        return Context(batch=batch, layout=layout,
-                       input_ids=input_ids.to(self.device, non_blocking=True))
+        return Context(batch=batch, layout=layout, input_ids=self.token_pool.input_ids(batch))
+    # --8<-- [end:forward_in_flight]
 
     @torch.no_grad()
     def run(self, ctx: Context, use_graph: bool = True) -> torch.Tensor:
@@ -316,17 +332,20 @@ class Engine:
 
     # --8<-- [start:sample]
     def sample(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
-        """One token per row of ``logits``, each with its request's parameters and generator.
+        """One token per row of ``logits``, each with its request's parameters and generator,
+        written into the token pool after each request's fed tokens (chapter 12).
 
         Chapter 17: with several ranks, rank 0 samples and the others receive its tokens, so
         every rank's requests continue with the same token whatever their logits' last bits.
         """
-        if not self.tp.is_primary:
-            return broadcast_from_rank0(torch.empty(len(batch.reqs), dtype=torch.int64,
-                                                    device=self.device))
-        tokens = sample_batch(logits, [req.params for req in batch.reqs],
-                              [req.generator for req in batch.reqs])
-        return broadcast_from_rank0(tokens)
+        if self.tp.is_primary:
+            tokens = sample_batch(logits, [req.params for req in batch.reqs],
+                                  [req.generator for req in batch.reqs])
+        else:
+            tokens = torch.empty(len(batch.reqs), dtype=torch.int64, device=self.device)
+        tokens = broadcast_from_rank0(tokens)
+        self.token_pool.store_samples(batch, tokens)
+        return tokens
     # --8<-- [end:sample]
     # --8<-- [end:forward]
 

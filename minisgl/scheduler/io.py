@@ -44,7 +44,7 @@ from minisgl.message import (
     server_error,
 )
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.overlap import OverlapScheduler, num_sampled
+from minisgl.scheduler.overlap import OverlapScheduler
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.tp import TPLaunch, TPLeaderScheduler
 from minisgl.scheduler.utils import output_room
@@ -169,8 +169,8 @@ class SchedulerIO:
 
         With overlap (chapter 12) a step reads the tokens of the batch launched the step
         before, so the requests that may have a new token are those of this step's batch and
-        of the previous one. A request's output may end with a placeholder for a token still
-        on the device: only the tokens before it are real.
+        of the previous one. A request's ``output_ids`` hold only tokens the host has read:
+        one still on the device is not there yet.
         """
         live = list(self.live)
         try:
@@ -193,7 +193,7 @@ class SchedulerIO:
 
     def _new_tokens(self, req: Req, finished: bool) -> list[DetokenizeRequest]:
         out = req.output_ids
-        real = num_sampled(out)
+        real = len(out)
         sent = self._sent[req.uid]
         assert real > sent or not finished, f"request {req.uid} finished without a new token"
         messages = []

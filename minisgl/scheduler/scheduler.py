@@ -161,10 +161,7 @@ class Scheduler:
         """
         batch = self.schedule_next_batch()
         if batch is None:
-            if self.prefill.runnable:  # admission can always take a request into an empty pool
-                raise RuntimeError(f"{self.num_waiting} request(s) wait but none can be admitted "
-                                   f"with nothing running: {self.prefill_budget()}")
-            return self._report(None, 0, [])
+            return self.idle_step()
         num_tokens = batch.num_tokens  # read before the forward pass moves cached_len
         new_lens = tuple(batch.new_lens)  # likewise (chapter 10 reports each request's chunk)
         new_pages = self.prepare_batch(batch)
@@ -173,6 +170,13 @@ class Scheduler:
         result = self._report(batch, num_tokens, finished, new_pages=new_pages, new_lens=new_lens)
         self.num_steps += 1
         return result
+
+    def idle_step(self) -> StepResult:
+        """The step when no batch can run: idle, unless requests wait that could never run."""
+        if self.prefill.runnable:  # admission can always take a request into an empty pool
+            raise RuntimeError(f"{self.num_waiting} request(s) wait but none can be admitted "
+                               f"with nothing running: {self.prefill_budget()}")
+        return self._report(None, 0, [])
     # --8<-- [end:step]
 
     # --8<-- [start:schedule]
@@ -240,7 +244,7 @@ class Scheduler:
         """
         finished: list[Req] = []
         for req, token in zip(batch.reqs, next_tokens.tolist(), strict=True):
-            if req.new_len > 0:  # only a chunk of its prompt ran (chapter 10): nothing to append
+            if is_mid_prefill(req):  # only a chunk of its prompt ran (chapter 10): no new token
                 continue
             if req.append_token(token, self.eos_token_ids) is not None:
                 self._retire(req)

@@ -1,0 +1,97 @@
+"""The token pool: every running request's token ids, kept on the engine's device.
+
+A forward pass needs the ids of the tokens it feeds. Chapters 7 to 11 copied them from the
+host's lists (``prompt_ids + output_ids``) on every step, which means the host had to *know*
+every token before it could launch the step that feeds it. Chapter 12 launches a step before
+the host has read the token the step before sampled, so the ids must come from somewhere the
+device writes itself.
+
+:class:`TokenPool` is that place: one ``[max_running_reqs, max_seq_len + 1]`` integer tensor on
+the device, indexed like the KV cache's page table, by a request's row and a token's position.
+
+- the host writes a request's prompt tokens as the passes that feed them are prepared (the
+  host knows those: the caller gave them);
+- right after sampling, each request's new token is written on the device at the position that
+  follows its fed tokens (a cut prefill chunk's sample continues a half-read prompt and is not
+  written);
+- a pass's input ids are gathered from it on the device, at ``(row, position)`` pairs that the
+  host computes from lengths alone.
+
+So the host never needs a token's value to launch the step that feeds it: it needs how long
+each request is. The engine owns the pool, next to the page table whose rows index it: the
+engine is what feeds tokens to the model and samples new ones, and nothing else reads or writes
+token values on the device.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from minisgl.core import Batch, Req
+
+
+# --8<-- [start:token_pool]
+class TokenPool:
+    """The token ids of every request holding a page-table row, on the device.
+
+    Args:
+        num_rows: rows of the page table (``max_running_reqs``).
+        max_seq_len: the longest sequence one request may reach. A row has one column more:
+            a request at that length still samples a last token, which is written but never
+            fed.
+        device: the engine's device.
+    """
+
+    def __init__(self, num_rows: int, max_seq_len: int, device: torch.device) -> None:
+        self.row_len = max_seq_len + 1
+        # int64, as the sampler writes and the embedding reads: no conversion on either side.
+        self.ids = torch.zeros(num_rows, self.row_len, dtype=torch.int64, device=device)
+        self._flat = self.ids.view(-1)  # (row, position) is flat index row * row_len + position
+
+    def input_ids(self, batch: Batch) -> torch.Tensor:
+        """The ``[T]`` ids ``batch`` feeds, packed request after request, gathered on the device.
+
+        The prompt tokens among them are written into the pool first, from the host's lists;
+        every other one is a token some earlier pass sampled and wrote here. All three index
+        lists travel in one copy to the device that the host does not wait for.
+        """
+        dst: list[int] = []     # where the prompt tokens fed now go
+        prompt: list[int] = []  # their values
+        src: list[int] = []     # where every fed token is read from
+        for req, n in zip(batch.reqs, batch.new_lens):
+            row = self._row_start(req)
+            start, end = req.cached_len, req.cached_len + n
+            src += range(row + start, row + end)
+            prompt_end = min(end, len(req.prompt_ids))
+            if start < prompt_end:
+                dst += range(row + start, row + prompt_end)
+                prompt += req.prompt_ids[start:prompt_end]
+        k = len(dst)
+        lists = torch.tensor(dst + prompt + src, dtype=torch.int64)
+        lists = lists.to(self.ids.device, non_blocking=True)
+        if k:
+            self._flat[lists[:k]] = lists[k:2 * k]
+        return self._flat[lists[2 * k:]]
+
+    def store_samples(self, batch: Batch, tokens: torch.Tensor) -> None:
+        """Write ``tokens`` (``[B]``, on the device) after each request's fed tokens.
+
+        Call it before the requests' lengths move on. A request that feeds only part of what it
+        has left (a cut prompt, chapter 10) sampled nothing meaningful: its token is skipped.
+        """
+        dst: list[int] = []
+        picks: list[int] = []
+        for i, (req, n) in enumerate(zip(batch.reqs, batch.new_lens)):
+            if n == req.new_len:
+                dst.append(self._row_start(req) + req.num_tokens)
+                picks.append(i)
+        if not dst:
+            return
+        lists = torch.tensor(dst + picks, dtype=torch.int64).to(self.ids.device,
+                                                                 non_blocking=True)
+        self._flat[lists[:len(dst)]] = tokens[lists[len(dst):]]
+
+    def _row_start(self, req: Req) -> int:
+        assert req.table_row is not None, f"request {req.uid} holds no page-table row"
+        return req.table_row * self.row_len
+# --8<-- [end:token_pool]

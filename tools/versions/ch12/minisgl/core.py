@@ -1,0 +1,366 @@
+"""The engine's core data types.
+
+- :class:`SamplingParams` (chapter 4): the per-request knobs that decide how the next token is
+  chosen from the model's logits and when generation stops.
+- :class:`Req` (chapter 7): one request as the engine sees it: its tokens, how many of them
+  already have keys and values in the KV pool, its page-table row, its random generator and
+  whether it has finished.
+- :class:`Batch` (chapter 7): the requests of one forward pass, all in the prefill phase or all
+  in the decode phase.
+
+These are plain data: nothing here allocates memory, runs a model or decides which request runs
+next. The engine (``minisgl.engine.engine``) runs batches and the scheduler (chapter 9) builds
+them.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from numbers import Integral, Real
+from typing import TYPE_CHECKING, Literal
+
+if TYPE_CHECKING:  # type names only: this module must stay importable without torch
+    import torch
+
+
+# A torch.Generator accepts any seed that fits in an unsigned 64-bit integer.
+_MAX_SEED = 2**64 - 1
+
+
+# --8<-- [start:sampling_params]
+@dataclass(frozen=True)
+class SamplingParams:
+    """How to pick each next token and when to stop, for one request.
+
+    The filters are applied in a fixed order to the temperature-scaled distribution:
+    top-k, then top-p on what top-k kept, then min-p. Each filter always keeps the most
+    likely token, so some token can always be drawn.
+
+    Attributes:
+        temperature: Divides the logits before the softmax. ``0`` means greedy decoding
+            (always the most likely token); values below 1 sharpen the distribution, values
+            above 1 flatten it.
+        top_k: Keep only the ``k`` most likely tokens; ``-1`` turns the filter off.
+        top_p: Nucleus sampling: keep the smallest set of most likely tokens whose total
+            probability is at least ``top_p``; ``1.0`` turns the filter off.
+        min_p: Drop tokens whose probability is below ``min_p`` times the probability of
+            the most likely token; ``0.0`` turns the filter off.
+        ignore_eos: Keep generating after an end-of-sequence token (benchmarks use this to
+            get outputs of a known length).
+        max_tokens: The most tokens to generate for this request.
+        stop_token_ids: Extra token ids that end generation, like an end-of-sequence token
+            but applied even when ``ignore_eos`` is set.
+        seed: Seed for this request's own random generator, so that its samples are
+            reproducible whatever else shares the batch; ``None`` uses the global generator.
+    """
+
+    temperature: float = 0.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    ignore_eos: bool = False
+    max_tokens: int = 16
+    stop_token_ids: tuple[int, ...] = ()
+    seed: int | None = None
+
+    def __post_init__(self) -> None:
+        self._validate()
+
+    @property
+    def is_greedy(self) -> bool:
+        """True when the next token is always the argmax of the logits.
+
+        Temperature 0 is greedy by definition. ``top_k == 1`` is greedy too, at any
+        temperature: only the most likely token survives the filter.
+        """
+        return self.temperature == 0.0 or self.top_k == 1
+
+    # --8<-- [end:sampling_params]
+
+    # --8<-- [start:validate]
+    def _validate(self) -> None:
+        """Reject impossible values here, at the edge, with a message that names the field,
+        the value and what is allowed; deeper code can then trust every field."""
+        _check_real("temperature", self.temperature)
+        if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
+            _invalid("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
+
+        _check_int("top_k", self.top_k)
+        if not (self.top_k == -1 or self.top_k >= 1):
+            _invalid("top_k", self.top_k, "-1 (no top-k filter) or an integer >= 1")
+
+        _check_real("top_p", self.top_p)
+        if not 0.0 < self.top_p <= 1.0:  # also rejects NaN: every comparison with NaN fails
+            _invalid("top_p", self.top_p, "a number in (0, 1] (1 means no top-p filter)")
+
+        _check_real("min_p", self.min_p)
+        if not 0.0 <= self.min_p <= 1.0:
+            _invalid("min_p", self.min_p, "a number in [0, 1] (0 means no min-p filter)")
+
+        if not isinstance(self.ignore_eos, bool):
+            raise TypeError(f"ignore_eos must be a bool, got {self.ignore_eos!r}")
+
+        _check_int("max_tokens", self.max_tokens)
+        if self.max_tokens < 1:
+            _invalid("max_tokens", self.max_tokens, "an integer >= 1")
+
+        # Accept any iterable of ids (a list from JSON, a set) but store a tuple, so the
+        # frozen dataclass stays hashable and nobody can mutate it behind our back.
+        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(
+            self.stop_token_ids, Iterable
+        ):
+            raise TypeError(
+                f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}"
+            )
+        stop_ids = tuple(self.stop_token_ids)
+        for token_id in stop_ids:
+            if isinstance(token_id, bool) or not isinstance(token_id, Integral) or token_id < 0:
+                _invalid(
+                    "stop_token_ids",
+                    self.stop_token_ids,
+                    f"a sequence of integers >= 0 ({token_id!r} is not)",
+                )
+        object.__setattr__(self, "stop_token_ids", stop_ids)
+
+        if self.seed is not None:
+            _check_int("seed", self.seed)
+            if not 0 <= self.seed <= _MAX_SEED:
+                _invalid("seed", self.seed, f"None or an integer in [0, {_MAX_SEED}]")
+
+    # --8<-- [end:validate]
+
+
+def _check_int(field: str, value: object) -> None:
+    # bool is a subclass of int in Python; `top_k=True` is a bug, not a 1.
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise TypeError(f"{field} must be an integer, got {value!r} ({type(value).__name__})")
+
+
+def _check_real(field: str, value: object) -> None:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise TypeError(f"{field} must be a number, got {value!r} ({type(value).__name__})")
+
+
+def _invalid(field: str, value: object, allowed: str) -> None:
+    raise ValueError(f"{field} must be {allowed}, got {value!r}")
+
+
+# --------------------------------------------------------------------------------------------
+# Chapter 7: requests, batches and the context of a forward pass
+# --------------------------------------------------------------------------------------------
+
+FinishReason = Literal["stop", "length"]
+Phase = Literal["prefill", "decode"]
+PHASES: tuple[Phase, ...] = ("prefill", "decode")
+
+
+# --8<-- [start:req]
+@dataclass(eq=False)  # identity, not field equality: two requests with equal fields are two
+class Req:
+    """One request on its way through the engine.
+
+    A request's tokens are its prompt followed by what it has generated so far. The KV pool
+    holds keys and values for the first ``cached_len`` of them; the remaining ``new_len``
+    tokens are what the next forward pass must compute. After a prefill that is exactly one
+    token (the last sampled one, whose K/V nobody has computed yet), so every later pass is a
+    one-token decode step.
+
+    Chapter 12: a sampled token is *in flight* from the moment the engine writes it into its
+    token pool on the device until the host reads it and appends it to ``output_ids``. It
+    counts in the request's length (the next step feeds it) but not in ``output_ids``.
+
+    Attributes:
+        uid: the caller's id for the request (unique among running requests).
+        prompt_ids: the prompt's token ids (at least one).
+        params: how to sample and when to stop.
+        output_ids: tokens generated so far and read by the host, in order.
+        table_row: the request's row of the page table while it holds one (set by the engine
+            on admission), else None.
+        cached_len: leading tokens whose K/V are stored in the pool.
+        generator: the request's own random generator when ``params.seed`` is set (made by the
+            engine on the engine's device), else None.
+        finish_reason: None while running; "stop" (EOS or a stop token) or "length"
+            (``max_tokens`` reached) once finished.
+        in_flight: tokens sampled on the device that the host has not read yet (chapter 12).
+    """
+
+    uid: int
+    prompt_ids: list[int]
+    params: SamplingParams = field(default_factory=SamplingParams)
+    output_ids: list[int] = field(default_factory=list)
+    table_row: int | None = None
+    cached_len: int = 0
+    generator: torch.Generator | None = field(default=None, repr=False)
+    finish_reason: FinishReason | None = None
+    in_flight: int = 0
+
+    def __post_init__(self) -> None:
+        # Accept any sequence of ids, or a 1-D tensor; store a plain list of ints.
+        raw = self.prompt_ids
+        ids = raw.tolist() if hasattr(raw, "tolist") else list(raw)
+        if not ids:
+            raise ValueError(f"request {self.uid}: the prompt must hold at least one token")
+        bad = [t for t in ids if isinstance(t, bool) or not isinstance(t, Integral) or t < 0]
+        if bad:
+            raise ValueError(f"request {self.uid}: token ids must be integers >= 0, "
+                             f"got {bad[:4]}")
+        self.prompt_ids = [int(t) for t in ids]
+        if not isinstance(self.params, SamplingParams):
+            raise TypeError(f"request {self.uid}: params must be SamplingParams, "
+                            f"got {type(self.params).__name__}")
+
+    @property
+    def token_ids(self) -> list[int]:
+        """Prompt and output, in order: the sequence the model continues, as the host has it."""
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens in the sequence so far, in flight included; the next pass leaves this many
+        in the pool."""
+        return len(self.prompt_ids) + len(self.output_ids) + self.in_flight
+
+    @property
+    def new_len(self) -> int:
+        """Tokens the next forward pass computes: those without K/V in the pool yet."""
+        return self.num_tokens - self.cached_len
+
+    def new_token_ids(self) -> list[int]:
+        """The token ids the next forward pass feeds to the model for this request (those the
+        host has: from chapter 12 the engine reads them from its token pool instead)."""
+        return self.token_range(self.cached_len, self.num_tokens)
+
+    def token_range(self, start: int, end: int) -> list[int]:
+        """``token_ids[start:end]``, without building the whole sequence first.
+
+        A decode step feeds one token of a sequence that may be thousands long; copying the
+        prompt and the output into one list to read it would cost the host that much per
+        request per step.
+        """
+        num_prompt = len(self.prompt_ids)
+        if start >= num_prompt:
+            return self.output_ids[start - num_prompt:end - num_prompt]
+        if end <= num_prompt:
+            return self.prompt_ids[start:end]
+        return self.prompt_ids[start:] + self.output_ids[:end - num_prompt]
+
+    @property
+    def is_finished(self) -> bool:
+        return self.finish_reason is not None
+    # --8<-- [end:req]
+
+    # --8<-- [start:append_token]
+    def append_token(self, token_id: int,
+                     eos_token_ids: Sequence[int] = ()) -> FinishReason | None:
+        """Record a sampled token and decide whether the request is done.
+
+        The rule is chapter 4's: a stop token always ends the request, an end-of-sequence
+        token ends it unless ``ignore_eos``, and reaching ``max_tokens`` ends it. The stopping
+        token is kept in ``output_ids``. Returns the finish reason, or None to keep going.
+
+        Chapter 12: when a token is in flight, this is that token reaching the host: it moves
+        from ``in_flight`` to ``output_ids``, and the length does not change.
+        """
+        if self.is_finished:
+            raise RuntimeError(f"request {self.uid} already finished ({self.finish_reason}); "
+                               "it cannot take another token")
+        self.output_ids.append(int(token_id))
+        if self.in_flight:
+            self.in_flight -= 1
+        if token_id in self.params.stop_token_ids:
+            self.finish_reason = "stop"
+        elif not self.params.ignore_eos and token_id in eos_token_ids:
+            self.finish_reason = "stop"
+        elif len(self.output_ids) >= self.params.max_tokens:
+            self.finish_reason = "length"
+        return self.finish_reason
+    # --8<-- [end:append_token]
+
+    def __repr__(self) -> str:
+        return (f"Req(uid={self.uid}, tokens={self.num_tokens}, cached={self.cached_len}, "
+                f"row={self.table_row}, finished={self.finish_reason})")
+
+
+# --8<-- [start:batch]
+@dataclass
+class Batch:
+    """The requests of one forward pass, and its phase.
+
+    ``"prefill"``: each request brings one or more new tokens (a whole prompt, or what is left
+    of it after a cached prefix). ``"decode"``: each request brings exactly the one token it
+    sampled last, after a cached past. The phase decides which attention kernel runs, and only
+    decode batches can be replayed as CUDA graphs (chapter 8), because their shape depends on
+    the number of requests alone.
+
+    ``chunk_lens`` lets a pass compute only the first ``chunk_lens[i]`` of request ``i``'s
+    uncomputed tokens instead of all of them (chapter 10 splits long prompts this way); None
+    means all of them.
+    """
+
+    reqs: list[Req]
+    phase: Phase
+    chunk_lens: list[int] | None = None
+
+    def __post_init__(self) -> None:
+        self.reqs = list(self.reqs)
+        if self.phase not in PHASES:
+            raise ValueError(f"phase must be one of {PHASES}, got {self.phase!r}")
+        if not self.reqs:
+            raise ValueError("a batch needs at least one request")
+        if len({id(r) for r in self.reqs}) != len(self.reqs):
+            raise ValueError("a request appears twice in one batch")
+        for req in self.reqs:
+            if req.is_finished:
+                raise ValueError(f"request {req.uid} has finished ({req.finish_reason}); "
+                                 "it cannot run again")
+            if req.new_len < 1:
+                raise ValueError(f"request {req.uid} has nothing to compute "
+                                 f"(cached_len {req.cached_len} = num_tokens {req.num_tokens})")
+            if self.phase == "decode" and (req.new_len != 1 or req.cached_len == 0):
+                raise ValueError(f"request {req.uid} cannot decode: a decode step needs exactly "
+                                 f"one new token after a cached past, it has {req.new_len} new "
+                                 f"after {req.cached_len} cached (prefill it first)")
+        if self.chunk_lens is not None:
+            self.chunk_lens = list(self.chunk_lens)
+            if len(self.chunk_lens) != len(self.reqs):
+                raise ValueError(f"chunk_lens has {len(self.chunk_lens)} entries for "
+                                 f"{len(self.reqs)} requests")
+            for req, n in zip(self.reqs, self.chunk_lens):
+                if not 1 <= n <= req.new_len:
+                    raise ValueError(f"request {req.uid}: a chunk of {n} tokens must be "
+                                     f"between 1 and its {req.new_len} uncomputed tokens")
+
+    @property
+    def size(self) -> int:
+        """Requests in the batch."""
+        return len(self.reqs)
+
+    @property
+    def is_prefill(self) -> bool:
+        return self.phase == "prefill"
+
+    @property
+    def is_decode(self) -> bool:
+        return self.phase == "decode"
+
+    @property
+    def new_lens(self) -> list[int]:
+        """Tokens each request computes in this pass."""
+        if self.chunk_lens is not None:
+            return list(self.chunk_lens)
+        return [req.new_len for req in self.reqs]
+
+    @property
+    def num_tokens(self) -> int:
+        """New tokens of all requests: the length ``T`` of the model's input."""
+        return sum(self.new_lens)
+
+    def new_token_ids(self) -> list[int]:
+        """The tokens this pass feeds, request after request, packed (no padding)."""
+        ids: list[int] = []
+        for req, n in zip(self.reqs, self.new_lens):
+            ids += req.token_range(req.cached_len, req.cached_len + n)
+        return ids
+# --8<-- [end:batch]

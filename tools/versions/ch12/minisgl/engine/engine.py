@@ -1,0 +1,333 @@
+"""The engine: one batched forward step over the paged KV cache, and nothing more.
+
+Chapters 2 to 6 built the parts: a model that takes a flat sequence of tokens with their
+positions, a sampler, a KV pool split into pages, a page table, attention backends that read
+the pages. The :class:`Engine` puts them together and owns them:
+
+1. **start-up**: load the model, size the KV pool from what memory is left (free GPU memory
+   times ``memory_fraction``, or a fixed budget on a CPU), build the pool, the owner of its
+   pages and rows (:class:`~minisgl.kvcache.request_pages.RequestPages`: the page allocator and
+   the page table together) and the attention backend;
+2. **pages for requests**: not the engine's business beyond building their owner:
+   ``engine.pages.reserve(req)`` gives a request a row and the pages its next forward pass
+   writes to, ``engine.pages.release(req)`` takes them back. Whoever decides which requests
+   run (an example's loop, chapter 9's scheduler) asks ``engine.pages``; the engine only
+   checks that every request of a batch has its pages;
+3. **a step**: :meth:`Engine.forward` packs a :class:`~minisgl.core.Batch` of requests into one
+   flat input, lets the attention backend prepare the batch's metadata (slots, positions, the
+   rows to score), runs the model once and samples one token per request, each with its own
+   sampling parameters.
+
+Chapter 12: the input ids are no longer packed from the host's lists. The engine keeps every
+running request's tokens on the device, in a :class:`~minisgl.engine.token_pool.TokenPool`,
+writes each step's samples there and gathers the next step's input from it, so a step can be
+launched before the host has read the tokens it feeds.
+
+The engine decides nothing about *which* requests run together or when: that is the
+scheduler's job (chapter 9), which calls these methods. Examples and tests of this chapter call
+them by hand.
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from minisgl.attention import BatchLayout, ReqSpan, create_attention_backend
+from minisgl.attention.utils import pages_for
+from minisgl.core import Batch
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.context import Context
+from minisgl.engine.graph import GraphRunner, capture_batch_sizes, cuda_graph_disabled_reason
+from minisgl.engine.sample import make_generator, sample_batch
+from minisgl.engine.token_pool import TokenPool
+from minisgl.kvcache import MHAKVPool, RequestPages
+from minisgl.layers.attention import use_attention_backend
+from minisgl.models import load_model
+from minisgl.models.config import ModelConfig
+from minisgl.utils.logger import get_logger
+from minisgl.utils.torch_utils import resolve_device, resolve_dtype
+
+logger = get_logger(__name__)
+
+GiB = 2**30
+
+
+# --8<-- [start:kv_budget]
+@dataclass(frozen=True)
+class KVBudget:
+    """How the KV pool was sized: the budget, where it came from, and what it buys.
+
+    Attributes:
+        source: where ``budget_bytes`` came from, in words.
+        budget_bytes: memory the pool may occupy.
+        bytes_per_token: one token's K and V in every layer (``ModelConfig.kv_bytes_per_token``).
+        page_size: token slots per page.
+        num_pages: pages in the pool: the whole pages that fit in the budget, capped at what
+            the page table can ever map.
+        max_useful_pages: that cap: every row of the page table full, plus one spare page.
+        free_bytes: CUDA only: free device memory measured after loading the model.
+    """
+
+    source: str
+    budget_bytes: int
+    bytes_per_token: int
+    page_size: int
+    num_pages: int
+    max_useful_pages: int
+    free_bytes: int | None = None
+
+    @property
+    def bytes_per_page(self) -> int:
+        return self.bytes_per_token * self.page_size
+
+    @property
+    def num_tokens(self) -> int:
+        """Token slots in the pool."""
+        return self.num_pages * self.page_size
+
+    @property
+    def pool_bytes(self) -> int:
+        """Memory the pool occupies: never more than the budget."""
+        return self.num_pages * self.bytes_per_page
+
+    @property
+    def capped(self) -> bool:
+        """True when the budget would buy more pages than the page table can use."""
+        return self.num_pages == self.max_useful_pages < self.budget_bytes // self.bytes_per_page
+
+
+def plan_kv_budget(budget_bytes: int, source: str, model_config: ModelConfig,
+                   dtype: torch.dtype, page_size: int, max_useful_pages: int,
+                   free_bytes: int | None = None) -> KVBudget:
+    """Turn a memory budget into a number of pages (a pure function: no device involved)."""
+    pages = MHAKVPool.num_pages_for_budget(budget_bytes, model_config, page_size, dtype)
+    budget = KVBudget(source=source, budget_bytes=budget_bytes,
+                      bytes_per_token=model_config.kv_bytes_per_token(dtype),
+                      page_size=page_size, num_pages=min(pages, max_useful_pages),
+                      max_useful_pages=max_useful_pages, free_bytes=free_bytes)
+    if budget.num_pages < 1:
+        raise ValueError(f"the KV budget ({source}: {budget_bytes} bytes) does not hold one page "
+                         f"of {page_size} tokens x {budget.bytes_per_token} bytes; give the cache "
+                         "more memory (memory_fraction on CUDA, cpu_kv_memory / "
+                         "MINISGL_CPU_KV_MEMORY on CPU) or a smaller page_size")
+    return budget
+# --8<-- [end:kv_budget]
+
+
+class DecodeGraphs(Protocol):
+    """What the engine asks of a CUDA-graph runner (chapter 8 provides one)."""
+
+    def can_replay(self, ctx: Context) -> bool:
+        """Whether ``ctx`` is a decode batch small enough for a captured graph."""
+
+    def replay(self, ctx: Context) -> torch.Tensor:
+        """Run ``ctx`` through a captured graph; the ``[B, vocab]`` logits."""
+
+
+class Engine:
+    """Loads a model and runs batched forward steps over a paged KV cache.
+
+    Args:
+        config: the settings (see :class:`~minisgl.engine.config.EngineConfig`).
+
+    Attributes:
+        model: the loaded model, in eval mode.
+        kv_budget: how the KV pool was sized.
+        kv_pool: the paged KV cache (chapter 5).
+        pages: the one owner of the pool's pages and the page table's rows.
+        attn_backend: the paged attention backend (chapter 6).
+        max_seq_len: the longest sequence one request may reach.
+        graph_runner: the CUDA-graph runner for decode steps (chapter 8).
+    """
+
+    # --8<-- [start:engine_init]
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = resolve_device(config.device)
+        self.dtype = resolve_dtype(config.dtype, self.device)
+        if self.device.type == "cuda":
+            if self.device.index is None:  # "cuda" means the current device: name it
+                self.device = torch.device("cuda", torch.cuda.current_device())
+            torch.cuda.set_device(self.device)  # FlashInfer and CUDA graphs use the current one
+        self.model = load_model(config.model_path, self.device, self.dtype)
+        self.model_config: ModelConfig = self.model.config
+        self.eos_token_ids = self.model_config.eos_token_ids
+
+        # Size the cache *after* loading the model: what the weights took is no longer free.
+        model_max_len = self._model_max_seq_len()
+        self.kv_budget = self._plan_kv_budget(max_pages_per_req=pages_for(model_max_len,
+                                                                          config.page_size))
+        self.kv_pool = MHAKVPool.from_config(self.model_config, self.kv_budget.num_pages,
+                                             config.page_size, self.dtype, self.device)
+        # One request can never outgrow the pool, so neither may its page-table row.
+        self.max_seq_len = min(model_max_len, self.kv_budget.num_tokens)
+        self.pages = RequestPages(self.kv_budget.num_pages, config.max_running_reqs,
+                                  self.max_seq_len, page_size=config.page_size,
+                                  device=self.device)
+        # Without tensor parallelism this device holds every query head.
+        self.attn_backend = create_attention_backend(
+            config.attention_backend, self.kv_pool, self.pages.table,
+            self.model_config.num_qo_heads)
+        # --8<-- [start:make_token_pool]
+        # Chapter 12: the token ids of every row, on the device, so that a step can be launched
+        # before the host has read the tokens the step before sampled.
+        self.token_pool = TokenPool(config.max_running_reqs, self.max_seq_len, self.device)
+        # --8<-- [end:make_token_pool]
+        self._log_kv_budget()
+        self.graph_runner: DecodeGraphs | None = self._make_graph_runner()
+    # --8<-- [end:engine_init]
+
+    def _model_max_seq_len(self) -> int:
+        limit = self.model_config.max_position_embeddings
+        wanted = self.config.max_seq_len
+        if wanted is not None and wanted > limit:
+            raise ValueError(f"max_seq_len {wanted} exceeds the model's "
+                             f"max_position_embeddings ({limit}): its rotary table stops there")
+        return limit if wanted is None else wanted
+
+    # --8<-- [start:plan_kv_budget]
+    def _plan_kv_budget(self, max_pages_per_req: int) -> KVBudget:
+        """Decide the pool's memory: a fixed page count, free GPU memory, or the CPU setting."""
+        config = self.config
+        # More pages than every row of the page table can map would never be used (+1: the
+        # spare page chapter 8's CUDA graphs pad their batches with).
+        max_useful = config.max_running_reqs * max_pages_per_req + 1
+        bytes_per_page = self.model_config.kv_bytes_per_token(self.dtype) * config.page_size
+        if config.num_pages is not None:
+            return plan_kv_budget(config.num_pages * bytes_per_page, "the num_pages setting",
+                                  self.model_config, self.dtype, config.page_size, max_useful)
+        if self.device.type == "cuda":
+            free = free_device_memory(self.device)
+            return plan_kv_budget(int(free * config.memory_fraction),
+                                  f"{config.memory_fraction:g} x {free / GiB:.2f} GiB free on "
+                                  f"{self.device} after loading the model",
+                                  self.model_config, self.dtype, config.page_size, max_useful,
+                                  free_bytes=free)
+        assert config.cpu_kv_memory is not None  # EngineConfig filled it in from the environment
+        return plan_kv_budget(config.cpu_kv_memory, "cpu_kv_memory (MINISGL_CPU_KV_MEMORY)",
+                              self.model_config, self.dtype, config.page_size, max_useful)
+    # --8<-- [end:plan_kv_budget]
+
+    def _log_kv_budget(self) -> None:
+        b = self.kv_budget
+        logger.info("KV budget: %s = %.1f MiB", b.source, b.budget_bytes / 2**20)
+        logger.info("KV pool: %d pages x %d tokens = %d tokens x %d bytes = %.1f MiB%s; "
+                    "max_seq_len %d", b.num_pages, b.page_size, b.num_tokens, b.bytes_per_token,
+                    b.pool_bytes / 2**20,
+                    " (capped: enough for every page-table row)" if b.capped else "",
+                    self.max_seq_len)
+
+    # --8<-- [start:make_graph_runner]
+    def _make_graph_runner(self) -> GraphRunner:
+        """Capture decode steps as CUDA graphs, or say why not (chapter 8).
+
+        The runner is built in either case; a disabled one replays nothing, so every batch
+        runs eagerly, and its ``disabled_reason`` says why.
+        """
+        reason = cuda_graph_disabled_reason(self.config.cuda_graph, self.device,
+                                            self.attn_backend)
+        if reason is not None:
+            return GraphRunner.disabled(reason)
+        # A page no request will ever own: padding entries of a graph's batch write there.
+        pad_page = self.pages.set_aside_page()
+        return GraphRunner(self.model, self.attn_backend, capture_batch_sizes(self.config),
+                           pad_page=pad_page, vocab_size=self.model_config.vocab_size)
+    # --8<-- [end:make_graph_runner]
+
+    # ----------------------------------------------------------------------- one forward step
+    # --8<-- [start:forward]
+    # --8<-- [start:forward_in_flight]
+    @torch.no_grad()
+    def forward(self, batch: Batch, use_graph: bool = True) -> torch.Tensor:
+        """One step: every request of ``batch`` computes its new tokens and samples one more.
+
+        Afterwards the K/V of every token fed in this step are in the pool, so each request's
+        ``cached_len`` moves past them. The sampled token of a request that computed all it had
+        left is *in flight* (chapter 12): written into the token pool, where the request's next
+        step reads it, and counted in ``req.in_flight`` until the caller appends it
+        (:meth:`Req.append_token`) once it has the value on the host. A request that computed
+        only a chunk of its prompt sampled nothing meaningful and gains no token.
+        ``use_graph=False`` runs a decode step eagerly even where a CUDA graph could serve it
+        (chapter 8).
+
+        Returns:
+            ``[B]`` int64 next-token ids, one per request, in batch order, on the device.
+        """
+        ctx = self.prepare(batch)
+        logits = self.run(ctx, use_graph=use_graph)
+        next_tokens = self.sample(batch, logits)
+        for req, computed in zip(batch.reqs, batch.new_lens):
+            sampled = computed == req.new_len
+            req.cached_len += computed
+            if sampled:
+                req.in_flight += 1
+        return next_tokens
+
+    def prepare(self, batch: Batch) -> Context:
+        """Describe the batch to the attention backend and gather its input ids on the device.
+
+        A seeded request gets its random generator here, at its first step: it belongs to the
+        request's run, not to its pages.
+        """
+        for req in batch.reqs:
+            if req.table_row is None or self.pages.pages_needed(req):
+                raise ValueError(f"request {req.uid} has no pages for its {req.num_tokens} "
+                                 "tokens: call engine.pages.reserve(req) before running it")
+            if req.params.seed is not None and req.generator is None:
+                req.generator = make_generator(req.params.seed, self.device)
+        layout = BatchLayout([ReqSpan(req.table_row, req.cached_len, new_len)
+                              for req, new_len in zip(batch.reqs, batch.new_lens)],
+                             is_decode=batch.is_decode)
+        return Context(batch=batch, layout=layout, input_ids=self.token_pool.input_ids(batch))
+    # --8<-- [end:forward_in_flight]
+
+    @torch.no_grad()
+    def run(self, ctx: Context, use_graph: bool = True) -> torch.Tensor:
+        """The model's logits for the last new token of each request: ``[B, vocab]`` float32.
+
+        A decode batch that a captured CUDA graph can serve is replayed (chapter 8) unless
+        ``use_graph`` is False; every other batch runs eagerly: the backend plans the batch
+        (:meth:`~minisgl.attention.BaseAttnBackend.prepare`), and the model scores only the
+        rows ``last_indices`` points at.
+        """
+        if use_graph and self.graph_runner is not None and self.graph_runner.can_replay(ctx):
+            return self.graph_runner.replay(ctx)
+        meta = self.attn_backend.prepare(ctx.layout)
+        with use_attention_backend(self.attn_backend):
+            return self.model.forward(ctx.input_ids, meta.positions, meta.last_indices)
+
+    def sample(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
+        """One token per row of ``logits``, each with its request's parameters and generator,
+        written into the token pool after each request's fed tokens (chapter 12)."""
+        tokens = sample_batch(logits, [req.params for req in batch.reqs],
+                              [req.generator for req in batch.reqs])
+        self.token_pool.store_samples(batch, tokens)
+        return tokens
+    # --8<-- [end:forward]
+
+    # ----------------------------------------------------------------------- bookkeeping
+    def __repr__(self) -> str:
+        name = ", ".join(self.model_config.architectures) or self.model_config.model_type
+        return (f"Engine({name} on {self.device}, {str(self.dtype)[6:]}, "
+                f"{self.kv_budget.num_pages} pages x {self.kv_budget.page_size} tokens, "
+                f"{self.attn_backend.name} attention)")
+
+
+# --8<-- [start:free_memory]
+def free_device_memory(device: torch.device) -> int:
+    """Bytes free on a CUDA device, after returning PyTorch's cached blocks to it.
+
+    PyTorch keeps freed blocks in its own cache; they count as used for ``mem_get_info`` until
+    ``empty_cache`` hands them back. Collecting garbage first frees tensors that only a
+    reference cycle still held (an engine built earlier in the same process, say).
+    """
+    gc.collect()
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info(device)
+    return free
+# --8<-- [end:free_memory]
