@@ -59,10 +59,8 @@ DEFAULT_OUT = Path("docs/recorded/tour-cpu.txt")
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 
-# --8<-- [start:request]
 MESSAGES = [{"role": "user", "content": "What is a KV cache?"}]
 MAX_TOKENS = 32  # room for a whole reply: the model ends its turn itself
-# --8<-- [end:request]
 
 
 # =========================================================================== output
@@ -176,7 +174,6 @@ def stream_with_curl_equivalent(out: Recorder, server: ServerProcess, model: str
 
 def ask_openai(url: str) -> tuple[Any, dict[str, Any]]:
     """Hop 1 to 6 again, through the ``openai`` package, not streamed."""
-    # --8<-- [start:openai_client]
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused")
@@ -184,7 +181,6 @@ def ask_openai(url: str) -> tuple[Any, dict[str, Any]]:
         model="models/tiny-shakespeare", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
     reply = raw.parse()  # what the openai package makes of it: a ChatCompletion
     body = raw.http_response.json()  # the JSON the server sent
-    # --8<-- [end:openai_client]
     return reply, body
 
 
@@ -210,13 +206,11 @@ def offline(prompt_ids: list[int]) -> tuple[str, dict[str, Any]]:
     os.chdir(ROOT)  # the snippet names the model relative to the checkout
     printed = StringIO()
     with redirect_stdout(printed):
-        # --8<-- [start:offline]
         from minisgl.core import SamplingParams
         from minisgl.llm import LLM
 
         llm = LLM("models/tiny-shakespeare")
         print(llm.generate(["The capital of France is"], SamplingParams(max_tokens=16)))
-        # --8<-- [end:offline]
     chat = llm.generate([prompt_ids], SamplingParams(max_tokens=MAX_TOKENS))[0]
     return printed.getvalue().rstrip("\n"), chat
 

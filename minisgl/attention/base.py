@@ -33,7 +33,6 @@ from minisgl.kvcache.mha_pool import MHAKVPool
 from minisgl.kvcache.page_table import PageTable, expand_ranges
 
 
-# --8<-- [start:metadata]
 @dataclass(frozen=True)
 class ReqSpan:
     """One request's share of a forward pass.
@@ -134,7 +133,6 @@ class AttnMetadata:
     def num_tokens(self) -> int:
         """Tokens of the forward pass this metadata serves, padding included."""
         return self.out_loc.shape[0]
-# --8<-- [end:metadata]
 
 
 class BaseAttnBackend(ABC):
@@ -168,7 +166,6 @@ class BaseAttnBackend(ABC):
         self.device = kv_pool.device
         self._metadata: AttnMetadata | None = None
 
-    # --8<-- [start:plan]
     def prepare(self, layout: BatchLayout) -> AttnMetadata:
         """Compute the metadata of the next forward pass; call once per batch, before the model.
 
@@ -198,7 +195,6 @@ class BaseAttnBackend(ABC):
     @abstractmethod
     def _plan(self, layout: BatchLayout) -> AttnMetadata:
         """Build this backend's metadata for ``layout`` (and plan its kernel, if it has one)."""
-    # --8<-- [end:plan]
 
     @property
     def metadata(self) -> AttnMetadata:
@@ -208,7 +204,6 @@ class BaseAttnBackend(ABC):
                                "prepare(layout) before running the model")
         return self._metadata
 
-    # --8<-- [start:store_then_attend]
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer_id: int) -> torch.Tensor:
         """Store this layer's new K/V into the pool, then attend over every request's keys.
@@ -234,7 +229,6 @@ class BaseAttnBackend(ABC):
     @abstractmethod
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
         """Attention of ``q`` over the pool's keys of layer ``layer_id``, as ``meta`` says."""
-    # --8<-- [end:store_then_attend]
 
     # CUDA-graph hooks (chapter 8). Only a backend whose decode kernel reads fixed buffers can
     # be captured; the others say so instead of failing somewhere inside the capture.

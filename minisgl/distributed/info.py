@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 
-# --8<-- [start:tp_info]
 @dataclass(frozen=True)
 class TPInfo:
     """This process's place in the tensor-parallel group: ``rank`` in ``[0, size)``."""
@@ -39,7 +38,6 @@ class TPInfo:
     def is_primary(self) -> bool:
         """True on rank 0, the rank that logs and shows progress bars."""
         return self.rank == 0
-# --8<-- [end:tp_info]
 
 
 AllReduceFn = Callable[[torch.Tensor], torch.Tensor]
@@ -75,7 +73,6 @@ def set_all_reduce(fn: AllReduceFn | None) -> AllReduceFn | None:
     return previous
 
 
-# --8<-- [start:all_reduce]
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the tensor-parallel group.
 
@@ -91,4 +88,3 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         f"all_reduce called with tensor-parallel size {_tp_info.size} but no implementation is "
         "registered; call minisgl.distributed.set_all_reduce(fn) after setting up the process group"
     )
-# --8<-- [end:all_reduce]

@@ -30,7 +30,6 @@ from minisgl.utils.torch_utils import DEVICE_CHOICES, resolve_dtype
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
 
-# --8<-- [start:engine_config]
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything :class:`~minisgl.engine.engine.Engine` needs to start.
@@ -76,9 +75,7 @@ class EngineConfig:
     cuda_graph: bool = True
     cuda_graph_max_bs: int | None = None
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
-    # --8<-- [end:engine_config]
 
-    # --8<-- [start:engine_config_checks]
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, (str, os.PathLike)) or not str(self.model_path):
             raise ValueError(f"model_path must be a checkpoint directory or hub id, "
@@ -124,7 +121,6 @@ class EngineConfig:
         if self.cuda_graph_max_bs is not None:
             return min(self.cuda_graph_max_bs, self.max_running_reqs)
         return min(DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_reqs)
-    # --8<-- [end:engine_config_checks]
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...],

@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from minisgl.core import Batch
 
 
-# --8<-- [start:context]
 @dataclass
 class Context:
     """One forward pass made ready to run.
@@ -40,4 +39,3 @@ class Context:
     batch: Batch
     layout: BatchLayout
     input_ids: torch.Tensor
-# --8<-- [end:context]

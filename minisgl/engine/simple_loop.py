@@ -33,7 +33,6 @@ from minisgl.models.base import BaseLLMModel
 FinishReason = Literal["stop", "length"]
 
 
-# --8<-- [start:contiguous_cache]
 class ContiguousKVCache:
     """An attention backend that keeps one sequence's keys and values between steps.
 
@@ -109,10 +108,6 @@ class ContiguousKVCache:
         )
 
 
-# --8<-- [end:contiguous_cache]
-
-
-# --8<-- [start:prefix_attention]
 def causal_attention_with_prefix(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int
 ) -> torch.Tensor:
@@ -148,10 +143,6 @@ def causal_attention_with_prefix(
     return out.to(q.dtype)
 
 
-# --8<-- [end:prefix_attention]
-
-
-# --8<-- [start:generation_result]
 @dataclass
 class GenerationResult:
     """What :func:`generate` returns for one prompt."""
@@ -173,10 +164,6 @@ def finish_reason(
     return None
 
 
-# --8<-- [end:generation_result]
-
-
-# --8<-- [start:generate]
 @torch.inference_mode()
 def generate(
     model: BaseLLMModel,
@@ -222,10 +209,6 @@ def generate(
     return loop(model, prompt, params, tuple(eos_token_ids), generator)
 
 
-# --8<-- [end:generate]
-
-
-# --8<-- [start:generate_loop]
 def _generate_with_cache(
     model: BaseLLMModel,
     prompt: list[int],
@@ -255,10 +238,6 @@ def _generate_with_cache(
             input_ids = torch.tensor([token], device=device)  # later steps (decode): one token
 
 
-# --8<-- [end:generate_loop]
-
-
-# --8<-- [start:no_cache_loop]
 def _generate_without_cache(
     model: BaseLLMModel,
     prompt: list[int],
@@ -283,6 +262,3 @@ def _generate_without_cache(
         reason = finish_reason(token, len(output), params, eos_token_ids)
         if reason is not None:
             return GenerationResult(output, reason)
-
-
-# --8<-- [end:no_cache_loop]

@@ -23,7 +23,6 @@ from dataclasses import dataclass
 import torch
 
 
-# --8<-- [start:base_pool]
 class BaseKVPool(ABC):
     """Storage for the keys and values of every layer, addressed by token slot.
 
@@ -66,14 +65,12 @@ class BaseKVPool(ABC):
     @property
     @abstractmethod
     def dtype(self) -> torch.dtype: ...
-# --8<-- [end:base_pool]
 
     @property
     def num_slots(self) -> int:
         """Token slots in the pool: every page's ``page_size`` slots."""
         return self.num_pages * self.page_size
 
-    # --8<-- [start:gather_kv]
     def gather_kv(self, slots: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Read back the keys and values at ``slots``: two ``[len(slots), num_kv_heads, head_dim]``.
 
@@ -83,7 +80,6 @@ class BaseKVPool(ABC):
         one sequence; the fused kernels read the pages in place instead.
         """
         return self.k_cache(layer_id)[slots], self.v_cache(layer_id)[slots]
-    # --8<-- [end:gather_kv]
 
     def kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_id``'s K and V seen page by page: ``[num_pages, page_size, heads, dim]``.
@@ -98,7 +94,6 @@ class BaseKVPool(ABC):
         return by_page(self.k_cache(layer_id)), by_page(self.v_cache(layer_id))
 
 
-# --8<-- [start:prefix_cache_seam]
 @dataclass(frozen=True)
 class CacheHandle:
     """A reference to a prefix held by a :class:`BasePrefixCache`.
@@ -184,4 +179,3 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def num_locked_pages(self) -> int:
         """Pages the cache holds that some running request has locked."""
-# --8<-- [end:prefix_cache_seam]

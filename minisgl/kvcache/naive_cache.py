@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from minisgl.kvcache.base import BasePrefixCache, CacheHandle, InsertResult, PrefixMatch
 from minisgl.utils.checks import check_int
 
-# --8<-- [start:naive_cache]
 # The only prefix this cache ever holds: the empty one.
 EMPTY_HANDLE = CacheHandle(num_tokens=0)
 
@@ -61,7 +60,6 @@ class NaivePrefixCache(BasePrefixCache):
     @property
     def num_locked_pages(self) -> int:
         return 0
-    # --8<-- [end:naive_cache]
 
     def _check_handle(self, handle: CacheHandle) -> None:
         # A handle from another cache would mean pages this one knows nothing about.

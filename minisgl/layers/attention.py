@@ -30,7 +30,6 @@ from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
 
-# --8<-- [start:backend_protocol]
 class AttentionBackend(Protocol):
     """Computes attention outputs from rotated queries, keys and values.
 
@@ -42,10 +41,8 @@ class AttentionBackend(Protocol):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
     ) -> torch.Tensor: ...
-# --8<-- [end:backend_protocol]
 
 
-# --8<-- [start:dense_causal_attention]
 class DenseCausalAttention:
     """The reference backend: one sequence, causal mask, no cache.
 
@@ -68,10 +65,8 @@ class DenseCausalAttention:
         probs = scores.softmax(dim=-1)
         out = torch.einsum("hqk,khd->qhd", probs, v.float())
         return out.to(q.dtype)
-# --8<-- [end:dense_causal_attention]
 
 
-# --8<-- [start:backend_context]
 # The backend in effect. A plain module variable rather than a thread-local: the model may run
 # on a worker thread (chapter 12) and must see the backend the engine installed.
 _current_backend: AttentionBackend = DenseCausalAttention()
@@ -92,10 +87,8 @@ def use_attention_backend(backend: AttentionBackend) -> Iterator[AttentionBacken
         yield backend
     finally:
         _current_backend = previous
-# --8<-- [end:backend_context]
 
 
-# --8<-- [start:attention_layer]
 class AttentionLayer(nn.Module):
     """qkv -> split -> qk-norm -> RoPE -> backend -> attention output.
 
@@ -142,4 +135,3 @@ class AttentionLayer(nn.Module):
         q, k = self.rope(positions, q, k)
         out = get_attention_backend().forward(q, k, v, self.layer_id)
         return out.reshape(num_tokens, q_size)
-# --8<-- [end:attention_layer]

@@ -68,7 +68,6 @@ class LLM:
         tokenizer: the checkpoint's tokenizer (a ``transformers`` tokenizer).
     """
 
-    # --8<-- [start:llm_init]
     def __init__(self, model: str | os.PathLike[str], device: str = "auto", dtype: str = "auto",
                  tp: int = 1, **engine_options: Any) -> None:
         _check_engine_options(engine_options)
@@ -83,9 +82,7 @@ class LLM:
             self.scheduler = self._start_tp(config, tp)
         self.tokenizer = _load_tokenizer(path)
         self._next_uid = 0  # uids stay unique across generate() calls
-    # --8<-- [end:llm_init]
 
-    # --8<-- [start:start_tp]
     def _start_tp(self, config: SchedulerConfig, tp: int) -> TPLeaderScheduler:
         """Start ranks 1..tp-1, become rank 0, and wait until every rank has loaded."""
         launch = TPLaunch.new(tp)
@@ -104,7 +101,6 @@ class LLM:
                 scheduler.close()
             raise
         return scheduler
-    # --8<-- [end:start_tp]
 
     def close(self) -> None:
         """Stop the other ranks (tensor parallelism) and leave their group; idempotent."""
@@ -123,7 +119,6 @@ class LLM:
     def engine(self):  # the Engine: for its device, dtype and KV budget
         return self.scheduler.engine
 
-    # --8<-- [start:generate]
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, progress: bool | None = None) -> list[Completion]:
@@ -173,9 +168,7 @@ class LLM:
         finally:  # an error or Ctrl-C: drop what is left, so that no page stays taken
             for uid in pending:
                 self.scheduler.abort(uid)
-    # --8<-- [end:generate]
 
-    # --8<-- [start:completion]
     def _completion(self, req: Req) -> Completion:
         assert req.finish_reason is not None, req
         text_ids = req.output_ids
@@ -183,7 +176,6 @@ class LLM:
             text_ids = text_ids[:-1]
         return {"text": self.tokenizer.decode(text_ids), "token_ids": list(req.output_ids),
                 "finish_reason": req.finish_reason}
-    # --8<-- [end:completion]
 
     def _encode(self, index: int, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

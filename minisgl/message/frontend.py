@@ -24,7 +24,6 @@ class FrontendMessage(Message, family=True):
     """Everything the API server (the frontend) receives."""
 
 
-# --8<-- [start:message_types_frontend]
 @register_wire_type
 @dataclass(frozen=True)
 class TokenUsage:
@@ -43,7 +42,6 @@ class TokenUsage:
         return self.prompt_tokens + self.completion_tokens
 
 
-# --8<-- [start:request_error]
 @register_wire_type
 @dataclass(frozen=True)
 class RequestError:
@@ -68,7 +66,6 @@ class RequestError:
     kind: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
-# --8<-- [end:request_error]
 
 
 def server_error(what: str, exc: BaseException) -> RequestError:
@@ -76,7 +73,6 @@ def server_error(what: str, exc: BaseException) -> RequestError:
     return RequestError(f"{what}: {type(exc).__name__}: {exc}", status=500, kind="server_error")
 
 
-# --8<-- [start:user_reply]
 @dataclass(frozen=True)
 class UserReply(FrontendMessage):
     """New text for request ``uid``: detokenizer -> API server, one per generated token.
@@ -108,5 +104,3 @@ class UserReply(FrontendMessage):
     def failure(cls, uid: int, error: RequestError) -> UserReply:
         """The last reply of request ``uid``, which ended in ``error``."""
         return cls(uid, finish_reason="error", error=error)
-# --8<-- [end:user_reply]
-# --8<-- [end:message_types_frontend]

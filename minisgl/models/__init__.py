@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from minisgl.models.base import BaseLLMModel
 
 
-# --8<-- [start:load_model]
 def load_model(
     path_or_id: str | os.PathLike[str],
     device: str | torch.device = "auto",
@@ -52,4 +51,3 @@ def load_model(
         model = model_cls(config)
     load_weights(model, model_dir, progress=progress)
     return model.eval()
-# --8<-- [end:load_model]

@@ -41,7 +41,6 @@ from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ModelConfig
 
 
-# --8<-- [start:gated_mlp]
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one column-parallel matrix."""
 
@@ -55,10 +54,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-# --8<-- [end:gated_mlp]
 
 
-# --8<-- [start:rotary_attention]
 @dataclass(frozen=True)
 class AttentionOptions:
     """What a family's attention has beyond the common core."""
@@ -87,7 +84,6 @@ class RotaryAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attn(self.qkv_proj(x), positions))
-# --8<-- [end:rotary_attention]
 
 
 class DecoderLayer(nn.Module):
@@ -129,7 +125,6 @@ class DecoderModel(nn.Module):
         return x
 
 
-# --8<-- [start:decoder_only_lm]
 class DecoderOnlyLM(BaseLLMModel):
     """A Llama-family causal LM; a family overrides the three hooks below that it needs."""
 
@@ -162,7 +157,6 @@ class DecoderOnlyLM(BaseLLMModel):
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         return self.lm_head(hidden).float()
-# --8<-- [end:decoder_only_lm]
 
 
 def refuse_true(config: ModelConfig, key: str, family: str) -> None:

@@ -13,11 +13,9 @@ from minisgl.models.blocks import AttentionOptions, DecoderOnlyLM, refuse_true
 from minisgl.models.config import ModelConfig
 
 
-# --8<-- [start:llama]
 class LlamaForCausalLM(DecoderOnlyLM):
     def check_config(self, config: ModelConfig) -> None:
         refuse_true(config, "mlp_bias", "LlamaForCausalLM")
 
     def attention_options(self, config: ModelConfig) -> AttentionOptions:
         return AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias)
-# --8<-- [end:llama]

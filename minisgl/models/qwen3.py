@@ -20,8 +20,6 @@ from minisgl.models.blocks import AttentionOptions, DecoderOnlyLM
 from minisgl.models.config import ModelConfig
 
 
-# --8<-- [start:qwen3]
 class Qwen3ForCausalLM(DecoderOnlyLM):
     def attention_options(self, config: ModelConfig) -> AttentionOptions:
         return AttentionOptions(qkv_bias=config.attention_bias, qk_norm=True)
-# --8<-- [end:qwen3]

@@ -28,7 +28,6 @@ from minisgl.utils.checks import check_int
 DEFAULT_MAX_PREFILL_TOKENS = 8192
 
 
-# --8<-- [start:scheduler_config]
 @dataclass(frozen=True)
 class SchedulerConfig(EngineConfig):
     """Everything :class:`~minisgl.scheduler.scheduler.Scheduler` needs to start.
@@ -45,20 +44,15 @@ class SchedulerConfig(EngineConfig):
 
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
     prefix_cache: str = "naive"
-    # --8<-- [end:scheduler_config]
-    # --8<-- [start:chunked_prefill_config]
     # Chapter 10. When True, no prefill step computes more than max_prefill_tokens tokens: the
     # prompt that does not fit is cut, and the rest of it runs in the next prefill steps (see
     # scheduler/chunking.py). Off by default, so that a step is chapter 9's unless asked.
     chunked_prefill: bool = False
-    # --8<-- [end:chunked_prefill_config]
-    # --8<-- [start:overlap_config]
     # Chapter 12. Whether OverlapScheduler overlaps the host's work for the next step with the
     # device's for this one; chapter 9's Scheduler has no other way to run and ignores it.
     # None (the default) means on, unless MINISGL_DISABLE_OVERLAP is set; the config then
     # holds the resolved True or False.
     overlap: bool | None = None
-    # --8<-- [end:overlap_config]
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the engine's fields first

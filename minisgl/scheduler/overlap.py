@@ -74,7 +74,6 @@ def num_sampled(output_ids: list[int]) -> int:
     return n
 
 
-# --8<-- [start:in_flight]
 @dataclass
 class InFlight:
     """A launched batch whose sampled tokens the host has not read yet.
@@ -101,7 +100,6 @@ class InFlight:
         if self.ready is not None:
             self.ready.synchronize()
         return self.host_tokens.tolist()
-# --8<-- [end:in_flight]
 
 
 class OverlapScheduler(Scheduler):
@@ -123,7 +121,6 @@ class OverlapScheduler(Scheduler):
     ``phase`` None with the requests that batch finished.
     """
 
-    # --8<-- [start:overlap_init]
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
         assert isinstance(config.overlap, bool), "SchedulerConfig resolves overlap"
@@ -141,7 +138,6 @@ class OverlapScheduler(Scheduler):
                 (torch.empty(config.max_running_reqs, dtype=torch.int64, pin_memory=True),
                  torch.cuda.Event()) for _ in range(2)]
         self._launches = 0
-    # --8<-- [end:overlap_init]
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -179,7 +175,6 @@ class OverlapScheduler(Scheduler):
         return req
 
     # ------------------------------------------------------------------ one step
-    # --8<-- [start:overlap_step]
     def step(self) -> StepResult:
         """Launch the next batch, then process the one launched before it (see the module)."""
         if not self.overlap:
@@ -206,9 +201,7 @@ class OverlapScheduler(Scheduler):
                               new_lens=new_lens)
         self.num_steps += 1
         return result
-    # --8<-- [end:overlap_step]
 
-    # --8<-- [start:launch]
     def _launch(self, batch: Batch, previous: InFlight | None) -> InFlight:
         """Run ``batch`` on the engine without waiting for its tokens; placeholders for them."""
         engine = self.engine
@@ -235,9 +228,7 @@ class OverlapScheduler(Scheduler):
             elif batch.is_prefill:
                 self.decode.add([req])
         return InFlight(batch, tokens, host, ready, slots)
-    # --8<-- [end:launch]
 
-    # --8<-- [start:copy_to_host]
     def _copy_to_host(self, tokens: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start copying ``tokens`` to the host; the host view and the event that says it is
@@ -253,9 +244,7 @@ class OverlapScheduler(Scheduler):
         host.copy_(tokens, non_blocking=True)
         ready.record()
         return host, ready
-    # --8<-- [end:copy_to_host]
 
-    # --8<-- [start:fill_pending]
     def _fill_pending_inputs(self, batch: Batch, input_ids: torch.Tensor,
                              previous: InFlight | None) -> None:
         """Replace the placeholders among ``input_ids`` with the previous batch's samples,
@@ -280,9 +269,7 @@ class OverlapScheduler(Scheduler):
             index = torch.tensor([dst, src], dtype=torch.int64).to(input_ids.device,
                                                                    non_blocking=True)
             input_ids[index[0]] = previous.tokens[index[1]]
-    # --8<-- [end:fill_pending]
 
-    # --8<-- [start:process]
     def _process(self, flight: InFlight) -> list[Req]:
         """Read ``flight``'s tokens, put them in place of the placeholders, retire the finished.
 
@@ -320,4 +307,3 @@ class OverlapScheduler(Scheduler):
         if req.table_row is not None:
             self.cache.release(req)
         self._live_uids.discard(req.uid)
-    # --8<-- [end:process]

@@ -66,7 +66,6 @@ class FollowerMessage(Message, family=True):
     """Everything a follower rank receives from rank 0."""
 
 
-# --8<-- [start:messages]
 @dataclass(frozen=True)
 class RankInput(FollowerMessage):
     """A request rank 0 accepted, or an abort it applied: the follower does the same."""
@@ -79,7 +78,6 @@ class RankStep(FollowerMessage):
     """Run one step now; ``step`` is rank 0's count of steps before this one."""
 
     step: int
-# --8<-- [end:messages]
 
 
 class RankFailed(BaseException):
@@ -124,7 +122,6 @@ def join_group(config: SchedulerConfig, launch: TPLaunch, rank: int) -> None:
     init_tp_group(rank, launch.size, device, launch.init_address)
 
 
-# --8<-- [start:leader]
 class TPLeaderScheduler(OverlapScheduler):
     """Rank 0's scheduler: an :class:`OverlapScheduler` that repeats its inputs to the others.
 
@@ -163,7 +160,6 @@ class TPLeaderScheduler(OverlapScheduler):
     def _tell(self, message: FollowerMessage) -> None:
         for queue in self._followers:
             queue.put(message)
-    # --8<-- [end:leader]
 
     def close(self) -> None:
         """Close the queues to the followers and leave the group (they stop on their own
@@ -173,7 +169,6 @@ class TPLeaderScheduler(OverlapScheduler):
         destroy_tp_group()
 
 
-# --8<-- [start:follower]
 def run_tp_follower(config: SchedulerConfig, launch: TPLaunch, rank: int,
                     ready: multiprocessing.Queue | None = None,
                     stats: SharedCounters | None = None) -> None:
@@ -230,7 +225,6 @@ def apply_input(scheduler: OverlapScheduler, message: BackendMessage) -> None:
         scheduler.abort(message.uid)
     else:
         raise TypeError(f"a follower rank cannot apply a {type(message).__name__}")
-# --8<-- [end:follower]
 
 
 def follower_counters(rank: int) -> SharedCounters:

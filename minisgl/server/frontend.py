@@ -62,7 +62,6 @@ class _Inbox(Protocol):
     async def get(self) -> FrontendMessage: ...
 
 
-# --8<-- [start:frontend_state]
 @dataclass
 class FrontendStats:
     """Counters the frontend keeps for ``/metrics`` (totals since start)."""
@@ -132,7 +131,6 @@ class FrontendManager:
         self._background: set[asyncio.Task[None]] = set()  # abort sends still in flight
         self.unavailable: RequestError | None = None  # set once the frontend cannot serve
         self.stats = FrontendStats()
-    # --8<-- [end:frontend_state]
 
     @classmethod
     def connect(cls, tokenizer_addrs: Sequence[str], inbox_addr: str,
@@ -165,7 +163,6 @@ class FrontendManager:
             self._watchdog = loop.create_task(self._watch())
 
     # ----------------------------------------------------------------- requests out
-    # --8<-- [start:frontend_submit]
     async def submit(self, params: SamplingParams, *, text: str | None = None,
                      input_ids: list[int] | None = None,
                      messages: list[dict[str, Any]] | None = None,
@@ -221,10 +218,8 @@ class FrontendManager:
 
     def _tokenizer_of(self, uid: int) -> _Outbox:
         return self._tokenizers[uid % len(self._tokenizers)]
-    # --8<-- [end:frontend_submit]
 
     # ----------------------------------------------------------------- replies in
-    # --8<-- [start:frontend_dispatch]
     async def _listen(self) -> None:
         """The one reader of the inbox: hand each reply to its request's buffer."""
         while True:
@@ -250,9 +245,7 @@ class FrontendManager:
             self.stats.failed += 1
         if not buffer.push(reply, time.monotonic()):  # chapter 16: the reader is too slow
             self._cut_off(reply.uid, buffer)
-    # --8<-- [end:frontend_dispatch]
 
-    # --8<-- [start:frontend_replies]
     async def replies(self, uid: int) -> AsyncIterator[UserReply]:
         """Request ``uid``'s replies, in order, up to and including its last one.
 
@@ -291,10 +284,8 @@ class FrontendManager:
                 last = reply
         assert last is not None and last.finished, f"request {uid} ended without a last reply"
         return "".join(parts), last
-    # --8<-- [end:frontend_replies]
 
     # ----------------------------------------------------------------- ending requests
-    # --8<-- [start:frontend_failures]
     def fail(self, uid: int, error: RequestError, *, abort: bool = True) -> None:
         """End request ``uid`` with ``error``: its reader gets it as the last reply, what was
         buffered is dropped, later replies are ignored, and (``abort``) the workers are told
@@ -361,7 +352,6 @@ class FrontendManager:
         logger.error("the frontend's reply listener died: %r", exc)
         self.fail_all(unavailable_error(f"the API server's reply listener stopped: {exc!r}",
                                         "listener_died"))
-    # --8<-- [end:frontend_failures]
 
     async def close(self) -> None:
         """End what still waits, stop the listener and the watchdog, let the abort sends

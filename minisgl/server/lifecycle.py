@@ -30,7 +30,6 @@ DEFAULT_REPLY_BUFFER_SIZE = 1024  # replies (about one per token) held for one s
 DEFAULT_SLOW_READER_TIMEOUT_S = 30.0  # how long a reader may stay behind before it is cut off
 
 
-# --8<-- [start:reply_buffer]
 @dataclass
 class ReplyBuffer:
     """One request's replies that its reader has not taken yet: at most ``capacity``.
@@ -101,10 +100,8 @@ class ReplyBuffer:
         self.behind_since = now
         self.finished = self.failed = True
         self.event.set()
-# --8<-- [end:reply_buffer]
 
 
-# --8<-- [start:errors]
 def slow_reader_error(lag_s: float, buffered: int) -> RequestError:
     """The error a client gets when it reads more slowly than the engine writes."""
     return RequestError(f"the client read its stream too slowly: {buffered} replies waited "
@@ -119,10 +116,8 @@ def unavailable_error(reason: str, code: str) -> RequestError:
 
 
 SHUTTING_DOWN = unavailable_error("the server is shutting down", "shutting_down")
-# --8<-- [end:errors]
 
 
-# --8<-- [start:disconnect]
 class ClientDisconnected(Exception):
     """The HTTP client went away before its answer was ready."""
 
@@ -162,4 +157,3 @@ async def wait_or_disconnect(awaitable: Awaitable[T], request: _Request) -> T:
     if work.cancelled():
         raise ClientDisconnected()
     return work.result()
-# --8<-- [end:disconnect]

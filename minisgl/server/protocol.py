@@ -41,7 +41,6 @@ DEFAULT_TEMPERATURE = 1.0
 
 
 # =========================================================================== errors
-# --8<-- [start:api_error]
 class APIError(Exception):
     """An error the client caused, answered as OpenAI does: a status and ``{"error": {...}}``."""
 
@@ -97,7 +96,6 @@ def _union_tag(part: object) -> bool:
     ``prompt.list[constrained-int].1``)."""
     return part == "body" or (isinstance(part, str) and (
         "[" in part or "-" in part or part in ("str", "int", "float", "bool", "list", "dict")))
-# --8<-- [end:api_error]
 
 
 class ErrorDetail(BaseModel):
@@ -114,7 +112,6 @@ class ErrorResponse(BaseModel):
 
 
 # =========================================================================== request bodies
-# --8<-- [start:body_types]
 # Chapter 16: integers must fit the wire (msgpack packs at most 64 bits); a larger value is the
 # client's mistake (HTTP 400 naming the field), not a failure to serialize (500). The bound is
 # the largest integer a JSON number holds exactly (2**53 - 1): many clients, and every tool that
@@ -136,10 +133,8 @@ Int64 = Annotated[int, Field(ge=-MAX_JSON_INT, le=MAX_JSON_INT), BeforeValidator
 # Chapter 16: strict types. Lax pydantic would take "12" for 12 and "yes" for true; OpenAI's API
 # refuses a value of the wrong JSON type, and so does this one (HTTP 400 naming the field).
 STRICT_BODY = ConfigDict(extra="forbid", strict=True)
-# --8<-- [end:body_types]
 
 
-# --8<-- [start:request_models]
 # What the OpenAPI schema says of a field, beyond its type: the ranges and lengths that the
 # engine's own checks (SamplingParams, the endpoints) enforce. The checks stay where they are,
 # with their messages; the schema only tells clients, and schema-driven tools, what they are.
@@ -358,4 +353,3 @@ class CompletionRequest(_GenerationBody):
                 raise APIError(400, f"{where} is empty: it needs at least one character or "
                                     "token", where)
         return prompts
-# --8<-- [end:request_models]

@@ -104,7 +104,6 @@ def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = 
                          "finish_reason": finish_reason}]}
 
 
-# --8<-- [start:sse]
 SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
 
 
@@ -141,7 +140,6 @@ async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
                     yield sse_event({**chat_chunk(meta, {}), "choices": [],
                                      "usage": usage_dict(reply.usage)})
         yield SSE_DONE
-# --8<-- [end:sse]
 
 
 async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta: ResponseMeta,
@@ -171,4 +169,3 @@ async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta:
                     yield sse_event({**completion_chunk(meta, ""), "choices": [],
                                      "usage": usage_dict(total_usage(usages))})
         yield SSE_DONE
-

@@ -62,7 +62,6 @@ def detokenizer_counters() -> SharedCounters:
     return SharedCounters(DETOKENIZER_COUNTERS)
 
 
-# --8<-- [start:tokenize_or_fail]
 def tokenize_or_fail(manager: TokenizeManager,
                      request: TokenizeRequest) -> UserRequest | AbortRequest:
     """The scheduler's request for ``request``, or (chapter 16) an abort that carries why
@@ -82,10 +81,8 @@ def tokenize_or_fail(manager: TokenizeManager,
     except Exception as exc:  # a bug, or a tokenizer that raises something else
         logger.exception("request %d could not be tokenized", request.uid)
         return AbortRequest(request.uid, error=server_error("the tokenizer failed", exc))
-# --8<-- [end:tokenize_or_fail]
 
 
-# --8<-- [start:run_tokenizer]
 def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
                   ready: multiprocessing.Queue | None = None,
                   name: str = "tokenizer-0") -> None:
@@ -121,10 +118,8 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
     finally:
         close_queues(receive, send)
     logger.info("%s stopped", name)
-# --8<-- [end:run_tokenizer]
 
 
-# --8<-- [start:run_detokenizer]
 def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
                     ready: multiprocessing.Queue | None = None,
                     stats: SharedCounters | None = None,
@@ -165,4 +160,3 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
     finally:
         close_queues(receive, send, abort)
     logger.info("detokenizer stopped")
-# --8<-- [end:run_detokenizer]

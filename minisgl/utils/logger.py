@@ -36,7 +36,6 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-# --8<-- [start:logger]
 def configure_logging(level: str | None = None) -> logging.Logger:
     """Install the package's handler (once) and set its level.
 
@@ -60,4 +59,3 @@ def get_logger(name: str) -> logging.Logger:
     if not any(isinstance(h, _StderrHandler) for h in logging.getLogger(ROOT_LOGGER).handlers):
         configure_logging()
     return logging.getLogger(name)
-# --8<-- [end:logger]

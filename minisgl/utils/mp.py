@@ -95,7 +95,6 @@ def _private_ipc_dir() -> str:
     return _ipc_dir
 
 
-# --8<-- [start:open_socket]
 def _open_socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
     if not isinstance(address, str) or not address.startswith(_SCHEMES):
         raise ValueError(f"a queue address must start with one of {_SCHEMES}, got {address!r}")
@@ -110,7 +109,6 @@ def _open_socket(context: zmq.Context, kind: int, address: str, bind: bool) -> z
         verb = "bind" if bind else "connect"
         raise OSError(f"cannot {verb} a queue to {address}: {exc}") from exc
     return socket
-# --8<-- [end:open_socket]
 
 
 def _check_type(message: Any, message_type: type, address: str) -> None:
@@ -152,14 +150,12 @@ class _Queue:
     def closed(self) -> bool:
         return self._socket.closed
 
-    # --8<-- [start:queue_close]
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket. Outgoing messages not yet handed to the peer are kept for at most
         ``linger_s`` seconds: 0 (the default) at shutdown, when the peer may be gone; a second
         or two for a sender that exits right after its last ``put``."""
         if not self._socket.closed:
             self._socket.close(linger=int(linger_s * 1000))
-    # --8<-- [end:queue_close]
 
     def __enter__(self):
         return self
@@ -176,7 +172,6 @@ class _Queue:
         return f"{type(self).__name__}[{self.message_type.__name__}]({self.address})"
 
 
-# --8<-- [start:push_pull]
 class ZmqPushQueue(_Queue, Generic[T]):
     """The sending end of a queue of ``message_type`` messages.
 
@@ -238,10 +233,8 @@ class ZmqPullQueue(_Queue, Generic[T]):
 
     def _receive(self, frame: bytes) -> None:
         self._ready.extend(_unframe(frame, self.message_type, self.address))
-# --8<-- [end:push_pull]
 
 
-# --8<-- [start:async_queue]
 class ZmqAsyncPushQueue(_Queue, Generic[T]):
     """:class:`ZmqPushQueue` for an asyncio event loop: ``await queue.put(message)``."""
 
@@ -287,7 +280,6 @@ class ZmqAsyncPullQueue(_Queue, Generic[T]):
                                        ) from None
             self._ready.extend(_unframe(frame, self.message_type, self.address))
         return self._ready.popleft()
-# --8<-- [end:async_queue]
 
 
 def close_queues(*queues: _Queue | None) -> None:
@@ -300,7 +292,6 @@ def close_queues(*queues: _Queue | None) -> None:
 
 
 # ---------------------------------------------------------------------------------- processes
-# --8<-- [start:spawn]
 # Every worker starts in a fresh interpreter ("spawn"), never as a copy of its parent ("fork").
 # fork copies the parent's memory but only the thread that called it: the CUDA driver cannot
 # run in a forked child once the parent has initialised it, and a lock that another thread
@@ -337,13 +328,11 @@ def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...
     return process
 
 
-# --8<-- [start:own_process_group]
 def _run_in_own_process_group(target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Chapter 16: the child's first act, before it imports anything heavy: leave the
     parent's process group (and so the terminal's Ctrl-C), then run ``target``."""
     os.setpgid(0, 0)  # a group of its own, whose id is this process's id
     return target(*args, **kwargs)
-# --8<-- [end:own_process_group]
 
 
 def stop_process(process: BaseProcess, timeout_s: float = 5.0) -> int | None:
@@ -364,11 +353,9 @@ def stop_process(process: BaseProcess, timeout_s: float = 5.0) -> int | None:
         process.kill()
         process.join()
     return process.exitcode
-# --8<-- [end:spawn]
 
 
 # ---------------------------------------------------------------------------------- readiness
-# --8<-- [start:readiness]
 READY = "ready"
 FAILED = "failed"
 
@@ -443,11 +430,9 @@ def wait_ready(queue: multiprocessing.Queue, processes: Sequence[BaseProcess],
         if status == FAILED:
             raise RuntimeError(f"worker {name} (pid {pid}) failed to start:\n{text.rstrip()}")
         logger.debug("worker %s (pid %d) is ready", name, pid)
-# --8<-- [end:readiness]
 
 
 # ---------------------------------------------------------------------------------- counters
-# --8<-- [start:shared_counters]
 class SharedCounters:
     """Named 64-bit integers in shared memory: one process writes them, others read them.
 
@@ -496,11 +481,9 @@ class SharedCounters:
 
     def __repr__(self) -> str:
         return f"SharedCounters({self.snapshot()})"
-# --8<-- [end:shared_counters]
 
 
 # ---------------------------------------------------------------------------------- shutdown
-# --8<-- [start:shutdown]
 class ShutdownRequested(BaseException):
     """Raised in a worker that got SIGTERM or SIGINT while it was waiting (or starting).
 
@@ -528,7 +511,6 @@ class ShutdownSignals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
 
-    # --8<-- [start:orphaned]
     @property
     def requested(self) -> bool:
         """A shutdown signal came, or (chapter 16) the parent has died.
@@ -544,7 +526,6 @@ class ShutdownSignals:
     def orphaned(self) -> bool:
         """The process that started this one has exited (we were handed to another parent)."""
         return os.getppid() != self._parent
-    # --8<-- [end:orphaned]
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         first = self.signum is None
@@ -593,4 +574,3 @@ def stop_processes(processes: Iterable[BaseProcess], timeout_s: float = 5.0) -> 
             process.terminate()
     for process in processes:
         stop_process(process, timeout_s)
-# --8<-- [end:shutdown]
