@@ -195,10 +195,21 @@ def tokenizer_step(model: str) -> tuple[str, list[int], Any]:
     return prompt, ids, tokenizer
 
 
+def generate_offline() -> Any:
+    """The page's "Without the server" code; returns the ``LLM`` it made."""
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    llm = LLM("models/tiny-shakespeare")
+    print(llm.generate(["The capital of France is"], SamplingParams(max_tokens=16)))
+    return llm
+
+
 def offline(prompt_ids: list[int]) -> tuple[str, dict[str, Any]]:
-    """The page's "Without the server" code, and the chat prompt through the same ``LLM``."""
+    """What ``generate_offline`` prints, and the chat prompt through the same ``LLM``."""
     import torch
 
+    from minisgl.core import SamplingParams
     from minisgl.utils.logger import configure_logging
 
     configure_logging("WARNING")  # this script's output is the tour; the engine keeps quiet
@@ -206,11 +217,7 @@ def offline(prompt_ids: list[int]) -> tuple[str, dict[str, Any]]:
     os.chdir(ROOT)  # the snippet names the model relative to the checkout
     printed = StringIO()
     with redirect_stdout(printed):
-        from minisgl.core import SamplingParams
-        from minisgl.llm import LLM
-
-        llm = LLM("models/tiny-shakespeare")
-        print(llm.generate(["The capital of France is"], SamplingParams(max_tokens=16)))
+        llm = generate_offline()
     chat = llm.generate([prompt_ids], SamplingParams(max_tokens=MAX_TOKENS))[0]
     return printed.getvalue().rstrip("\n"), chat
 

@@ -469,7 +469,7 @@ def symbols_source(source: str, names: list[str]) -> str:
         if not any(s < start and end <= e for s, e in spans):
             raise SymbolNotFound(f"-{name} leaves out a member, but no symbol of the include "
                                  "contains it")
-        while lines[start - 1].lstrip().startswith("#"):  # a section rule heading it goes too
+        while start > 0 and lines[start - 1].lstrip().startswith("#"):  # and a rule above it
             start -= 1
         # The blank lines after it go with it, or those before it if it ends its class.
         after = end
@@ -485,8 +485,9 @@ def symbols_source(source: str, names: list[str]) -> str:
             between = lines[spans[i - 1][1]:start]
             adjacent = spans[i - 1][1] <= start and not any(line.strip() for line in between)
             parts += [""] * (len(between) if adjacent else 1)
-        parts += [lines[j] for j in range(start, end) if j not in dropped]
-    return textwrap.dedent("\n".join(parts))
+        kept = "\n".join(lines[j] for j in range(start, end) if j not in dropped)
+        parts.append(textwrap.dedent(kept))  # each alone: a method may sit next to a constant
+    return "\n".join(parts)
 
 
 def included_names(b: Book, markdown: str, src: str) -> str:

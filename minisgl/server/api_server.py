@@ -585,6 +585,36 @@ def openapi_schema(app: FastAPI, model_name: str, max_token_id: int | None,
 
 
 # =========================================================================== the app
+def answer_errors_as_openai(app: FastAPI) -> None:
+    """Make every error leave as OpenAI's error object: FastAPI's and Starlette's own bodies
+    (``{"detail": ...}``, status 422 for a bad body) are not what OpenAI clients expect."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        error = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                         kind="invalid_request_error" if exc.status_code < 500
+                         else "server_error")
+        return error.response(headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client has gone
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unexpected error while serving a request", exc_info=exc)
+        return APIError(500, f"internal server error: {type(exc).__name__}",
+                        kind="server_error").response()
+
+
 def create_app(frontend_factory: Callable[[], FrontendManager], model_name: str, *,
                model_root: str | None = None, aliases: Sequence[str] = (),
                vocab_size: int | None = None, max_seq_len: int | None = None,
@@ -633,31 +663,5 @@ def create_app(frontend_factory: Callable[[], FrontendManager], model_name: str,
 
     app.openapi = schema  # type: ignore[method-assign]
 
-    # Every error leaves as OpenAI's error object; FastAPI's and Starlette's own bodies
-    # ({"detail": ...}, status 422 for a bad body) are not what OpenAI clients expect.
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        error = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
-                         kind="invalid_request_error" if exc.status_code < 500
-                         else "server_error")
-        return error.response(headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(_: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=499)  # nobody reads it: the client has gone
-
-    @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception) -> JSONResponse:
-        logger.error("unexpected error while serving a request", exc_info=exc)
-        return APIError(500, f"internal server error: {type(exc).__name__}",
-                        kind="server_error").response()
-
+    answer_errors_as_openai(app)
     return app
