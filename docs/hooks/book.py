@@ -34,8 +34,9 @@ field `SamplingParams.stop`), with its decorators and the comment lines directly
 (up to a section rule such as `# ---- requests out`, which heads a part of the file), dedented.
 Definitions under a module's `if`/`try` count as the module's; the first definition of a name
 is the one shown. Several names, separated by spaces, show neighbours in one block, in the
-order written; names next to each other in the file keep the blank lines between them. A name written `-Class.member` leaves that member out of
-a class included in the same line (a class shown without the methods the page shows later):
+order written; names next to each other in the file keep the blank lines between them. A
+name written `-Class.member` leaves that member out of a class included in the same line (a
+class shown without the methods the page shows later):
 
     --8<-- "minisgl/core.py::Req -Req.append_token -Req.__repr__"
 
@@ -335,7 +336,7 @@ def checked_recording(b: Book, m: re.Match[str], src: str) -> str:
         return m.group(0)
     target = path
     name = Path(target).name
-    if name.startswith("tour"):
+    if name.startswith("tour") or Path(target).parent.name.startswith("tour"):
         command = "python tools/tour.py --record"
     elif "_bench" in name:  # benchmark/offline.py or online.py, on a GPU; saved by hand
         command = f"python benchmark/{name.split('_bench')[0]}.py and save its output"
