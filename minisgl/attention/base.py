@@ -5,8 +5,8 @@ sequence. For attention, a request is three numbers (:class:`ReqSpan`): the page
 that maps its tokens to pool slots, how many of its tokens are already in the KV pool (its
 *cached* length: a reused prefix, or everything up to the previous decode step), and how many
 new tokens it brings in this pass. A batch is a list of those plus one flag, decode or not
-(:class:`BatchLayout`). Nothing here knows about the engine's request and batch classes of
-chapter 7; they describe themselves in these terms.
+(:class:`BatchLayout`). Nothing here knows about the engine's request and batch classes; they
+describe themselves in these terms.
 
 A backend is used in two moves:
 
@@ -15,9 +15,10 @@ A backend is used in two moves:
    position, and whatever the backend's kernel wants to know about where each request's keys
    live. A fused kernel also *plans* here: it decides how to split the work across the GPU.
 2. :meth:`BaseAttnBackend.forward` once per layer, called by the model through the
-   attention-backend seam of chapter 3. It stores the layer's new keys and values into the
-   pool at the prepared slots, then lets each request's queries attend over all of its keys,
-   cached and new. Every layer reuses the same metadata: that is why it is computed once.
+   attention-backend seam (``minisgl.layers.attention``). It stores the layer's new keys and
+   values into the pool at the prepared slots, then lets each request's queries attend over
+   all of its keys, cached and new. Every layer reuses the same metadata: that is why it is
+   computed once.
 """
 
 from __future__ import annotations
@@ -61,7 +62,7 @@ class BatchLayout:
 
     ``is_decode`` marks a batch where every request brings exactly one token after a cached
     past. Such a batch can use a decode kernel (one query per request), and it is the kind of
-    batch chapter 8 replays as a CUDA graph.
+    batch the engine replays as a CUDA graph.
     """
 
     spans: tuple[ReqSpan, ...]
@@ -136,7 +137,7 @@ class AttnMetadata:
 
 
 class BaseAttnBackend(ABC):
-    """A paged attention backend: it implements chapter 3's ``AttentionBackend`` protocol.
+    """A paged attention backend: it implements the layers' ``AttentionBackend`` protocol.
 
     Args:
         kv_pool: the pool the keys and values live in (this device's share of the heads).
@@ -178,7 +179,7 @@ class BaseAttnBackend(ABC):
     def _new_token_fields(self, layout: BatchLayout) -> dict[str, Any]:
         """The fields of :class:`AttnMetadata` that do not depend on the backend.
 
-        The slots come from the page table (chapter 5): the new tokens of request ``i`` are
+        The slots come from the page table: the new tokens of request ``i`` are
         its positions ``cached_len .. total_len - 1``, and the table checks that the row holds
         pages for all of them. Two numbers per request cross to the device, in one copy the
         host does not wait for; the per-token arrays are expanded there.
@@ -230,7 +231,7 @@ class BaseAttnBackend(ABC):
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
         """Attention of ``q`` over the pool's keys of layer ``layer_id``, as ``meta`` says."""
 
-    # CUDA-graph hooks (chapter 8). Only a backend whose decode kernel reads fixed buffers can
+    # CUDA-graph hooks. Only a backend whose decode kernel reads fixed buffers can
     # be captured; the others say so instead of failing somewhere inside the capture.
     def init_graph_buffers(self, max_batch_size: int, pad_page: int) -> None:
         """Allocate the fixed buffers that captured decode graphs read."""

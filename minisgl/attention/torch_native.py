@@ -1,7 +1,7 @@
 """Paged attention in plain PyTorch: runs anywhere, and is the reference for the fused kernels.
 
 The backend reads the pool the simplest way: it *gathers* each request's keys and values out of
-the pages into a contiguous tensor (one indexing operation, chapter 5's ``gather_kv``) and then
+the pages into a contiguous tensor (one indexing operation, the pool's ``gather_kv``) and then
 computes ordinary attention on that copy. A fused kernel such as FlashInfer's reads the pages
 in place instead and never makes the copy; the result is the same, which is exactly what the
 tests check.

@@ -1,7 +1,7 @@
 """The tensor-parallel process group: how ranks find each other and what they send each other.
 
-Chapter 2 left two numbers (``TPInfo``) and one hook (``all_reduce``) for the layers. This module
-makes them real with ``torch.distributed``:
+The layers read two numbers (``TPInfo``) and call one hook (``all_reduce``). This module makes
+them real with ``torch.distributed``:
 
 - **rendezvous**: every rank calls :func:`init_tp_group` with the same ``tcp://127.0.0.1:PORT``
   address (:func:`free_loopback_address` picks a port nobody listens on). Rank 0 listens there,

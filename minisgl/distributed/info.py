@@ -1,10 +1,10 @@
 """Where this process sits in the tensor-parallel group, and the one collective layers need.
 
 Tensor parallelism (chapter 17) splits every large weight matrix across ``size`` processes; the
-process with index ``rank`` keeps one slice. The layers of chapter 2 read this information when
-they are built, so that they allocate only their own slice and know which part of a checkpoint
-tensor to copy. With the default ``TPInfo(rank=0, size=1)`` every "slice" is the whole tensor and
-nothing is communicated, which is how the single-device chapters run.
+process with index ``rank`` keeps one slice. The layers read this information when they are
+built, so that they allocate only their own slice and know which part of a checkpoint tensor
+to copy. With the default ``TPInfo(rank=0, size=1)`` every "slice" is the whole tensor and
+nothing is communicated, which is how a single device runs.
 
 The only communication the layers need is an all-reduce (a sum of one tensor over all ranks).
 It is a hook: the default does nothing on a single rank and refuses to guess on several; the

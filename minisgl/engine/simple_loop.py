@@ -12,7 +12,7 @@ stored ones.
 model through the attention-backend seam of ``minisgl.layers.attention``, so the model code does
 not change at all. :func:`generate` runs the loop with the cache (prefill once, then decode) or
 without it (re-run everything at each step), which lets the example measure the difference.
-Chapter 5 replaces the one-sequence buffer by a paged pool shared by many requests.
+The engine proper replaces the one-sequence buffer by a paged pool shared by many requests.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ class ContiguousKVCache:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         shape = (num_layers, max_len, num_kv_heads, head_dim)
         # Allocated once, up front, at the longest length this sequence may reach: no
-        # reallocation or copying while generating (chapter 5 asks what this wastes).
+        # reallocation or copying while generating, at the price of memory reserved unused.
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len

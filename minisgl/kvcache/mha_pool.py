@@ -27,8 +27,8 @@ class MHAKVPool(BaseKVPool):
 
     Args:
         num_layers: transformer layers; each gets its own K and V tensor.
-        num_kv_heads: KV heads *on this device* (under tensor parallelism, chapter 17, each
-            rank passes its share).
+        num_kv_heads: KV heads *on this device* (under tensor parallelism each rank passes its
+            share).
         head_dim: features per head.
         num_pages: pages in the pool.
         page_size: token slots per page (1 and 16 are the usual choices).

@@ -17,7 +17,7 @@ step, and must never wait for the device to do it. Pages appended to rows reach 
 together, in one copy, the next time the table is read (once per forward pass), and a batch's
 slots are computed on the device from a few numbers per request, never from a list per token.
 On a GPU that keeps the host's share of a step small and free of synchronisation, which is what
-lets chapter 12 overlap it with the device's work.
+lets overlap scheduling hide it under the device's work.
 """
 
 from __future__ import annotations

@@ -18,9 +18,9 @@ The tree:
   was last used (``last_used``, a logical clock). When the allocator runs short, the least
   recently used leaves that nobody has locked are cut off and their pages given back.
 
-The cache talks to the scheduler through :class:`~minisgl.kvcache.base.BasePrefixCache`, the
-seam chapter 5 laid down and chapter 9's naive cache implements by keeping nothing. The
-scheduler's bookkeeping is the same for both; this module changes only what is kept.
+The cache talks to the scheduler through :class:`~minisgl.kvcache.base.BasePrefixCache`, which
+the naive cache implements by keeping nothing. The scheduler's bookkeeping is the same for both;
+this module changes only what is kept.
 """
 
 from __future__ import annotations

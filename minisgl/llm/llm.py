@@ -6,14 +6,14 @@ detokenize the outputs. The scheduler does the rest: it admits as many prompts a
 holds, batches them continuously, and takes in the waiting ones as the first ones finish. A list
 of a thousand prompts therefore needs no more memory than the pool it was given.
 
-Chapters 13 to 15 put the same scheduler behind a server, in a process of its own; this class is
-what a script, a notebook or a test uses.
+The server (``python -m minisgl``) puts the same scheduler in a process of its own; this class
+is what a script, a notebook or a test uses.
 
-From chapter 12 on the scheduler is the :class:`~minisgl.scheduler.overlap.OverlapScheduler`,
-so the host plans each step while the device runs the one before; ``LLM(path, overlap=False)``
-runs chapter 9's synchronous loop instead, for comparison.
+The scheduler is the :class:`~minisgl.scheduler.overlap.OverlapScheduler`, so the host plans
+each step while the device runs the one before; ``LLM(path, overlap=False)`` runs the
+synchronous loop instead, for comparison.
 
-Chapter 17: ``LLM(path, tp=2)`` splits the model over two ranks. This process is rank 0, and
+``LLM(path, tp=2)`` splits the model over two ranks. This process is rank 0, and
 each other rank is a process of its own that repeats what rank 0's scheduler does
 (:mod:`minisgl.scheduler.tp`); :meth:`LLM.close` (or leaving a ``with`` block) stops them.
 """
@@ -58,7 +58,7 @@ class LLM:
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16`` or
             ``float16``.
-        tp: chapter 17: tensor-parallel ranks (on CPU with gloo; on CUDA rank r uses GPU r).
+        tp: tensor-parallel ranks (on CPU with gloo; on CUDA rank r uses GPU r).
         **engine_options: any other field of :class:`~minisgl.scheduler.config.SchedulerConfig`
             (``page_size``, ``num_pages``, ``max_running_reqs``, ``max_prefill_tokens``,
             ``prefix_cache``, ``overlap``, ...).
@@ -225,7 +225,7 @@ def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
 
 
 def _refuse_stop_strings(params: Sequence[SamplingParams]) -> None:
-    """Stop strings are matched on text, by the server's detokenizer (chapter 14); ``LLM``
+    """Stop strings are matched on text, by the server's detokenizer; ``LLM``
     decodes only once a request has finished, so it could not stop there. Say so rather than
     return text that runs past the stop string."""
     for i, p in enumerate(params):

@@ -4,7 +4,7 @@ The detokenizer sends one :class:`UserReply` per generated token. The API server
 waiting HTTP request by ``uid`` and either streams ``delta`` to the client at once or appends
 it to the full answer.
 
-Chapter 16: a request can also end in an error (a prompt too long for the context, a worker
+A request can also end in an error (a prompt too long for the context, a worker
 that failed while serving it). Its last reply then carries a :class:`RequestError`: what the
 client is told, and with which HTTP status.
 """
@@ -45,7 +45,7 @@ class TokenUsage:
 @register_wire_type
 @dataclass(frozen=True)
 class RequestError:
-    """Why a request failed, as the client will be told (chapter 16).
+    """Why a request failed, as the client will be told.
 
     A worker that cannot serve a request does not drop it: it sends this along the request's
     normal path, as its last message, so that every process on the way forgets the request
@@ -83,9 +83,9 @@ class UserReply(FrontendMessage):
             the middle of a multi-byte character (the detokenizer holds it back until the
             character is complete).
         finish_reason: None while the request runs; why it ended on its last reply
-            (``"stop"``, ``"length"``; chapter 16: ``"error"``).
+            (``"stop"``, ``"length"`` or ``"error"``).
         usage: the request's token counts, on the last reply only.
-        error: chapter 16: why the request failed, on the last reply of a request that ended
+        error: why the request failed, on the last reply of a request that ended
             in an error (``finish_reason`` is then ``"error"``).
     """
 

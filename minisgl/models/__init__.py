@@ -5,7 +5,7 @@
 :func:`load_model` goes from a checkpoint to a ready model in one call.
 
 This file imports nothing heavy at module level: processes that only need a config (the
-tokenizer and the server, from chapter 13 on) import ``minisgl.models.config`` and must not
+tokenizer and the server processes) import ``minisgl.models.config`` and must not
 pay for torch and safetensors on the way.
 """
 

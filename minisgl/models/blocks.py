@@ -14,8 +14,8 @@ Qwen3-MoE      no          no         yes         gated MLP or experts
 :class:`DecoderOnlyLM` builds embedding, layers, final norm and LM head from a config; a family
 subclasses it and answers up to three questions: which config settings it refuses, which attention options
 (:class:`AttentionOptions`) it has, and which feed-forward block layer ``i`` gets. Module names
-are the checkpoints' (``model.layers.3.self_attn.o_proj``), so the loader's name mapping of
-chapter 3 applies unchanged.
+are the checkpoints' (``model.layers.3.self_attn.o_proj``), so the loader's name mapping
+applies unchanged.
 """
 
 from __future__ import annotations
@@ -87,7 +87,7 @@ class RotaryAttention(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block, the residual carried beside the stream as in chapter 3's Qwen3."""
+    """One pre-norm block, the residual carried beside the stream."""
 
     def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()

@@ -57,7 +57,7 @@ def dtype_bytes(dtype: str | torch.dtype) -> int:
 
 @dataclass(frozen=True)
 class RotaryConfig:
-    """What the rotary embedding layer needs (chapter 2 builds it from this)."""
+    """What the rotary embedding layer needs (``get_rope`` builds it from this)."""
 
     head_dim: int
     rotary_dim: int  # how many of the head_dim features rotate; all of them unless partial
@@ -93,7 +93,7 @@ class ModelConfig:
     torch_dtype: str | None = None  # the dtype the weights were published in
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # mixture of experts (chapter 18); all zero for a dense model
+    # mixture of experts; all zero for a dense model
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0

@@ -2,7 +2,7 @@
 
 No qk-norm, no bias unless ``attention_bias`` asks for one (then on all four projections),
 ``head_dim`` usually ``hidden_size / heads``. Llama 3.1 and later stretch RoPE to long contexts
-with ``rope_scaling`` of type ``llama3`` (chapter 2's :func:`~minisgl.layers.get_rope` has it);
+with ``rope_scaling`` of type ``llama3`` (:func:`~minisgl.layers.get_rope` has it);
 the 1B and 3B models tie the LM head to the embedding, the larger ones do not. Both come from
 config.json, so this file only says which options the shared blocks take.
 """

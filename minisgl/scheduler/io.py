@@ -1,12 +1,12 @@
 """The scheduler as a process: requests in from the tokenizer, tokens out to the detokenizer.
 
-Chapters 9 to 12 drive the scheduler from a loop in the caller's own process (``LLM``). Served,
+``LLM`` drives the scheduler from a loop in the caller's own process. Served,
 it runs in a process of its own, and its loop is :func:`run_scheduler`:
 
 1. wait for messages only when there is nothing to compute; otherwise take whatever has
    arrived without waiting, so that a new request never stalls the running ones;
 2. add the new requests, abort the cancelled ones;
-3. run one step of the (chapter 12, overlapping) scheduler;
+3. run one step of the (overlapping) scheduler;
 4. send one frame holding a :class:`~minisgl.message.DetokenizeRequest` for every token the
    step produced; the last token of a request carries its ``finish_reason`` and ``usage``.
 
@@ -17,13 +17,13 @@ The scheduler publishes its state after every step in a
 :class:`~minisgl.utils.mp.SharedCounters` with the names :data:`SCHEDULER_COUNTERS`, which the
 API server reads for ``/metrics``.
 
-Chapter 16: a request the scheduler cannot serve is answered, never dropped. A prompt longer
+A request the scheduler cannot serve is answered, never dropped. A prompt longer
 than the context, or a token id outside the vocabulary, and every request of a step that
 raised, leave with an :class:`~minisgl.message.AbortRequest` carrying a
 :class:`~minisgl.message.RequestError`; the detokenizer turns it into the request's last
 reply, and the scheduler serves on.
 
-Chapter 17: under tensor parallelism this process is rank 0. Its scheduler passes every request
+Under tensor parallelism this process is rank 0. Its scheduler passes every request
 and step on to the other ranks (:class:`~minisgl.scheduler.tp.TPLeaderScheduler`), and a step
 that fails ends the process instead: the ranks could no longer be trusted to agree.
 """
@@ -72,7 +72,7 @@ def scheduler_counters() -> SharedCounters:
     """Counters for :func:`run_scheduler`'s ``stats`` argument."""
     return SharedCounters(SCHEDULER_COUNTERS)
 
-# Chapter 16: a step that raises fails the requests it was serving, and the scheduler goes on;
+# A step that raises fails the requests it was serving, and the scheduler goes on;
 # this many failed steps in a row mean it cannot recover, and the process exits (the API server
 # then reports it unhealthy and fails every waiting request).
 MAX_FAILED_STEPS = 3
@@ -95,7 +95,7 @@ class SchedulerIO:
         self.live: dict[int, Req] = {}
         self._sent: dict[int, int] = {}  # uid -> tokens sent to the detokenizer so far
         self._last_uids: tuple[int, ...] = ()  # the previous step's batch
-        self._failed_steps = 0  # chapter 16: steps in a row that raised
+        self._failed_steps = 0  # steps in a row that raised
 
     @property
     def has_work(self) -> bool:
@@ -110,7 +110,7 @@ class SchedulerIO:
         finished (its last token went out already) or finishes in the batch in flight (its
         last token will).
 
-        Chapter 16: an abort that carries an error is always passed on (a tokenizer could not
+        An abort that carries an error is always passed on (a tokenizer could not
         serve the request, which the scheduler never saw: the client must still hear why), and
         a request the scheduler refuses leaves the same way, with its own error.
         """
@@ -166,7 +166,7 @@ class SchedulerIO:
     def step(self) -> list[DetokenizerMessage]:
         """Run one scheduler step; one message per token it produced.
 
-        With overlap (chapter 12) a step reads the tokens of the batch launched the step
+        With overlap a step reads the tokens of the batch launched the step
         before, so the requests that may have a new token are those of this step's batch and
         of the previous one. A request's output may end with a placeholder for a token still
         on the device: only the tokens before it are real.
@@ -180,7 +180,7 @@ class SchedulerIO:
                 req = self.live.get(uid)
                 if req is not None:
                     messages += self._new_tokens(req, finished.get(uid) is req)
-        except Exception as exc:  # noqa: BLE001 - chapter 16: fail the requests, not the process
+        except Exception as exc:  # noqa: BLE001 - fail the requests, not the process
             return self._fail(live, exc)
         self._failed_steps = 0
         self._last_uids = result.uids
@@ -252,8 +252,8 @@ class SchedulerIO:
 def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
                   ready: multiprocessing.Queue | None = None,
                   stats: SharedCounters | None = None, tp: TPLaunch | None = None) -> None:
-    """The scheduler process: serve requests from ``inbox`` until SIGTERM or SIGINT (or,
-    chapter 16, until its parent dies: ``signals.requested`` is checked after every step).
+    """The scheduler process: serve requests from ``inbox`` until SIGTERM or SIGINT (or until
+    its parent dies: ``signals.requested`` is checked after every step).
 
     Args:
         config: the engine's and the scheduler's settings.
@@ -263,7 +263,7 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
         ready: a queue from :func:`~minisgl.utils.mp.new_ready_queue` to report start-up on,
             or None.
         stats: counters named :data:`SCHEDULER_COUNTERS` to publish, or None.
-        tp: chapter 17: the tensor-parallel group this process leads as rank 0, or None.
+        tp: the tensor-parallel group this process leads as rank 0, or None.
     """
     # the process that computes gets the cores (shared with the other ranks under TP)
     configure_cpu_threads("model", processes=1 if tp is None else tp.size)

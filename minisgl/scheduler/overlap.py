@@ -1,6 +1,6 @@
 """Overlap scheduling: the host plans step N+1 while the device still runs step N.
 
-In chapter 9's :meth:`~minisgl.scheduler.scheduler.Scheduler.step` the host and the device take
+In :meth:`~minisgl.scheduler.scheduler.Scheduler.step` the host and the device take
 turns: the host schedules a batch, reserves its pages and packs its input; the device runs it;
 the host waits for the sampled tokens (``tolist()`` blocks), appends them and retires the
 finished requests; only then does it start planning the next step. On a GPU the host's share is
@@ -35,7 +35,7 @@ Either way a request keeps its pages for at most one step longer than without ov
 tokens are the same: each request's tokens depend only on its own earlier tokens.
 
 The switch is the config's ``overlap`` field: ``SchedulerConfig(..., overlap=False)`` runs
-chapter 9's synchronous step, for ablation (``LLM(path, overlap=False)`` passes it through).
+the synchronous step, for ablation (``LLM(path, overlap=False)`` passes it through).
 Left at None, overlap is on unless the environment variable ``MINISGL_DISABLE_OVERLAP`` is set.
 It is on for CPU as well: nothing runs asynchronously there, but the same code path runs,
 results one step late, so the CPU tests exercise it.
@@ -107,7 +107,7 @@ class OverlapScheduler(Scheduler):
 
     Args:
         config: as for :class:`Scheduler`; its ``overlap`` field switches overlap on (True,
-            the default unless ``MINISGL_DISABLE_OVERLAP`` is set) or off (False: chapter 9's
+            the default unless ``MINISGL_DISABLE_OVERLAP`` is set) or off (False: the
             synchronous step).
 
     Attributes:
@@ -215,7 +215,7 @@ class OverlapScheduler(Scheduler):
         host, ready = self._copy_to_host(tokens)
         slots: list[int | None] = []
         for req in batch.reqs:
-            if req.new_len > 0:  # only a chunk of its prompt ran (chapter 10): no real sample
+            if req.new_len > 0:  # only a chunk of its prompt ran: no real sample
                 slots.append(None)
                 continue
             slots.append(len(req.output_ids))

@@ -10,9 +10,9 @@ formed, first come, first served, under three limits that a :class:`PrefillBudge
   the requests already running;
 - **tokens**: the batch's prompt tokens must fit the per-step budget ``max_prefill_tokens``,
   except for the batch's first request, which is always taken (a longer prompt would otherwise
-  wait forever; chapter 10 cuts it into chunks instead).
+  wait forever; chunked prefill cuts it into chunks instead).
 
-With chunked prefill (chapter 10, ``chunking.py``) the token budget is a hard limit: the request
+With chunked prefill (``chunking.py``) the token budget is a hard limit: the request
 that does not fit whole computes the *chunk* of its prompt that does, and stays at the head of
 the queue, holding its row and pages, until a later batch has computed the rest.
 
@@ -65,7 +65,7 @@ class PrefillBudget:
     def chunk(self, new_tokens: int) -> int:
         """How many of a request's ``new_tokens`` uncomputed tokens this step computes.
 
-        All of them: this budget never cuts a prompt. Chapter 10's
+        All of them: this budget never cuts a prompt.
         :class:`~minisgl.scheduler.chunking.ChunkedPrefillBudget` cuts it to the tokens left.
         """
         return new_tokens
@@ -114,7 +114,7 @@ class PrefillManager:
 
         Admitted requests leave the queue holding a page-table row (and any cached prefix);
         the scheduler reserves their pages before the batch runs. A request whose prompt the
-        budget cuts (chapter 10) is the batch's last; it stays at the head of the queue, and
+        budget cuts is the batch's last; it stays at the head of the queue, and
         the batch's ``chunk_lens`` say how much of each prompt runs now.
         """
         admitted: list[Req] = []
@@ -140,7 +140,7 @@ class PrefillManager:
             assert is_first, f"request {req.uid} holds a row but is not at the head of the queue"
             return budget.resume(req)
         match = self.cache.match(req)  # always empty with the naive cache
-        # Chapter 11: lock the match straight away. Its pages that were evictable counted in
+        # Lock the match straight away. Its pages that were evictable counted in
         # the budget as room for anyone; now they are this request's, so they are charged.
         drop = self.cache.lock(match)
         new_tokens = req.num_tokens - match.num_tokens

@@ -20,7 +20,7 @@ scheduler and they are kept identical by giving them identical inputs:
 Only rank 0 replies. A follower publishes its own gauges (``rank1_kv_pages_in_use`` ...), so
 ``/metrics`` shows that every rank frees what it held.
 
-A failed step cannot be answered and forgotten here, as chapter 16 does with one rank: the
+A failed step cannot be answered and forgotten here, as ``scheduler.io`` does with one rank: the
 ranks may have stopped at different collectives, and the next step would pair one rank's
 all-reduce with another's broadcast. A rank whose step fails exits (:class:`RankFailed`); the
 others' next collective then fails as well, and the API server, seeing its processes gone,
@@ -83,7 +83,7 @@ class RankStep(FollowerMessage):
 class RankFailed(BaseException):
     """A step failed on a tensor-parallel rank: this rank cannot go on in step with the others.
 
-    A BaseException, so that chapter 16's "fail the step's requests and serve on" (which
+    A BaseException, so that the scheduler loop's "fail the step's requests and serve on" (which
     catches ``Exception``) lets it through and the process exits.
     """
 

@@ -53,8 +53,8 @@ class StepResult:
         waiting: uids still in the waiting queue after this step, in arrival order.
         running: uids holding KV pages after this step (they decode in the next decode step).
         finished: requests that finished in this step; each has its ``finish_reason``.
-        new_lens: tokens each request of the batch computed, in batch order (chapter 10: a
-            request whose prompt was cut computed only a chunk of it).
+        new_lens: tokens each request of the batch computed, in batch order (a request whose
+            prompt was cut computed only a chunk of it).
     """
 
     step: int
@@ -67,7 +67,7 @@ class StepResult:
     waiting: tuple[int, ...]
     running: tuple[int, ...]
     finished: tuple[Req, ...]
-    new_lens: tuple[int, ...] = ()  # chapter 10
+    new_lens: tuple[int, ...] = ()
 
     @property
     def idle(self) -> bool:

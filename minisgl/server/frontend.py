@@ -11,7 +11,7 @@ request it belongs to (a :class:`~minisgl.server.lifecycle.ReplyBuffer` per uid)
 It knows nothing of HTTP: :mod:`minisgl.server.api_server` turns its replies into responses,
 and the interactive shell (:mod:`minisgl.shell`) uses it directly.
 
-Chapter 16 makes every request end, and free what it holds, however it ends: a reader that
+Every request ends, and frees what it holds, however it ends: a reader that
 stops early, a worker that fails or dies, a reader slower than the engine
 (:mod:`minisgl.server.lifecycle`), the server shutting down. :class:`FrontendStats` counts
 what ``/metrics`` shows.
@@ -69,8 +69,8 @@ class FrontendStats:
     submitted: int = 0
     finished: int = 0
     aborted: int = 0
-    failed: int = 0  # chapter 16: ended with an error (a worker's, or the frontend's own)
-    slow_readers: int = 0  # chapter 16: cut off for reading too slowly
+    failed: int = 0  # ended with an error (a worker's, or the frontend's own)
+    slow_readers: int = 0  # cut off for reading too slowly
 
 
 class FrontendManager:
@@ -81,7 +81,7 @@ class FrontendManager:
     listener task reads the queue and pushes each reply into its uid's buffer, which wakes that
     request's reader, waiting on its own buffer only.
 
-    Chapter 16 makes sure every request ends, and frees what it holds, however it ends:
+    Every request ends, and frees what it holds, however it ends:
 
     - :meth:`replies` owns a request's state. It frees it when it hands out the last reply,
       and its ``finally`` frees it, aborting the request, when the reader stops early: it
@@ -243,13 +243,13 @@ class FrontendManager:
             return
         if reply.error is not None:
             self.stats.failed += 1
-        if not buffer.push(reply, time.monotonic()):  # chapter 16: the reader is too slow
+        if not buffer.push(reply, time.monotonic()):  # the reader is too slow
             self._cut_off(reply.uid, buffer)
 
     async def replies(self, uid: int) -> AsyncIterator[UserReply]:
         """Request ``uid``'s replies, in order, up to and including its last one.
 
-        This generator owns the request's state (chapter 16). The state is freed as soon as
+        This generator owns the request's state. The state is freed as soon as
         the last reply is taken, *before* it is yielded: a caller that stops there (``break``
         on the finished reply) never resumes the generator, and must leave nothing behind.
         Any other way out (the caller breaks early and closes it, a cancelled task, an

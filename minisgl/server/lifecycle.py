@@ -1,4 +1,4 @@
-"""What the API server needs to end every request, whatever happens to it (chapter 16).
+"""What the API server needs to end every request, whatever happens to it.
 
 A request that goes well ends with its last reply. This module is for the others:
 

@@ -22,7 +22,7 @@ be the start of one until the next piece says whether it is.
 
 :class:`DetokenizeManager` keeps one :class:`RequestText` per live request and turns each
 :class:`~minisgl.message.DetokenizeRequest` into the :class:`~minisgl.message.UserReply` the
-API server receives. Chapter 16: it also ends a request with an error reply, when a worker
+API server receives. It also ends a request with an error reply, when a worker
 dropped it with an error or when its tokens cannot be decoded.
 """
 
@@ -212,7 +212,7 @@ class DetokenizeManager:
     def abort(self, uid: int, error: RequestError | None = None) -> UserReply | None:
         """Forget request ``uid``: the scheduler dropped it, and will send nothing more.
 
-        Chapter 16: when a worker dropped it because of ``error``, its client has not heard
+        When a worker dropped it because of ``error``, its client has not heard
         the end of it yet: returns the request's last reply, which carries the error. Unless
         a stop string had ended its text already: that client has its last reply.
         """
@@ -222,7 +222,7 @@ class DetokenizeManager:
         return UserReply.failure(uid, error)
 
     def fail(self, message: DetokenizeRequest, exc: Exception) -> UserReply:
-        """Chapter 16: decoding ``message`` raised. The request ends here, with an error.
+        """Decoding ``message`` raised. The request ends here, with an error.
 
         Its state becomes a tombstone (like a request a stop string ended) until the
         scheduler's last word on it, so that the tokens still on their way are dropped; the
@@ -242,8 +242,8 @@ class DetokenizeManager:
 
         Returns the replies for the API server, and the aborts for the scheduler: one for each
         request that a stop string has just ended, which the scheduler would otherwise run to
-        its ``max_tokens`` for nothing (chapter 16: and one for each request whose tokens
-        could not be decoded).
+        its ``max_tokens`` for nothing (and one for each request whose tokens could not be
+        decoded).
         """
         replies: list[UserReply] = []
         aborts: list[AbortRequest] = []
@@ -255,7 +255,7 @@ class DetokenizeManager:
                 continue
             try:
                 reply = self.detokenize(message)
-            except Exception as exc:  # noqa: BLE001 - chapter 16: fail it, serve the others
+            except Exception as exc:  # noqa: BLE001 - fail it, serve the others
                 reply = self.fail(message, exc)
             if reply is None:
                 continue

@@ -15,9 +15,9 @@ There may be several tokenizers (the API server sends request ``uid`` to tokeniz
 holds every request's text state.
 
 Each function is a process's main: it returns when the process gets SIGTERM or SIGINT, after
-closing its sockets (chapter 16: or when its parent has died).
+closing its sockets (or when its parent has died).
 
-Chapter 16: neither worker drops a request it cannot serve. The tokenizer sends an
+Neither worker drops a request it cannot serve. The tokenizer sends an
 :class:`AbortRequest` carrying a :class:`~minisgl.message.RequestError` in its place; the
 detokenizer turns such an abort, or an error of its own, into the request's last reply.
 """
@@ -64,7 +64,7 @@ def detokenizer_counters() -> SharedCounters:
 
 def tokenize_or_fail(manager: TokenizeManager,
                      request: TokenizeRequest) -> UserRequest | AbortRequest:
-    """The scheduler's request for ``request``, or (chapter 16) an abort that carries why
+    """The scheduler's request for ``request``, or an abort that carries why
     there is none.
 
     The abort goes the request's normal way (scheduler, detokenizer, API server), so the

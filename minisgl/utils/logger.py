@@ -15,7 +15,7 @@ from minisgl.env import parse_log_level, read_env
 
 ROOT_LOGGER = "minisgl"
 # The process name tells the scheduler's, the tokenizer's and the server's lines apart once the
-# engine runs as several processes (chapter 13); in one process it reads MainProcess.
+# engine runs as several processes; in one process it reads MainProcess.
 LOG_FORMAT = "[%(asctime)s %(levelname)s %(processName)s] %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 
