@@ -390,9 +390,6 @@ def captioned_snapshots(b: Book, markdown: str, src: str) -> str:
 
 
 # --------------------------------------------------------------------------- code by name
-Definition = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef | ast.Assign | ast.AnnAssign
-
-
 class SymbolNotFound(LookupError):
     """A qualified name an include asks for is not defined in the file."""
 
