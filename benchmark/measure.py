@@ -44,7 +44,6 @@ def summarize(values: Sequence[float], scale: float = 1.0) -> dict[str, float] |
     return out
 
 
-# --8<-- [start:objectives]
 @dataclass(frozen=True)
 class Objectives:
     """Latency objectives a request must meet to count towards goodput (milliseconds; None
@@ -68,7 +67,6 @@ class Objectives:
             if value * 1e3 > bound:
                 return False
         return True
-    # --8<-- [end:objectives]
 
     def describe(self) -> str:
         parts = [f"{name.upper()} <= {bound:g} ms" for name, bound in self.items()]
@@ -104,7 +102,6 @@ def parse_objectives(text: str) -> Objectives:
     return Objectives(**bounds)
 
 
-# --8<-- [start:goodput]
 def goodput(completed: Sequence[tuple[float | None, float | None, float | None]],
             num_requests: int, objectives: Objectives, duration_s: float) -> dict[str, float]:
     """Requests meeting every objective: how many, what share of all ``num_requests`` (a
@@ -115,4 +112,3 @@ def goodput(completed: Sequence[tuple[float | None, float | None, float | None]]
     met = sum(objectives.met(*latencies) for latencies in completed)
     return {"met": met, "fraction": met / num_requests if num_requests else 0.0,
             "per_s": met / duration_s if duration_s > 0 else 0.0}
-# --8<-- [end:goodput]

@@ -549,7 +549,6 @@ class Arm:
         return self.engine_key, self.overlap, self.workload
 
 
-# --8<-- [start:ablation_arms]
 def ablation_arms(names: Sequence[str], chunk_size: int) -> list[Arm]:
     """The arms of the chosen ablations. The base engine has CUDA graphs, fused kernels, the
     radix cache and overlap on, and chunked prefill off; each arm changes one thing."""
@@ -569,7 +568,6 @@ def ablation_arms(names: Sequence[str], chunk_size: int) -> list[Arm]:
                             Arm("chunked-prefill", "unchunked", "short-long", budget)],
     }
     return [arm for name in names for arm in arms[name]]
-# --8<-- [end:ablation_arms]
 
 
 @dataclass
@@ -591,7 +589,6 @@ class Trace:
         return [b - a for a, b in zip(times, times[1:])]
 
 
-# --8<-- [start:run_traced]
 def run_traced(scheduler: Any, waves: Sequence[tuple[int | None, list[Any]]]) -> Trace:
     """Step ``scheduler`` until every request of every wave has finished, timing each token.
 
@@ -625,7 +622,6 @@ def run_traced(scheduler: Any, waves: Sequence[tuple[int | None, list[Any]]]) ->
         live = [req for req in live if not req.is_finished]
     trace.wall_s = time.perf_counter() - start
     return trace
-# --8<-- [end:run_traced]
 
 
 @dataclass

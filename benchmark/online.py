@@ -438,7 +438,6 @@ async def run_round(client: httpx.AsyncClient, url: str, model: str | None,
 
     slots = asyncio.Semaphore(max_concurrency) if max_concurrency else None
 
-    # --8<-- [start:concurrency_cap]
     async def one(i: int, start: float) -> None:
         if slots is None:
             await send_request(client, url, model, prompts[i], results[i], start)
@@ -449,7 +448,6 @@ async def run_round(client: httpx.AsyncClient, url: str, model: str | None,
                 await send_request(client, url, model, prompts[i], results[i], start)
         if bar is not None:
             bar.update(1)
-    # --8<-- [end:concurrency_cap]
 
     tasks: list[asyncio.Task[None]] = []
     start = time.perf_counter()

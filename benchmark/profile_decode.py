@@ -88,7 +88,6 @@ def _device_us(event: Any) -> float:
     return 0.0
 
 
-# --8<-- [start:profile_steps]
 def profile_steps(engine: Any, reqs: list[Any], steps: int) -> dict[str, Any]:
     """Eager decode steps under ``torch.profiler``: the device's kernels by name and the
     host's own time by operator, both per step."""
@@ -119,16 +118,13 @@ def profile_steps(engine: Any, reqs: list[Any], steps: int) -> dict[str, Any]:
                     for name, (calls, us) in ranked[:TOP_KERNELS]],
         "host_ops": [{"name": name, "us": us} for name, us in
                      sorted(host.items(), key=lambda kv: -kv[1])[:TOP_HOST_OPS]]}
-# --8<-- [end:profile_steps]
 
 
-# --8<-- [start:hbm_floor]
 def hbm_floor_ms(weight_bytes: int, kv_bytes_per_token: int, context_tokens: int,
                  bandwidth: float) -> float:
     """The least time a decode step can take: every weight and the KV of every context
     token read once, at the measured bandwidth (bytes per second)."""
     return 1e3 * (weight_bytes + kv_bytes_per_token * context_tokens) / bandwidth
-# --8<-- [end:hbm_floor]
 
 
 def profile_batch(engine: Any, batch_size: int, args: argparse.Namespace,

@@ -96,7 +96,6 @@ class Workload:
             return [[rng.randrange(vocab_size) for _ in range(n)] for n in self.input_lens]
         return self._shared_prefix_prompts(rng, vocab_size)
 
-    # --8<-- [start:shared_prefix_prompts]
     def _shared_prefix_prompts(self, rng: random.Random, vocab_size: int) -> list[list[int]]:
         """A system prompt per group, then each request's own suffix. The system prompts
         differ from their first token on, and the suffixes of one group from theirs, so that
@@ -116,9 +115,7 @@ class Workload:
             suffix += [rng.randrange(vocab_size) for _ in range(length - self.prefix_len - 1)]
             prompts.append(prefixes[group] + suffix)
         return prompts
-    # --8<-- [end:shared_prefix_prompts]
 
-    # --8<-- [start:predicted_savings]
     def predicted_prefill_savings(self, page_size: int = 1) -> int:
         """Prompt tokens a prefix cache spares when each system prompt is cached before the
         rest of its group is prefilled: every request but the first of its group reuses the
@@ -127,7 +124,6 @@ class Workload:
             return 0
         reused = self.prefix_len // page_size * page_size  # a cache keeps whole pages only
         return (self.num_requests - self.num_prefixes) * reused
-    # --8<-- [end:predicted_savings]
 
     def first_of_each_group(self) -> list[int]:
         """Shared-prefix: the index of each group's first request (the one that seeds it)."""

@@ -59,7 +59,6 @@ def transformers_greedy(ckpt: Path, prompts: list[list[int]]) -> list[list[int]]
                 for ids in prompts]
 
 
-# --8<-- [start:family_run]
 def run_family(arch: str, device: str) -> bool:
     ckpt = tiny_checkpoint(arch)
     server = ServerProcess(ckpt, device=device, args=("--served-model-name", arch))
@@ -94,10 +93,8 @@ def run_family(arch: str, device: str) -> bool:
         return same
     finally:
         server.stop()
-# --8<-- [end:family_run]
 
 
-# --8<-- [start:hbm_floor]
 def weight_bytes_per_token(config: ModelConfig, layers: int, bytes_per_param: int = 2
                            ) -> tuple[int, int]:
     """(bytes of every weight, bytes one decode token must read) for ``layers`` MoE layers.
@@ -114,7 +111,6 @@ def weight_bytes_per_token(config: ModelConfig, layers: int, bytes_per_param: in
     total = layers * (attention + router + e * expert) + 2 * head  # untied: embedding + head
     active = layers * (attention + router + k * expert) + head
     return total * bytes_per_param, active * bytes_per_param
-# --8<-- [end:hbm_floor]
 
 
 def print_hbm_floor() -> None:

@@ -30,7 +30,6 @@ if TYPE_CHECKING:  # type names only: this module must stay importable without t
 _MAX_SEED = 2**64 - 1
 
 
-# --8<-- [start:sampling_params]
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop, for one request.
@@ -69,9 +68,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
-    # --8<-- [start:stop_field]
     stop: tuple[str, ...] = ()  # chapter 14: stop strings, applied by the detokenizer
-    # --8<-- [end:stop_field]
 
     def __post_init__(self) -> None:
         self._validate()
@@ -85,9 +82,6 @@ class SamplingParams:
         """
         return self.temperature == 0.0 or self.top_k == 1
 
-    # --8<-- [end:sampling_params]
-
-    # --8<-- [start:validate]
     def _validate(self) -> None:
         """Reject impossible values here, at the edge, with a message that names the field,
         the value and what is allowed; deeper code can then trust every field."""
@@ -137,7 +131,6 @@ class SamplingParams:
             if not 0 <= self.seed <= _MAX_SEED:
                 _invalid("seed", self.seed, f"None or an integer in [0, {_MAX_SEED}]")
 
-        # --8<-- [start:validate_stop]
         # Chapter 14. An empty stop string would match at once, before any text: a bug.
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if isinstance(stop, bytes) or not isinstance(stop, Iterable):
@@ -147,9 +140,6 @@ class SamplingParams:
             if not isinstance(text, str) or not text:
                 _invalid("stop", self.stop, f"a sequence of non-empty strings ({text!r} is not)")
         object.__setattr__(self, "stop", stop)
-        # --8<-- [end:validate_stop]
-
-    # --8<-- [end:validate]
 
 
 def _check_real(field: str, value: object) -> None:
@@ -170,7 +160,6 @@ Phase = Literal["prefill", "decode"]
 PHASES: tuple[Phase, ...] = ("prefill", "decode")
 
 
-# --8<-- [start:req]
 @dataclass(eq=False)  # identity, not field equality: two requests with equal fields are two
 class Req:
     """One request on its way through the engine.
@@ -263,9 +252,7 @@ class Req:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
-    # --8<-- [end:req]
 
-    # --8<-- [start:append_token]
     def append_token(self, token_id: int,
                      eos_token_ids: Sequence[int] = ()) -> FinishReason | None:
         """Record a sampled token and decide whether the request is done.
@@ -290,14 +277,12 @@ class Req:
         elif len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
         return self.finish_reason
-    # --8<-- [end:append_token]
 
     def __repr__(self) -> str:
         return (f"Req(uid={self.uid}, tokens={self.num_tokens}, cached={self.cached_len}, "
                 f"row={self.table_row}, finished={self.finish_reason})")
 
 
-# --8<-- [start:batch]
 @dataclass
 class Batch:
     """The requests of one forward pass, and its phase.
@@ -377,4 +362,3 @@ class Batch:
         for req, n in zip(self.reqs, self.new_lens):
             ids += req.token_range(req.cached_len, req.cached_len + n)
         return ids
-# --8<-- [end:batch]

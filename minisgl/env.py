@@ -27,7 +27,6 @@ class EnvError(ValueError):
     """A ``MINISGL_*`` environment variable holds a value that cannot be used."""
 
 
-# --8<-- [start:parsers]
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("0", "false", "no", "off")
 LOG_LEVELS = ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL")
@@ -79,10 +78,8 @@ def parse_threads(text: str) -> int:
     if threads < 0:
         raise ValueError("expected 0 (choose from the cores) or a number of threads >= 1")
     return threads
-# --8<-- [end:parsers]
 
 
-# --8<-- [start:env_var]
 @dataclass(frozen=True)
 class EnvVar(Generic[T]):
     """One declared variable: its name, default, parser and a sentence on what it controls."""
@@ -106,10 +103,8 @@ class EnvVar(Generic[T]):
             return self.parse(raw)
         except ValueError as exc:
             raise EnvError(f"{self.name}={raw!r} is not valid: {exc}") from None
-# --8<-- [end:env_var]
 
 
-# --8<-- [start:declarations]
 ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar(
         "MINISGL_LOG_LEVEL", "INFO", parse_log_level,
@@ -136,10 +131,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
         "(set by `tools/steps.py check --gpu`).",
     ),
 )
-# --8<-- [end:declarations]
 
 
-# --8<-- [start:env]
 @dataclass(frozen=True)
 class Env:
     """The parsed values of all ``MINISGL_*`` variables; one field per entry of ``ENV_VARS``."""
@@ -165,7 +158,6 @@ def read_env(environ: Mapping[str, str] | None = None) -> Env:
         hint = f"; did you mean {close[0]}?" if close else ""
         warnings.warn(f"unknown environment variable {name} is ignored{hint}", stacklevel=2)
     return Env(**{var.field: var.read(environ) for var in ENV_VARS})
-# --8<-- [end:env]
 
 
 def describe_env(environ: Mapping[str, str] | None = None) -> str:

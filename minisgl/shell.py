@@ -53,7 +53,6 @@ def sampling_params_for(model_dir: str | Path, max_tokens: int) -> SamplingParam
                           min_p=float(config.get("min_p") or 0.0), max_tokens=max_tokens)
 
 
-# --8<-- [start:shell_loop]
 @dataclass
 class Shell:
     """A conversation in the terminal, over a :class:`RequestRouter`.
@@ -107,7 +106,6 @@ class Shell:
             finally:
                 self._answering, self._stopping_answer = None, False
 
-    # --8<-- [start:shell_interrupt]
     def interrupt(self) -> None:
         """Ctrl-C (chapter 16): stop the reply being written, or, at the prompt, leave.
 
@@ -120,7 +118,6 @@ class Shell:
         elif self._reading is not None and not self._reading.done():
             self._leaving = True
             self._reading.cancel()
-    # --8<-- [end:shell_interrupt]
 
     def command(self, line: str) -> bool:
         """Carry out a ``/command``; False means leave."""
@@ -167,7 +164,6 @@ class Shell:
         reply_text = "".join(parts)
         self.history += [turn, {"role": "assistant", "content": reply_text}]
         return reply_text
-    # --8<-- [end:shell_loop]
 
     def _write(self, text: str) -> None:
         self.out.write(text)
@@ -214,7 +210,6 @@ def _settle(future: asyncio.Future[str], line: str | None, exc: BaseException | 
         future.set_result(line)  # type: ignore[arg-type]
 
 
-# --8<-- [start:run_shell]
 def run_shell(frontend_factory: Callable[[], RequestRouter], params: SamplingParams,
               read_line: Callable[[str], Awaitable[str]] = read_stdin_line) -> None:
     """Run the shell on a new event loop until the user leaves."""
@@ -237,4 +232,3 @@ def run_shell(frontend_factory: Callable[[], RequestRouter], params: SamplingPar
             await frontend.close()
 
     asyncio.run(main())
-# --8<-- [end:run_shell]

@@ -205,7 +205,6 @@ KV_CASES = {
 }
 
 
-# --8<-- [start:test_kv_bytes]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("case", list(KV_CASES))
 def test_kv_bytes_per_token_equals_the_bytes_of_one_tokens_kv_tensors(case, dtype) -> None:
@@ -219,7 +218,6 @@ def test_kv_bytes_per_token_equals_the_bytes_of_one_tokens_kv_tensors(case, dtyp
                  for _layer in range(raw["num_hidden_layers"]) for _k_or_v in ("k", "v")]
     assert config.kv_bytes_per_token(dtype) == sum(t.nbytes for t in one_token)
     assert config.kv_bytes_per_token(str(dtype)) == config.kv_bytes_per_token(dtype)
-# --8<-- [end:test_kv_bytes]
 
 
 def test_kv_bytes_worked_numbers_from_the_chapter() -> None:

@@ -346,7 +346,6 @@ def test_column_parallel_rank_1_of_2_holds_the_second_half_of_the_rows() -> None
     assert torch.equal(layer.weight, full[INTERMEDIATE // 2:])
 
 
-# --8<-- [start:test_merged_shard]
 def test_merged_rank_1_of_2_holds_the_second_half_of_gate_then_of_up() -> None:
     gate, up = torch.randn(INTERMEDIATE, HIDDEN), torch.randn(INTERMEDIATE, HIDDEN)
     with as_rank(1, 2):
@@ -356,7 +355,6 @@ def test_merged_rank_1_of_2_holds_the_second_half_of_gate_then_of_up() -> None:
     half = INTERMEDIATE // 2
     # Not rows [512:1024] of cat(gate, up): each slot is sliced on its own.
     assert torch.equal(layer.weight, torch.cat([gate[half:], up[half:]]))
-# --8<-- [end:test_merged_shard]
 
 
 def test_qkv_rank_1_of_2_holds_its_query_heads_then_its_kv_heads() -> None:
@@ -604,7 +602,6 @@ def test_fused_rmsnorm_equals_the_pytorch_path_on_cuda(cuda_bf16: None, tokens: 
     assert_close_bf16(out, ref, f"qk-norm, {tokens} tokens")
 
 
-# --8<-- [start:test_fused_add_rmsnorm]
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", FUSED_TOKENS)
 def test_fused_add_rmsnorm_equals_the_pytorch_path_in_place(cuda_bf16: None, tokens: int) -> None:
@@ -619,7 +616,6 @@ def test_fused_add_rmsnorm_equals_the_pytorch_path_in_place(cuda_bf16: None, tok
     assert normed is x_in and new_residual is residual_in
     assert_close_bf16(new_residual, ref_sum, f"residual (x + residual), {tokens} tokens")
     assert_close_bf16(normed, ref_normed, f"norm(x + residual), {tokens} tokens")
-# --8<-- [end:test_fused_add_rmsnorm]
 
 
 ROPE_CASES = {  # name: (head_dim, rotary_dim, rope_scaling)

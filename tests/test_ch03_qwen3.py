@@ -139,7 +139,6 @@ def test_positions_are_honoured_not_assumed_to_be_0_to_t(
     assert rel_err(ours, our_logits(our_model, ids)) > 1e-3, "positions must change the result"
 
 
-# --8<-- [start:test_rope_shift]
 def test_shifting_every_position_changes_nothing_because_rope_is_relative(
     our_model: BaseLLMModel, hf_model: torch.nn.Module
 ) -> None:
@@ -147,7 +146,6 @@ def test_shifting_every_position_changes_nothing_because_rope_is_relative(
     shifted = our_logits(our_model, ids, start=100)
     assert rel_err(shifted, reference_logits(hf_model, ids, start=100)) <= REL_TOL
     assert rel_err(shifted, our_logits(our_model, ids)) <= REL_TOL
-# --8<-- [end:test_rope_shift]
 
 
 def test_logits_indices_select_rows_before_the_lm_head(our_model: BaseLLMModel) -> None:
@@ -330,7 +328,6 @@ def test_dense_causal_attention_equals_sdpa_with_repeated_kv_heads() -> None:
 
 # ---------------------------------------------------------------- GPU, bfloat16
 
-# --8<-- [start:test_bf16_cuda]
 # In bfloat16 the two implementations round in different places (ours keeps RoPE and the
 # attention softmax in float32), so they are compared with the float32 reference instead of
 # with each other: ours must be about as close to it as transformers' own bfloat16 run is.
@@ -371,4 +368,3 @@ def test_bfloat16_logits_match_transformers_on_cuda(which: str, tiny_model_dir: 
     print(f"\n{which}: relative errors against transformers float32:")
     for errs in report:
         print("  " + ", ".join(f"{k} {v:.2e}" for k, v in errs.items()))
-# --8<-- [end:test_bf16_cuda]

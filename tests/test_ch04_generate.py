@@ -425,7 +425,6 @@ def model(tiny_model_dir: Path) -> BaseLLMModel:
     return load_model(tiny_model_dir, device="cpu", dtype="float32", progress=False)
 
 
-# --8<-- [start:greedy_matches_transformers]
 @pytest.fixture(scope="module")
 def reference_greedy(tiny_model_dir: Path, prompt_ids: list[list[int]]) -> list[list[int]]:
     """transformers' greedy continuation of every prompt, EOS disabled so all run 32 tokens."""
@@ -459,7 +458,6 @@ def test_greedy_generation_matches_transformers(
         result = generate(model, ids, params, use_cache=use_cache)
         assert result.token_ids == expected, f"prompt {prompt!r}: tokens differ from transformers"
         assert result.finish_reason == "length"
-    # --8<-- [end:greedy_matches_transformers]
 
 
 def test_seeded_sampling_is_the_same_with_and_without_the_cache(

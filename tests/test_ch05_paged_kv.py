@@ -80,7 +80,6 @@ def test_alloc_rejects_a_bad_count(n: object) -> None:
         PageAllocator(4).alloc(n)  # type: ignore[arg-type]
 
 
-# --8<-- [start:random_alloc_free]
 def test_random_alloc_free_sequence_keeps_every_page_accounted_for() -> None:
     rng = random.Random(1234)
     alloc = PageAllocator(64)
@@ -101,7 +100,6 @@ def test_random_alloc_free_sequence_keeps_every_page_accounted_for() -> None:
     for pages in owners.values():
         alloc.free(pages)
     assert alloc.num_free == 64 and sorted(alloc.alloc(64)) == list(range(64))
-# --8<-- [end:random_alloc_free]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -46,13 +46,11 @@ NUM_LAYERS = 2
 # page and on a page boundary, single-token prompts, chunks that cross several pages.
 PREFILL_CASE = [(0, 7), (5, 1), (17, 9), (0, 1), (32, 16), (3, 20)]
 DECODE_CASE = [(6, 1), (0, 1), (15, 1), (16, 1), (40, 1)]
-# --8<-- [start:tolerances]
 CPU_TOLERANCE = 1e-5
 # bfloat16 keeps 8 bits of mantissa: an output of size x is rounded by up to x / 256, and a
 # fused kernel also rounds the softmax probabilities to bfloat16 before the P @ V product. So
 # |out - ref| <= BF16_ATOL + BF16_RTOL * |ref| elementwise: a few roundings, in relative terms.
 BF16_ATOL, BF16_RTOL = 1e-2, 2e-2
-# --8<-- [end:tolerances]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -247,13 +245,11 @@ def test_torch_backend_has_no_cuda_graph_hooks() -> None:
 # Torch-native paged attention = the dense reference (CPU, float32)
 
 
-# --8<-- [start:ragged_prefill_equals_dense]
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 def test_torch_ragged_prefill_with_cached_prefixes_equals_dense(page_size: int) -> None:
     s = make_scenario(PREFILL_CASE, page_size)
     errors = run_backend(TorchNativeBackend(s.pool, s.table, HQ), s)
     assert max(errors) <= CPU_TOLERANCE, f"max |paged - dense| per layer: {errors}"
-# --8<-- [end:ragged_prefill_equals_dense]
 
 
 @pytest.mark.parametrize("page_size", PAGE_SIZES)

@@ -416,7 +416,6 @@ def test_forward_moves_cached_len_past_the_tokens_it_fed(engine: Engine) -> None
 # --------------------------------------------------------------------------------------------
 
 
-# --8<-- [start:test_batched]
 def test_batched_equals_one_at_a_time_equals_transformers(
         engine: Engine, prompts: list[list[int]], tiny_model_dir: Path) -> None:
     """Four prompts of 1, 5, 12 and 23 tokens, prefilled in one batch, decoded together for
@@ -427,7 +426,6 @@ def test_batched_equals_one_at_a_time_equals_transformers(
         assert batched[i] == alone[i], f"prompt of {len(prompt)} tokens: batch changed it"
         assert batched[i] == reference[i], f"prompt of {len(prompt)} tokens: not transformers'"
     assert len({tuple(t) for t in batched}) == len(prompts), "the prompts should differ"
-# --8<-- [end:test_batched]
 
 
 @pytest.mark.parametrize("page_size", [1, 16])

@@ -53,7 +53,6 @@ def test_default_capture_sizes_up_to_256() -> None:
     assert all(s % 8 == 0 for s in sizes[3:])
 
 
-# --8<-- [start:test_padding]
 @pytest.mark.parametrize(("batch_size", "graph_size"), [
     (1, 1), (2, 2), (3, 4), (4, 4), (5, 8), (8, 8), (9, 16), (17, 24), (250, 256), (256, 256),
     (257, None),  # larger than every graph: runs eagerly
@@ -61,7 +60,6 @@ def test_default_capture_sizes_up_to_256() -> None:
 def test_a_batch_replays_the_smallest_captured_size_that_holds_it(batch_size: int,
                                                                   graph_size: int | None) -> None:
     assert padded_batch_size(batch_size, default_capture_sizes(256)) == graph_size
-# --8<-- [end:test_padding]
 
 
 def test_padding_works_with_any_sorted_list() -> None:

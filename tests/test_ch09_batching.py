@@ -158,7 +158,6 @@ def test_lifetime_pages_count_the_prompt_and_all_but_the_last_output() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-# --8<-- [start:test_continuous]
 def test_continuous_batching_equals_sequential(scheduler: Scheduler) -> None:
     """Eight requests of mixed lengths, arriving at steps 0 to 9, one of them sampled with a
     seed: each gets exactly the tokens it gets when it runs alone."""
@@ -174,7 +173,6 @@ def test_continuous_batching_equals_sequential(scheduler: Scheduler) -> None:
             f"request {req.uid}: batching changed its tokens")
     decode_sizes = {len(r.uids) for r in results if r.phase == "decode"}
     assert max(decode_sizes) >= 4 and min(decode_sizes) == 1, "the batch grew and shrank"
-# --8<-- [end:test_continuous]
 
 
 def test_requests_join_and_leave_the_decode_batch_every_step(scheduler: Scheduler) -> None:
@@ -254,7 +252,6 @@ def test_every_page_and_row_returns_after_the_run(scheduler: Scheduler) -> None:
     assert scheduler.engine.pages.num_free_rows == scheduler.config.max_running_reqs
 
 
-# --8<-- [start:test_admission]
 def test_a_pool_too_small_for_everyone_serves_everyone_in_turn(tiny_model_dir: Path,
                                                                scheduler: Scheduler) -> None:
     """12 pages of 4 tokens; six requests that need 4 or 5 pages each at worst (25 in all).
@@ -276,7 +273,6 @@ def test_a_pool_too_small_for_everyone_serves_everyone_in_turn(tiny_model_dir: P
     for req in reqs:
         assert req.output_ids == alone(scheduler, req.prompt_ids, req.params)
     assert small.cache.pages_in_use == 0
-# --8<-- [end:test_admission]
 
 
 def test_admission_respects_max_running_reqs(tiny_model_dir: Path) -> None:
@@ -425,7 +421,6 @@ def test_llm_rejects_an_unknown_engine_option(tiny_model_dir: Path) -> None:
         LLM(tiny_model_dir, device="cpu", page_sise=4)
 
 
-# --8<-- [start:test_llm_transformers]
 def test_generate_matches_transformers_greedy(llm: LLM, tiny_model_dir: Path) -> None:
     """Twenty requests of 1 to 30 tokens with 1 to 12 new tokens each, batched continuously in
     a pool that holds only some of them at once: transformers' greedy tokens, every one."""
@@ -446,4 +441,3 @@ def test_generate_matches_transformers_greedy(llm: LLM, tiny_model_dir: Path) ->
             expected = hf_model.generate(ids, attention_mask=torch.ones_like(ids),
                                          generation_config=config)[0, len(prompt):].tolist()
             assert out["token_ids"] == expected, f"prompt of {len(prompt)} tokens"
-# --8<-- [end:test_llm_transformers]

@@ -175,7 +175,6 @@ def test_the_unchunked_run_is_transformers_greedy(unchunked_outputs: list[list[i
         transformers_check(prompt, output)
 
 
-# --8<-- [start:test_chunked_equivalence]
 @pytest.mark.parametrize("budget", sorted(BUDGETS), ids=str)
 @pytest.mark.parametrize("prefix_cache", sorted(PREFIX_CACHES))
 def test_chunked_prefill_gives_transformers_greedy_tokens(
@@ -190,7 +189,6 @@ def test_chunked_prefill_gives_transformers_greedy_tokens(
     for req, expected in zip(reqs, unchunked_outputs):
         assert req.output_ids == expected, f"request {req.uid} ({len(req.prompt_ids)} tokens)"
         transformers_check(req.prompt_ids, req.output_ids)
-# --8<-- [end:test_chunked_equivalence]
 
 
 # --------------------------------------------------------------------------------------------
@@ -213,7 +211,6 @@ def test_the_chunked_budget_cuts_tokens_but_never_rows_or_pages() -> None:
     assert not budget.admits(new_tokens=1, pages=1, is_first=False), "no token left"
 
 
-# --8<-- [start:test_chunk_order]
 def test_chunks_fill_the_budget_in_queue_order(tiny_model_dir: Path) -> None:
     """Budget 16: two 6-token prompts, then a 30-token one cut 4 + 16 + 10, then a 6-token one
     that shares the last step with the end of the long prompt."""
@@ -223,7 +220,6 @@ def test_chunks_fill_the_budget_in_queue_order(tiny_model_dir: Path) -> None:
     assert prefills(results) == [[(0, 6), (1, 6), (2, 4)], [(2, 16)], [(2, 10), (3, 6)]]
     assert [r.phase for r in results[:5]] == ["prefill", "decode", "prefill", "decode",
                                               "prefill"], "the running requests decode between"
-# --8<-- [end:test_chunk_order]
 
 
 def test_running_requests_decode_between_chunks(tiny_model_dir: Path, plain: Scheduler) -> None:
@@ -261,7 +257,6 @@ def run_alone(scheduler: Scheduler, req: Req) -> list[int]:
 # --------------------------------------------------------------------------------------------
 
 
-# --8<-- [start:test_hold_pages]
 def test_a_request_mid_prefill_holds_its_row_and_pages(tiny_model_dir: Path,
                                                        plain: Scheduler) -> None:
     scheduler = chunked(tiny_model_dir, 8)
@@ -290,7 +285,6 @@ def test_a_request_mid_prefill_holds_its_row_and_pages(tiny_model_dir: Path,
     assert len(long.output_ids) == 1 and scheduler.num_running == 2
     run(scheduler, [])
     assert long.output_ids == run_alone(plain, long)
-# --8<-- [end:test_hold_pages]
 
 
 def test_a_request_mid_prefill_keeps_its_page_promise(tiny_model_dir: Path) -> None:

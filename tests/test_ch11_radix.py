@@ -727,7 +727,6 @@ def test_a_shared_prompt_saves_exactly_its_whole_pages(tiny_model_dir: Path) -> 
     assert [r.output_ids for r in radix_reqs] == [r.output_ids for r in naive_reqs]
 
 
-# --8<-- [start:test_locking_a_match_charges_its_evictable_pages]
 def test_locking_a_match_charges_its_evictable_pages(tiny_model_dir: Path) -> None:
     """A matched page that was evictable counted as room for anyone; once locked it is not.
 
@@ -744,7 +743,6 @@ def test_locking_a_match_charges_its_evictable_pages(tiny_model_dir: Path) -> No
     results = run(scheduler, [b, c], [0, 0])
     assert results[0].uids == (1,), "C must wait: B's locked pages are no longer available"
     assert results[0].num_tokens == 8, "B computes only what its 9 cached pages lack"
-# --8<-- [end:test_locking_a_match_charges_its_evictable_pages]
 
 
 def test_eviction_under_a_small_pool_completes_every_request(tiny_model_dir: Path) -> None:

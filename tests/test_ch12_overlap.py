@@ -163,7 +163,6 @@ def test_requests_finishing_while_in_the_next_batch(tiny_model_dir: Path, cache:
             assert tokens[:-1] == free_tokens[req.uid][:len(tokens) - 1]
 
 
-# --8<-- [start:zombie]
 def test_a_stopped_request_was_run_once_more_and_its_token_dropped(tiny_model_dir: Path) -> None:
     """Watch the zombie: it is in the batch launched after the step it stopped in, holds its
     pages until that batch is processed, and its output ends at the stop token."""
@@ -187,7 +186,6 @@ def test_a_stopped_request_was_run_once_more_and_its_token_dropped(tiny_model_di
     assert len(reporting) == 1 and reporting[0].finished == (req,)
     assert reporting[0].uids == (0,) and reporting[0].phase == "decode"
     assert results[-1].phase is None and results[-1].finished == ()
-# --8<-- [end:zombie]
 
 
 def test_the_switch(tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -223,7 +221,6 @@ def test_llm_runs_overlapped_and_the_switch_changes_no_token(tiny_model_dir: Pat
     assert [len(tokens) for tokens in overlapped] == [6, 7, 8, 9]
 
 
-# --8<-- [start:no_sync]
 @pytest.mark.gpu
 def test_an_overlapped_decode_step_never_waits_for_the_device(tiny_model_dir: Path) -> None:
     """On CUDA the host plans and launches batch N+1 without a single synchronising call
@@ -252,7 +249,6 @@ def test_an_overlapped_decode_step_never_waits_for_the_device(tiny_model_dir: Pa
         return [req.output_ids for req in reqs]
 
     assert run_all(overlap=True, check_steps=8) == run_all(overlap=False, check_steps=0)
-# --8<-- [end:no_sync]
 
 
 def test_abort_while_in_flight(tiny_model_dir: Path) -> None:
@@ -276,7 +272,6 @@ def test_abort_while_in_flight(tiny_model_dir: Path) -> None:
     assert scheduler.cache.pages.num_free == scheduler.cache.num_pages
 
 
-# --8<-- [start:pool_invariant]
 def assert_pool_holds_every_token(scheduler: OverlapScheduler) -> None:
     """Every admitted request's row of the token pool starts with the tokens the host has read
     (a request between two chunks of its prompt: the chunks computed so far)."""
@@ -307,7 +302,6 @@ def test_the_token_pool_holds_what_the_host_read(tiny_model_dir: Path, overlap: 
         assert all(req.in_flight <= (1 if overlap else 0) for req in reqs)
         step += 1
     assert all(req.is_finished and req.in_flight == 0 for req in reqs)
-# --8<-- [end:pool_invariant]
 
 
 def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,

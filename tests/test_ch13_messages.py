@@ -385,7 +385,6 @@ def test_push_pull_across_a_spawned_process_keeps_every_message_in_order() -> No
     assert exit_code == 0
 
 
-# --8<-- [start:spawned_not_forked]
 def test_workers_are_spawned_not_forked(monkeypatch: pytest.MonkeyPatch) -> None:
     # A forked child would inherit the parent's memory, this change included; a spawned child
     # imports the module afresh and sees the value the source gives.
@@ -400,7 +399,6 @@ def test_workers_are_spawned_not_forked(monkeypatch: pytest.MonkeyPatch) -> None
     assert type(worker).__name__ == "SpawnProcess"
     assert reply.uid == worker.pid and reply.uid != os.getpid()
     assert reply.delta == "as imported", "the child saw the parent's memory: it was forked"
-# --8<-- [end:spawned_not_forked]
 
 
 def test_a_child_that_exits_is_reaped() -> None:

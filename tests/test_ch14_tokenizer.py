@@ -214,7 +214,6 @@ def first_token_message(uid: int, token: int, stop: tuple[str, ...] = (),
     return DetokenizeRequest(uid, token, stop=stop, prompt_tokens=prompt_tokens)
 
 
-# --8<-- [start:stop_string_test]
 def test_a_stop_string_ends_the_text_and_stops_the_scheduler(tokenizer: Any) -> None:
     text = "Step one.\nEND\nStep two."
     ids = tokenizer.encode(text)
@@ -231,7 +230,6 @@ def test_a_stop_string_ends_the_text_and_stops_the_scheduler(tokenizer: Any) -> 
     assert last.usage == TokenUsage(prompt_tokens=4, completion_tokens=stopped_at)
     assert aborts == [AbortRequest(5)], "the scheduler must be told to stop generating"
     assert manager.num_live == 1, "a tombstone drops the tokens still in flight"
-# --8<-- [end:stop_string_test]
 
 
 def test_the_tombstone_goes_with_the_schedulers_last_word(tokenizer: Any) -> None:

@@ -463,7 +463,6 @@ def test_stop_strings_cut_the_text(client, llm) -> None:
     assert reply.choices[0].finish_reason == "stop"
 
 
-# --8<-- [start:disconnect_aborts]
 def test_client_disconnect_aborts_the_request(server: ServerProcess, client) -> None:
     before = server.metrics()
     with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60, json={
@@ -491,7 +490,6 @@ def test_client_disconnect_aborts_the_request(server: ServerProcess, client) -> 
     later = client.completions.create(model="tiny", prompt="1 + 1 =", max_tokens=4,
                                       temperature=0)
     assert later.choices[0].finish_reason in ("stop", "length")
-# --8<-- [end:disconnect_aborts]
 
 
 def assert_all_gone(server: ServerProcess) -> None:

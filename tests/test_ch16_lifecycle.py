@@ -290,7 +290,6 @@ def test_a_stream_closed_while_it_waits_to_write_frees_its_request_at_once() -> 
 
 
 # =========================================================================== 2. disconnects
-# --8<-- [start:whole_answer_disconnect]
 def test_a_whole_answer_is_aborted_when_its_client_disconnects() -> None:
     async def scenario() -> tuple[int, list[int]]:
         frontend, fake = fake_frontend()
@@ -309,7 +308,6 @@ def test_a_whole_answer_is_aborted_when_its_client_disconnects() -> None:
 
     live, aborted = run(scenario)
     assert live == 0 and aborted == [0]
-# --8<-- [end:whole_answer_disconnect]
 
 
 # =========================================================================== 5. slow readers
@@ -1207,7 +1205,6 @@ def check_complete_stream(result: dict[str, Any]) -> None:
     assert chunks[-1]["choices"][0]["finish_reason"] == "length"
 
 
-# --8<-- [start:load_test]
 @pytest.mark.slow
 def test_load_128_streams_a_third_leaving_leave_nothing_behind(server: Server) -> None:
     rng = random.Random(16)
@@ -1238,7 +1235,6 @@ def test_load_128_streams_a_third_leaving_leave_nothing_behind(server: Server) -
     assert 0 < aborted <= 128 // 3, "the clients that left early had their requests aborted"
     assert elapsed < 60, f"the load took {elapsed:.0f} s"
     assert "Traceback" not in server.log_text()
-# --8<-- [end:load_test]
 
 
 # =========================================================================== servers that stop

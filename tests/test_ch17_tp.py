@@ -135,7 +135,6 @@ def sharded_layer_outputs(rank: int) -> dict[str, Any]:
                 "backend": dist.get_backend()}
 
 
-# --8<-- [start:test_layers]
 def test_sharded_layers_equal_their_unsharded_layer() -> None:
     w = layer_weights()
     ranks = run_ranks(sharded_layer_outputs, 2)
@@ -149,7 +148,6 @@ def test_sharded_layers_equal_their_unsharded_layer() -> None:
                                    rtol=0, atol=0, msg=f"rank {rank}: embedding")
         torch.testing.assert_close(out["logits"], F.linear(w["x"], w["table"]), rtol=1e-5,
                                    atol=1e-5, msg=f"rank {rank}: LM head")
-# --8<-- [end:test_layers]
 
 
 # =========================================================================== the model
@@ -271,7 +269,6 @@ def llm_prompts() -> tuple[list[list[int]], list[int]]:
     return prompts, torch.randint(1, 12, (18,), generator=g).tolist()
 
 
-# --8<-- [start:test_llm]
 def test_llm_tp2_equals_tp1_and_transformers(tiny_model_dir: Path) -> None:
     """18 prompts sharing a 12-token head, 6 running at most, prompts cut into chunks of 24
     tokens: TP=2's greedy tokens are TP=1's and transformers', every one."""
@@ -293,7 +290,6 @@ def test_llm_tp2_equals_tp1_and_transformers(tiny_model_dir: Path) -> None:
             expected = hf_model.generate(ids, attention_mask=torch.ones_like(ids),
                                          generation_config=config)[0, len(prompt):].tolist()
             assert tokens == expected, f"prompt of {len(prompt)} tokens"
-# --8<-- [end:test_llm]
 
 
 def test_a_follower_that_is_not_where_rank_0_is_stops_at_once() -> None:

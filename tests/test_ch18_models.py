@@ -139,7 +139,6 @@ def test_logits_match_transformers(arch: str, our_model: BaseLLMModel, hf_model:
             assert err <= REL_TOL, f"{arch}, prompt {prompt!r}: relative error {err:.2e}"
 
 
-# --8<-- [start:greedy_matches]
 @pytest.mark.parametrize("use_cache", [True, False], ids=["kv_cache", "no_cache"])
 def test_greedy_matches_transformers(arch: str, our_model: BaseLLMModel,
                                      prompt_ids: list[list[int]],
@@ -150,7 +149,6 @@ def test_greedy_matches_transformers(arch: str, our_model: BaseLLMModel,
     for prompt, ids, want in zip(PROMPTS, prompt_ids, reference_greedy, strict=True):
         got = generate(our_model, ids, params, use_cache=use_cache).token_ids
         assert got == want, f"{arch}, prompt {prompt!r}: tokens differ from transformers"
-# --8<-- [end:greedy_matches]
 
 
 @pytest.fixture(scope="module")
@@ -331,7 +329,6 @@ def test_ties_go_to_the_lower_expert_index() -> None:
     torch.testing.assert_close(routing.weights, torch.full((2, 2), 0.5))
 
 
-# --8<-- [start:unchosen_expert]
 def test_an_expert_no_token_chose_is_never_read() -> None:
     gate_up, down = random_experts()
     gate_up[3] = float("nan")  # any read of expert 3 would poison the output
@@ -343,7 +340,6 @@ def test_an_expert_no_token_chose_is_never_read() -> None:
     ref = moe_reference(x, gate_up, down, routing)
     assert torch.isfinite(ref).all()
     assert rel_err(moe_grouped(x, gate_up, down, routing), ref) <= 1e-6
-# --8<-- [end:unchosen_expert]
 
 
 def test_every_token_on_one_expert_is_that_expert_dense() -> None:

@@ -61,7 +61,6 @@ def test_percentiles_interpolate_between_ranks(measure: ModuleType) -> None:
     assert measure.summarize([]) is None
 
 
-# --8<-- [start:test_goodput]
 def test_goodput_counts_only_requests_that_meet_every_objective(measure: ModuleType) -> None:
     objectives = measure.parse_objectives("ttft=200,tpot=20")
     assert (objectives.ttft_ms, objectives.tpot_ms, objectives.e2e_ms) == (200.0, 20.0, None)
@@ -77,7 +76,6 @@ def test_goodput_counts_only_requests_that_meet_every_objective(measure: ModuleT
     assert result == {"met": 3, "fraction": 0.5, "per_s": 0.75}
     # Without objectives every completed request counts; a failed one still does not.
     assert measure.goodput(completed, 6, measure.Objectives(), 4.0)["met"] == 5
-# --8<-- [end:test_goodput]
 
 
 def test_objectives_are_parsed_strictly(measure: ModuleType) -> None:

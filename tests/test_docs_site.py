@@ -247,6 +247,8 @@ def test_browser_exercises_run_offline_in_the_page(
 
 # --------------------------------------------------------------------------- snapshot captions
 SNAPSHOT_INCLUDE = re.compile(r'--8<-- "tools/versions/(ch\d\d)/([^":]+)[^"]*"')
+# An include of one top-level name ("...::Name", no dot, no second name) of a snapshot.
+SNAPSHOT_NAME = re.compile(r'--8<-- "tools/versions/(ch\d\d)/([^":]+\.py)::(\w+)"')
 
 
 def later_changes(manifest: object, chapter_id: str, path: str) -> list[int]:
@@ -296,17 +298,19 @@ def test_caption_lists_every_later_chapter_and_leaves_other_blocks_alone(
     )
     later = ", ".join(map(str, later_changes(manifest, chapter_id, path)))
     page = (
-        f'```python\n--8<-- "tools/versions/{chapter_id}/{path}:region"\n```\n\n'
-        '```python\n--8<-- "minisgl/core.py:region"\n```\n'
+        f'```python\n--8<-- "tools/versions/{chapter_id}/{path}::Name"\n```\n\n'
+        '```python\n--8<-- "minisgl/core.py::Req"\n```\n'
     )
     out = hook.captioned_snapshots(book, page, "chapters/example.md")
     number = manifest.chapter(chapter_id).number
     assert f'```python title="{path} as of chapter {number} (changed in chapters {later})"' in out
-    assert '```python\n--8<-- "minisgl/core.py:region"' in out, "a current file got a caption"
+    assert '```python\n--8<-- "minisgl/core.py::Req"' in out, "a current file got a caption"
     assert out.count("--8<--") == 2, "captioning dropped an include"
 
 
-def test_strict_build_fails_on_a_missing_snapshot_region(tmp_path: Path) -> None:
+def test_strict_build_fails_on_a_renamed_symbol(tmp_path: Path) -> None:
+    """A page includes a snapshot's function or class by name; renaming it in the file stops
+    the build with a message naming the page, the file and the name."""
     pytest.importorskip("mkdocs", reason="mkdocs is not installed (pip install -e '.[dev]')")
     copy = tmp_path / "repo"
     top_level_only = {".git", "site", ".artifacts"}  # minisgl/models/ must come along
@@ -315,22 +319,28 @@ def test_strict_build_fails_on_a_missing_snapshot_region(tmp_path: Path) -> None
         or (Path(folder) == ROOT and n in top_level_only)
         # of models/, only the committed one (the appendix page shows its loss curve)
         or (Path(folder) == ROOT / "models" and n != "tiny-shakespeare")])
-    page = next(p for p in sorted((copy / "chapters").glob("ch*.md"))
-                if SNAPSHOT_INCLUDE.search(p.read_text("utf-8")))
-    text = page.read_text("utf-8")
-    first = SNAPSHOT_INCLUDE.search(text)
-    assert first is not None
-    broken = f'--8<-- "tools/versions/{first.group(1)}/{first.group(2)}:no_such_region"'
-    page.write_text(text.replace(first.group(0), broken, 1), encoding="utf-8")
+    # The first snapshot include of a single top-level function or class.
+    page, path, name = next(
+        (p, f"tools/versions/{m.group(1)}/{m.group(2)}", m.group(3))
+        for p in sorted((copy / "chapters").glob("ch*.md"))
+        for m in SNAPSHOT_NAME.finditer(p.read_text("utf-8")))
+    source = copy / path
+    definition = re.compile(rf"^((?:async )?def|class) {re.escape(name)}\b", re.M)
+    assert definition.search(source.read_text("utf-8")), f"{path} defines no {name}"
+    source.write_text(definition.sub(rf"\1 {name}_renamed", source.read_text("utf-8")),
+                      encoding="utf-8")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
         cwd=copy, env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),
         capture_output=True, text=True, timeout=300,
     )
     assert proc.returncode != 0, (
-        f"mkdocs build --strict passed although {page.name} includes {broken}\n{proc.stdout[-2000:]}"
+        f"mkdocs build --strict passed although {path} no longer defines {name}, which "
+        f"{page.name} includes\n{proc.stdout[-2000:]}"
     )
-    assert "no_such_region" in proc.stdout + proc.stderr
+    message = next((line for line in (proc.stdout + proc.stderr).splitlines()
+                    if f"{path}::{name}" in line), "")
+    assert page.name in message and f"no {name}" in message, (proc.stdout + proc.stderr)[-2000:]
 
 
 # The measuring page: the site's pages in same-origin frames of given widths; a script reads the

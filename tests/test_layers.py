@@ -16,7 +16,6 @@ import pytest
 
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "minisgl"
 
-# --8<-- [start:package_order]
 # The packages of ``minisgl`` (and its top-level modules), lowest first: each may import only
 # itself and those before it.
 # - ``env`` holds the MINISGL_* variables, read by the logger in ``utils``; ``core`` (requests,
@@ -34,7 +33,6 @@ PACKAGE_ORDER = (
     "env", "utils", "core", "distributed", "message", "layers", "moe", "models", "kvcache",
     "attention", "engine", "scheduler", "tokenizer", "server", "shell", "llm", "__main__",
 )
-# --8<-- [end:package_order]
 
 
 def package_of(path: Path) -> str:

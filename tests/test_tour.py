@@ -14,7 +14,7 @@ reader does:
   held), and the counters say two requests, both finished;
 - the log names each request's uid, the same uid as the response ids;
 - the server stopped on SIGINT with exit code 130 and no process left;
-- and the committed ``docs/recorded/tour-cpu.txt`` says what a fresh run says, line for line
+- and the committed ``docs/recorded/tour-cpu/`` says what a fresh run says, line for line
   (log lines of different processes may interleave in any order, so a block of log lines is
   compared as a set), so the page cannot drift from the code.
 """
@@ -34,33 +34,20 @@ import pytest
 pytestmark = pytest.mark.slow
 
 ROOT = Path(__file__).resolve().parent.parent
-COMMITTED = ROOT / "docs" / "recorded" / "tour-cpu.txt"
+COMMITTED = ROOT / "docs" / "recorded" / "tour-cpu"
 TOUR_TIMEOUT_S = 600
-MARKER = re.compile(r"^# --8<-- \[(start|end):([a-z_]+)\]$")
 LOG_LINE = "[<time> "
-STALE = ("docs/recorded/tour-cpu.txt is out of date: re-record it with "
+STALE = ("docs/recorded/tour-cpu/ is out of date: re-record it with "
          "`python tools/tour.py --record`")
 
 
-def sections(text: str) -> dict[str, list[str]]:
-    """The recording's named sections (the pieces the page includes), lines without markers."""
-    found: dict[str, list[str]] = {}
-    current: str | None = None
-    for line in text.splitlines():
-        marker = MARKER.match(line)
-        if marker is None:
-            if current is not None:
-                found[current].append(line)
-            continue
-        kind, name = marker.groups()
-        if kind == "start":
-            assert current is None, f"section {name} starts inside section {current}"
-            assert name not in found, f"section {name} appears twice"
-            current, found[name] = name, []
-        else:
-            assert current == name, f"section {name} ends, but {current} was open"
-            current = None
-    assert current is None, f"section {current} never ends"
+def sections(directory: Path) -> dict[str, list[str]]:
+    """The recording's sections (the files the page includes), by name; the first line of
+    intro.txt, the machine it was recorded on, is kept apart as the section "machine"."""
+    found = {path.stem: path.read_text(encoding="utf-8").splitlines()
+             for path in sorted(directory.glob("*.txt"))}
+    assert "intro" in found, f"{directory} has no intro.txt"
+    found["machine"], found["intro"] = found["intro"][:1], found["intro"][1:]
     return found
 
 
@@ -68,13 +55,14 @@ def sections(text: str) -> dict[str, list[str]]:
 def fresh(tmp_path_factory: pytest.TempPathFactory) -> dict[str, object]:
     """One run of the tour: its recording, its sections and its server's process ids."""
     tmp = tmp_path_factory.mktemp("tour")
-    out, pids = tmp / "tour-cpu.txt", tmp / "pids.json"
+    out, pids = tmp / "tour-cpu", tmp / "pids.json"
     proc = subprocess.run([sys.executable, "tools/tour.py", "--record", "--out", str(out),
                            "--pids-file", str(pids)], cwd=ROOT, capture_output=True,
                           text=True, timeout=TOUR_TIMEOUT_S, check=False)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    text = out.read_text(encoding="utf-8")
-    return {"text": text, "sections": sections(text), "pids": json.loads(pids.read_text()),
+    found = sections(out)
+    text = "\n".join(line for lines in found.values() for line in lines)
+    return {"text": text, "sections": found, "pids": json.loads(pids.read_text()),
             "stdout": proc.stdout}
 
 
@@ -186,21 +174,28 @@ def test_the_server_stopped_on_sigint_and_left_no_process(fresh: dict) -> None:
 
 
 def test_the_run_is_normalised_and_printed_as_recorded(fresh: dict) -> None:
-    text = fresh["text"]
-    assert text.startswith("# recorded on CPU ") and "\n$ python tools/tour.py\n" in text
+    found, text = fresh["sections"], fresh["text"]
+    assert found["machine"][0].startswith("# recorded on CPU ")
+    assert found["intro"][0] == "$ python tools/tour.py"
     assert "<pid>" in text and "<port>" in text and "<created>" in text
     assert not re.search(r"\d{4}-\d\d-\d\d \d\d:\d\d", text), "a clock time was left in"
     assert not re.search(r"\(pid \d+\)|:\d{4,5}/", text), "a pid or a port was left in"
-    body = [line for line in text.splitlines()[1:] if not MARKER.match(line)]
-    assert fresh["stdout"].splitlines() == body, "stdout and the recording differ"
+    # What was printed is the sections, each in one piece: nothing printed is left out.
+    stdout = fresh["stdout"].splitlines()
+    recorded = [lines for name, lines in found.items() if name != "machine"]
+    assert sorted(stdout) == sorted(line for lines in recorded for line in lines), (
+        "stdout and the recording differ")
+    printed = "\n".join(stdout) + "\n"
+    for lines in recorded:
+        assert "\n".join(lines) + "\n" in printed, f"a section is printed in pieces: {lines[:2]}"
 
 
-def comparable(text: str) -> list[object]:
-    """The recording's lines without its first (the machine): a run of log lines becomes the
-    sorted list of them, since processes write their lines in whatever order they run."""
+def comparable(lines: list[str]) -> list[object]:
+    """A section's lines, where a run of log lines becomes the sorted list of them, since
+    processes write their lines in whatever order they run."""
     out: list[object] = []
     block: list[str] = []
-    for line in text.splitlines()[1:]:
+    for line in lines:
         if line.startswith(LOG_LINE):
             block.append(line)
             continue
@@ -214,9 +209,12 @@ def comparable(text: str) -> list[object]:
 
 
 def test_the_committed_recording_matches_a_fresh_run(fresh: dict) -> None:
-    assert COMMITTED.exists(), f"{COMMITTED.relative_to(ROOT)} is missing; {STALE}"
-    committed = comparable(COMMITTED.read_text(encoding="utf-8"))
-    now = comparable(fresh["text"])
-    for i, (old, new) in enumerate(zip(committed, now)):
-        assert old == new, f"{STALE}\n  item {i} recorded: {old!r}\n  item {i} now:      {new!r}"
-    assert len(committed) == len(now), f"{STALE} ({len(committed)} items vs {len(now)} now)"
+    assert COMMITTED.is_dir(), f"{COMMITTED.relative_to(ROOT)} is missing; {STALE}"
+    recorded, now = sections(COMMITTED), fresh["sections"]
+    assert sorted(recorded) == sorted(now), f"{STALE} (its sections differ)"
+    for name in sorted(set(now) - {"machine"}):
+        old, new = comparable(recorded[name]), comparable(now[name])
+        for i, (was, is_) in enumerate(zip(old, new)):
+            assert was == is_, (f"{STALE}\n  {name}.txt item {i} recorded: {was!r}\n"
+                                f"  {name}.txt item {i} now:      {is_!r}")
+        assert len(old) == len(new), f"{STALE} ({name}.txt: {len(old)} items vs {len(new)})"

@@ -43,7 +43,6 @@ SUPPORTED_ARCHS = ("qwen3", "llama", "qwen2", "qwen3-moe")  # the last three: ch
 QWEN3_FIRST_ADDED_ID = 151643
 
 
-# --8<-- [start:tiny_config]
 @dataclass(frozen=True)
 class ModelShape:
     """The numbers that decide a Qwen3 model's tensors (everything else is fixed)."""
@@ -71,10 +70,8 @@ QWEN3_0_6B = ModelShape(
     num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
     max_position_embeddings=40960, dtype="bfloat16",
 )
-# --8<-- [end:tiny_config]
 
 
-# --8<-- [start:families]
 @dataclass(frozen=True)
 class Family:
     """What an architecture fixes beyond the shape: names, biases, norms, rotary defaults."""
@@ -157,7 +154,6 @@ LIKE_VARIANTS = {
                          moe=MoEShape(num_experts=128, num_experts_per_tok=8,
                                       moe_intermediate_size=768)),
 }
-# --8<-- [end:families]
 LIKE = {name: variant.shape for name, variant in LIKE_VARIANTS.items()}
 
 
@@ -248,7 +244,6 @@ def added_token_ids(tokenizer_json: dict[str, Any]) -> dict[str, int]:
     return {tok["content"]: tok["id"] for tok in tokenizer_json["added_tokens"]}
 
 
-# --8<-- [start:chat_template_use]
 def build_tokenizer_config(tokenizer_json: dict[str, Any], shape: ModelShape) -> dict[str, Any]:
     """tokenizer_config.json: which tokens are special, the chat template, the length limit."""
     added = tokenizer_json["added_tokens"]
@@ -278,7 +273,6 @@ def build_tokenizer_config(tokenizer_json: dict[str, Any], shape: ModelShape) ->
         "tokenizer_class": "PreTrainedTokenizerFast",
         "unk_token": None,
     }
-# --8<-- [end:chat_template_use]
 
 
 # ----------------------------------------------------------------------------------------------
@@ -434,7 +428,6 @@ NORM_NOISE_STD = 0.1  # RMSNorm weights are 1 + this much noise, so the norms ar
 BIAS_STD = 0.1  # Qwen2's q/k/v biases: small, but far from zero so that a missing bias shows
 
 
-# --8<-- [start:portable_normal]
 def portable_normal(numel: int, std: float, generator: torch.Generator) -> torch.Tensor:
     """`numel` float32 samples with mean 0 and standard deviation `std`, bell-shaped.
 
@@ -452,7 +445,6 @@ def portable_normal(numel: int, std: float, generator: torch.Generator) -> torch
     # centred with variance 1024^2 - 1, and is an exact integer.
     centred = 2 * digits_sum - 3 * 1023
     return centred.to(torch.float32) * (std / math.sqrt(1024**2 - 1))
-# --8<-- [end:portable_normal]
 
 
 def generate_tensor(spec: TensorSpec, dtype: torch.dtype, generator: torch.Generator,
@@ -474,7 +466,6 @@ def generate_tensor(spec: TensorSpec, dtype: torch.dtype, generator: torch.Gener
 SAFETENSORS_DTYPES = {torch.float32: "F32", torch.bfloat16: "BF16", torch.float16: "F16"}
 
 
-# --8<-- [start:safetensors_header]
 def safetensors_header(specs: list[TensorSpec], dtype: torch.dtype) -> bytes:
     """The header of a .safetensors file holding `specs` back to back, in that order.
 
@@ -494,7 +485,6 @@ def safetensors_header(specs: list[TensorSpec], dtype: torch.dtype) -> bytes:
     header = json.dumps(entries, separators=(",", ":")).encode("utf-8")
     header += b" " * (-len(header) % 8)  # pad so the data starts 8-byte aligned
     return len(header).to_bytes(8, "little") + header
-# --8<-- [end:safetensors_header]
 
 
 def write_weights(path: Path, config: dict[str, Any], seed: int) -> int:

@@ -221,7 +221,6 @@ class ServerProcess:
         pr_set_pdeathsig = 1
         return lambda: prctl(pr_set_pdeathsig, signal.SIGTERM)
 
-    # --8<-- [start:wait_ready]
     def wait_ready(self, timeout_s: float | None = None) -> float:
         """Poll ``/health`` until it answers 200; returns the seconds that took.
 
@@ -250,7 +249,6 @@ class ServerProcess:
                         f"the server was not ready after {timeout_s:g} s; the end of its "
                         f"log ({self.log_path}):\n{self.log_tail()}")
                 time.sleep(HEALTH_POLL_S)
-    # --8<-- [end:wait_ready]
 
     def __enter__(self) -> Self:
         self.start()

@@ -22,10 +22,11 @@ the checkout's directory) is replaced by placeholders, so the output can be reco
 compared::
 
     python tools/tour.py                          # print the tour
-    python tools/tour.py --record [--out PATH]    # and save it for the book
+    python tools/tour.py --record [--out DIR]     # and save it for the book
 
-``--record`` writes ``docs/recorded/tour-cpu.txt`` (or ``--out``) with named sections
-(``# --8<-- [start:name]`` ... ``[end:name]``) that the Tour page includes one by one.
+``--record`` writes each named section of the output (``launch``, ``curl``, ...) to its own
+file, ``docs/recorded/tour-cpu/<section>.txt`` (or under ``--out``), which the Tour page
+includes whole; ``intro.txt`` starts with the machine the run was recorded on.
 """
 
 from __future__ import annotations
@@ -55,14 +56,12 @@ from server_process import ServerProcess  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
 MODEL = "models/tiny-shakespeare"  # what the page shows; its code snippets name it too
-DEFAULT_OUT = Path("docs/recorded/tour-cpu.txt")
+DEFAULT_OUT = Path("docs/recorded/tour-cpu")
 STARTUP_TIMEOUT_S = 300.0
 STOP_TIMEOUT_S = 60.0
 
-# --8<-- [start:request]
 MESSAGES = [{"role": "user", "content": "What is a KV cache?"}]
 MAX_TOKENS = 32  # room for a whole reply: the model ends its turn itself
-# --8<-- [end:request]
 
 
 # =========================================================================== output
@@ -99,26 +98,40 @@ class Normalizer:
 
 
 class Recorder:
-    """Prints the tour's lines and keeps them, with section markers, for the recording."""
+    """Prints the tour's lines and keeps them by section, one file each in the recording."""
 
     def __init__(self, normalize: Normalizer) -> None:
         self.normalize = normalize
-        self.lines: list[str] = []  # what the recording holds (markers included)
+        self.sections: dict[str, list[str]] = {}  # in the order they were said
+        self._current: list[str] | None = None
 
     def say(self, text: str = "") -> None:
+        if self._current is None:  # printed but not recorded, the page would miss it
+            raise RuntimeError("the tour says a line outside any section")
         for line in self.normalize(text).split("\n"):
             print(line, flush=True)
-            self.lines.append(line.rstrip())
+            self._current.append(line.rstrip())
 
     @contextmanager
     def section(self, name: str) -> Iterator[None]:
-        """Lines said inside form the named section the Tour page includes."""
-        self.lines.append(f"# --8<-- [start:{name}]")
-        yield
-        self.lines.append(f"# --8<-- [end:{name}]")
+        """Lines said inside form the named section, the file the Tour page includes."""
+        if name in self.sections or self._current is not None:
+            raise RuntimeError(f"section {name!r} repeats or opens inside another")
+        self._current = self.sections[name] = []
+        try:
+            yield
+        finally:
+            self._current = None
 
-    def text(self) -> str:
-        return "\n".join(self.lines).rstrip() + "\n"
+    def write(self, directory: Path, header: str) -> None:
+        """``<section>.txt`` for every section, in place of an earlier recording's files;
+        `header` (the machine) starts the first."""
+        directory.mkdir(parents=True, exist_ok=True)
+        for old in directory.glob("*.txt"):
+            old.unlink()
+        for i, (name, lines) in enumerate(self.sections.items()):
+            text = "\n".join(([header] if i == 0 else []) + lines) + "\n"
+            (directory / f"{name}.txt").write_text(text, encoding="utf-8")
 
 
 # =========================================================================== the server
@@ -176,7 +189,6 @@ def stream_with_curl_equivalent(out: Recorder, server: ServerProcess, model: str
 
 def ask_openai(url: str) -> tuple[Any, dict[str, Any]]:
     """Hop 1 to 6 again, through the ``openai`` package, not streamed."""
-    # --8<-- [start:openai_client]
     from openai import OpenAI
 
     client = OpenAI(base_url=f"{url}/v1", api_key="unused")
@@ -184,7 +196,6 @@ def ask_openai(url: str) -> tuple[Any, dict[str, Any]]:
         model="models/tiny-shakespeare", messages=MESSAGES, max_tokens=MAX_TOKENS, temperature=0)
     reply = raw.parse()  # what the openai package makes of it: a ChatCompletion
     body = raw.http_response.json()  # the JSON the server sent
-    # --8<-- [end:openai_client]
     return reply, body
 
 
@@ -199,10 +210,21 @@ def tokenizer_step(model: str) -> tuple[str, list[int], Any]:
     return prompt, ids, tokenizer
 
 
+def generate_offline() -> Any:
+    """The page's "Without the server" code; returns the ``LLM`` it made."""
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    llm = LLM("models/tiny-shakespeare")
+    print(llm.generate(["The capital of France is"], SamplingParams(max_tokens=16)))
+    return llm
+
+
 def offline(prompt_ids: list[int]) -> tuple[str, dict[str, Any]]:
-    """The page's "Without the server" code, and the chat prompt through the same ``LLM``."""
+    """What ``generate_offline`` prints, and the chat prompt through the same ``LLM``."""
     import torch
 
+    from minisgl.core import SamplingParams
     from minisgl.utils.logger import configure_logging
 
     configure_logging("WARNING")  # this script's output is the tour; the engine keeps quiet
@@ -210,13 +232,7 @@ def offline(prompt_ids: list[int]) -> tuple[str, dict[str, Any]]:
     os.chdir(ROOT)  # the snippet names the model relative to the checkout
     printed = StringIO()
     with redirect_stdout(printed):
-        # --8<-- [start:offline]
-        from minisgl.core import SamplingParams
-        from minisgl.llm import LLM
-
-        llm = LLM("models/tiny-shakespeare")
-        print(llm.generate(["The capital of France is"], SamplingParams(max_tokens=16)))
-        # --8<-- [end:offline]
+        llm = generate_offline()
     chat = llm.generate([prompt_ids], SamplingParams(max_tokens=MAX_TOKENS))[0]
     return printed.getvalue().rstrip("\n"), chat
 
@@ -333,10 +349,10 @@ def build_parser() -> argparse.ArgumentParser:
                     f"trained model ({MODEL}), on the CPU, and what each process shows "
                     "of it.")
     parser.add_argument("--record", action="store_true",
-                        help=f"also write the output, with its sections, to --out "
-                             f"(default {DEFAULT_OUT})")
-    parser.add_argument("--out", type=Path, default=None,
-                        help=f"where --record writes (default: {DEFAULT_OUT})")
+                        help=f"also write the output, one file per section, under --out "
+                             f"(default {DEFAULT_OUT}/)")
+    parser.add_argument("--out", type=Path, default=None, metavar="DIR",
+                        help=f"the directory --record writes (default: {DEFAULT_OUT}/)")
     parser.add_argument("--pids-file", type=Path, default=None,
                         help="write the process ids of the server's processes there (JSON), "
                              "so a test can check that none is left")
@@ -353,19 +369,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.out is not None and not args.record:
         build_parser().error("--out is where --record writes; add --record")
     out = Recorder(Normalizer())
-    out.say("$ python tools/tour.py")
-    out.say(f"The Tour, for real: one chat request to the server on {MODEL}, on the CPU.")
-    out.say("What changes from run to run reads as a placeholder: process ids <pid>, the port "
-            "<port>,\nclock times <time>, unix timestamps <created>, durations <s>, the "
-            "checkout's directory <repo>.")
-    out.say()
+    with out.section("intro"):
+        out.say("$ python tools/tour.py")
+        out.say(f"The Tour, for real: one chat request to the server on {MODEL}, on the CPU.")
+        out.say("What changes from run to run reads as a placeholder: process ids <pid>, the "
+                "port <port>,\nclock times <time>, unix timestamps <created>, durations <s>, "
+                "the checkout's directory <repo>.")
     tour(out, args.pids_file)
     if args.record:
         target = args.out or ROOT / DEFAULT_OUT
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(f"# recorded on {steps_module().device_description()}\n{out.text()}",
-                          encoding="utf-8")
-        print(f"recorded in {target}", file=sys.stderr)
+        out.write(target, f"# recorded on {steps_module().device_description()}")
+        print(f"recorded in {target}/", file=sys.stderr)
     return 0
 
 

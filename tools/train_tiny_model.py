@@ -127,7 +127,6 @@ def read_plays(archive: Path) -> dict[str, str]:
     return dict(sorted(plays.items()))
 
 
-# --8<-- [start:speeches]
 SPEAKER = re.compile(r"^[A-Z][A-Za-z' -]{0,30}\.$")  # "HAMLET.", "First Witch.", "Ber."
 CAST_NAME = re.compile(r"^[A-Z][A-Z' -]+\.$")  # "LADY MACDUFF.": a line of the cast list
 
@@ -176,7 +175,6 @@ def chat_turns(play: str) -> list[str]:
         else:
             i += 1
     return turns
-# --8<-- [end:speeches]
 
 
 def documents(plays: dict[str, str]) -> list[str]:
@@ -261,7 +259,6 @@ class TrainResult:
     tokens: int = 0
 
 
-# --8<-- [start:build_model]
 def build_model(config: dict[str, Any], dropout: float) -> torch.nn.Module:
     """A fresh Qwen3ForCausalLM of `config`, with dropout on the residual branches for training.
 
@@ -281,7 +278,6 @@ def build_model(config: dict[str, Any], dropout: float) -> torch.nn.Module:
         layer.self_attn.o_proj.register_forward_hook(drop)
         layer.mlp.register_forward_hook(drop)
     return model
-# --8<-- [end:build_model]
 
 
 def windows(stream: torch.Tensor, starts: torch.Tensor, seq_len: int) -> torch.Tensor:
@@ -343,7 +339,6 @@ def train(model: torch.nn.Module, train_ids: torch.Tensor, held_out_ids: torch.T
     start = time.perf_counter()
     bar = tqdm(range(s.max_steps), desc="training", unit="step", mininterval=2.0,
                file=sys.stdout)
-    # --8<-- [start:train_step]
     for step in bar:
         for group in optimizer.param_groups:
             group["lr"] = learning_rate(step, s)
@@ -378,7 +373,6 @@ def train(model: torch.nn.Module, train_ids: torch.Tensor, held_out_ids: torch.T
         if elapsed > s.time_limit_s:
             result.stopped_because = f"the time limit of {s.time_limit_s:.0f} s"
             break
-    # --8<-- [end:train_step]
     else:
         result.stopped_because = f"--max-steps {s.max_steps}"
     bar.close()
@@ -483,7 +477,6 @@ class Readability:
         return self.known / self.total if self.total else 0.0
 
 
-# --8<-- [start:readability]
 def measure_readability(model_dir: Path, prompts: Sequence[str], words: set[str],
                         seed: int = READABILITY_SEED) -> Readability:
     """Sample READABILITY_TOKENS tokens after each prompt with `transformers` on the CPU in
@@ -509,7 +502,6 @@ def measure_readability(model_dir: Path, prompts: Sequence[str], words: set[str]
         total += len(found)
         samples.append(text)
     return Readability(known, total, samples)
-# --8<-- [end:readability]
 
 
 def read_readability_inputs(model_dir: Path) -> tuple[list[str], set[str]]:

@@ -19,19 +19,41 @@ From it this hook
 * captions every code block that includes an earlier version of a file
   (`tools/versions/chNN/<path>`): "<path> as of chapter N (changed in chapters X, Y)", the later
   chapters read from the manifest, so a reader knows the file in the tree reads differently;
+* includes code by qualified name (below);
 * and warns, which fails `mkdocs build --strict`, when a page includes a recorded output
   (`docs/recorded/...`) that has not been recorded, naming the command that records it, or
   includes a snapshot outside a code block, where it cannot be captioned.
 
-A missing snippet file or region is caught by pymdownx.snippets itself (`check_paths: true`).
+Code by name. Inside a fenced code block, a line
+
+    --8<-- "minisgl/core.py::Req.append_token"
+
+is replaced by the source of that symbol, found with `ast`: a function, class, method, nested
+class or function, or a module- or class-level assignment (`PREFIX_CACHES`, the dataclass
+field `SamplingParams.stop`), with its decorators and the comment lines directly above it
+(up to a section rule such as `# ---- requests out`, which heads a part of the file), dedented.
+Definitions under a module's `if`/`try` count as the module's; the first definition of a name
+is the one shown. Several names, separated by spaces, show neighbours in one block, in the
+order written; names next to each other in the file keep the blank lines between them. A
+name written `-Class.member` leaves that member out of a class included in the same line (a
+class shown without the methods the page shows later):
+
+    --8<-- "minisgl/core.py::Req -Req.append_token -Req.__repr__"
+
+A file or a name that does not resolve is a warning naming the page, the file and the name, so
+a renamed symbol fails `mkdocs build --strict`. Whole files (examples, recorded outputs) are
+included by pymdownx.snippets (`--8<-- "examples/ch01_config.py"`), which stops the build on a
+missing file itself (`check_paths: true`).
 """
 from __future__ import annotations
 
 import argparse
+import ast
 import importlib.util
 import os
 import re
 import sys
+import textwrap
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -54,6 +76,11 @@ log = get_plugin_logger("book")
 
 USAGE_WIDTH = "88"  # columns of the rendered --help text, so the page does not depend on a terminal
 SNIPPET_LINE = re.compile(r'^(?P<indent>[ \t]*)--8<--[ \t]+"(?P<target>[^"]+)"[ \t]*$', re.M)
+# `--8<-- "path::Name Other.name -Name.left_out"`: code by qualified name (module docstring).
+NAME_INCLUDE = re.compile(
+    r'^(?P<indent>[ \t]*)--8<--[ \t]+"(?P<path>[^":]+)::(?P<names>[^"]+)"[ \t]*$', re.M
+)
+SECTION_RULE = re.compile(r"^[ \t]*#[ \t]*[-=]{8,}")
 RECORDED = "docs/recorded/"
 SNAPSHOT = re.compile(r"^tools/versions/(?P<chapter>ch\d\d)/(?P<path>[^:]+)")
 # A fenced code block: its opening line (indent, fence, info string), body and closing fence.
@@ -190,6 +217,7 @@ def on_page_markdown(markdown: str, page: Page, config: MkDocsConfig, files: Fil
     markdown = USAGE.sub(lambda m: usage_text(b, m.group("path"), src), markdown)
     markdown = ENV_VARS.sub(lambda m: env_vars(b), markdown)
     markdown = captioned_snapshots(b, markdown, src)
+    markdown = included_names(b, markdown, src)
     return SNIPPET_LINE.sub(lambda m: checked_recording(b, m, src), markdown)
 
 
@@ -308,7 +336,7 @@ def checked_recording(b: Book, m: re.Match[str], src: str) -> str:
         return m.group(0)
     target = path
     name = Path(target).name
-    if name.startswith("tour"):
+    if name.startswith("tour") or Path(target).parent.name.startswith("tour"):
         command = "python tools/tour.py --record"
     elif "_bench" in name:  # benchmark/offline.py or online.py, on a GPU; saved by hand
         command = f"python benchmark/{name.split('_bench')[0]}.py and save its output"
@@ -358,6 +386,137 @@ def captioned_snapshots(b: Book, markdown: str, src: str) -> str:
         if SNAPSHOT.match(s.group("target")):
             log.warning(f"{src}: {s.group('target')} is included outside a code block, so it "
                         "cannot say which chapter's version it shows; put it in a ```python block")
+    return markdown
+
+
+# --------------------------------------------------------------------------- code by name
+class SymbolNotFound(LookupError):
+    """A qualified name an include asks for is not defined in the file."""
+
+
+def defined_names(node: ast.stmt) -> list[str]:
+    """The names a statement defines that an include can ask for."""
+    if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+        return [node.name]
+    targets = node.targets if isinstance(node, ast.Assign) else (
+        [node.target] if isinstance(node, ast.AnnAssign) else [])
+    names: list[str] = []
+    for target in targets:
+        elements = target.elts if isinstance(target, ast.Tuple) else [target]
+        names += [e.id for e in elements if isinstance(e, ast.Name)]
+    return names
+
+
+def scope(body: list[ast.stmt]) -> Iterator[ast.stmt]:
+    """The statements of a body, looking through `if` and `try` (a definition made only when
+    an optional package imports is still the module's)."""
+    for node in body:
+        yield node
+        if isinstance(node, ast.If):
+            yield from scope(node.body + node.orelse)
+        elif isinstance(node, ast.Try):
+            handlers = [s for h in node.handlers for s in h.body]
+            yield from scope(node.body + handlers + node.orelse + node.finalbody)
+
+
+def find_symbol(tree: ast.Module, qualname: str) -> ast.stmt:
+    """The first definition of `qualname` ("Req.append_token"), walking classes and functions;
+    SymbolNotFound says which part is missing."""
+    body: list[ast.stmt] = tree.body
+    found: ast.stmt | None = None
+    parts = qualname.split(".")
+    for depth, part in enumerate(parts):
+        found = next((n for n in scope(body) if part in defined_names(n)), None)
+        if found is None:
+            where = ".".join(parts[:depth]) or "the module"
+            raise SymbolNotFound(f"no {qualname}: {where} defines no {part!r}")
+        if depth < len(parts) - 1:
+            if not isinstance(found, (ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)):
+                raise SymbolNotFound(f"no {qualname}: {'.'.join(parts[:depth + 1])} is an "
+                                     "assignment, it has no members")
+            body = found.body
+    assert found is not None
+    return found
+
+
+def symbol_span(lines: list[str], node: ast.stmt) -> tuple[int, int]:
+    """0-based [start, end) of a definition's lines: its decorators and the comment lines
+    directly above it included, up to a section rule (`# ---- requests out`), which heads
+    the part of the file rather than the symbol."""
+    decorators = getattr(node, "decorator_list", [])
+    start = min([d.lineno for d in decorators] + [node.lineno]) - 1
+    while start > 0 and lines[start - 1].lstrip().startswith("#") and \
+            not SECTION_RULE.match(lines[start - 1]):
+        start -= 1
+    assert node.end_lineno is not None
+    return start, node.end_lineno
+
+
+def symbols_source(source: str, names: list[str]) -> str:
+    """The dedented source of `names` (qualified, space-separated in an include; "-name" leaves
+    a member out of an included class), in the order given."""
+    tree = ast.parse(source)
+    lines = source.splitlines()
+    shown = [n for n in names if not n.startswith("-")]
+    if not shown:
+        raise SymbolNotFound("the include names only members to leave out")
+    spans = [symbol_span(lines, find_symbol(tree, name)) for name in shown]
+    dropped: set[int] = set()
+    for name in (n[1:] for n in names if n.startswith("-")):
+        start, end = symbol_span(lines, find_symbol(tree, name))
+        if not any(s < start and end <= e for s, e in spans):
+            raise SymbolNotFound(f"-{name} leaves out a member, but no symbol of the include "
+                                 "contains it")
+        while start > 0 and lines[start - 1].lstrip().startswith("#"):  # and a rule above it
+            start -= 1
+        # The blank lines after it go with it, or those before it if it ends its class.
+        after = end
+        while after < len(lines) and not lines[after].strip():
+            after += 1
+        within = any(s < after < e for s, e in spans)
+        while not within and start > 0 and not lines[start - 1].strip():
+            start -= 1
+        dropped.update(range(start, after if within else end))
+    parts: list[str] = []
+    for i, (start, end) in enumerate(spans):
+        if i:  # neighbours in the file keep their blank lines; others are one blank line apart
+            between = lines[spans[i - 1][1]:start]
+            adjacent = spans[i - 1][1] <= start and not any(line.strip() for line in between)
+            parts += [""] * (len(between) if adjacent else 1)
+        kept = "\n".join(lines[j] for j in range(start, end) if j not in dropped)
+        parts.append(textwrap.dedent(kept))  # each alone: a method may sit next to a constant
+    return "\n".join(parts)
+
+
+def included_names(b: Book, markdown: str, src: str) -> str:
+    """Replace every name include of a code block by the symbols' source; warn (fatal under
+    --strict) about one that does not resolve or stands outside a code block."""
+    sources: dict[str, str] = {}
+
+    def include(m: re.Match[str]) -> str:
+        path, names = m.group("path"), m.group("names").split()
+        target = f'--8<-- "{path}::{m.group("names")}"'
+        try:
+            if path not in sources:
+                sources[path] = (b.root / path).read_text(encoding="utf-8")
+            code = symbols_source(sources[path], names)
+        except FileNotFoundError:
+            log.warning(f"{src}: {target}: there is no file {path}")
+            return f"{m.group('indent')}# {path} is missing"
+        except (SymbolNotFound, SyntaxError) as exc:
+            log.warning(f"{src}: {target}: {path}: {exc}")
+            return f"{m.group('indent')}# {path}: {exc}"
+        return "\n".join(m.group("indent") + line if line else "" for line in code.split("\n"))
+
+    def block(m: re.Match[str]) -> str:
+        start, end = m.start("body") - m.start(), m.end("body") - m.start()
+        text = m.group(0)
+        return text[:start] + NAME_INCLUDE.sub(include, m.group("body")) + text[end:]
+
+    markdown = CODE_BLOCK.sub(block, markdown)
+    for m in NAME_INCLUDE.finditer(CODE_BLOCK.sub("", markdown)):
+        log.warning(f"{src}: {m.group(0).strip()} is outside a code block; put it in a "
+                    "```python block")
     return markdown
 
 

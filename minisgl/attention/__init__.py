@@ -36,7 +36,6 @@ logger = get_logger(__name__)
 ATTENTION_BACKENDS = ("auto", "torch", "flashinfer")
 
 
-# --8<-- [start:select_backend]
 def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtype,
                               head_dim: int) -> str:
     """Turn ``"auto"``, ``"torch"`` or ``"flashinfer"`` into the backend that will run.
@@ -86,7 +85,6 @@ def create_attention_backend(name: str, kv_pool: MHAKVPool, page_table: PageTabl
         backend = TorchNativeBackend(kv_pool, page_table, num_qo_heads)
     logger.debug("attention backend: %r", backend)
     return backend
-# --8<-- [end:select_backend]
 
 
 __all__ = [

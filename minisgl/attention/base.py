@@ -5,8 +5,8 @@ sequence. For attention, a request is three numbers (:class:`ReqSpan`): the page
 that maps its tokens to pool slots, how many of its tokens are already in the KV pool (its
 *cached* length: a reused prefix, or everything up to the previous decode step), and how many
 new tokens it brings in this pass. A batch is a list of those plus one flag, decode or not
-(:class:`BatchLayout`). Nothing here knows about the engine's request and batch classes of
-chapter 7; they describe themselves in these terms.
+(:class:`BatchLayout`). Nothing here knows about the engine's request and batch classes; they
+describe themselves in these terms.
 
 A backend is used in two moves:
 
@@ -15,9 +15,10 @@ A backend is used in two moves:
    position, and whatever the backend's kernel wants to know about where each request's keys
    live. A fused kernel also *plans* here: it decides how to split the work across the GPU.
 2. :meth:`BaseAttnBackend.forward` once per layer, called by the model through the
-   attention-backend seam of chapter 3. It stores the layer's new keys and values into the
-   pool at the prepared slots, then lets each request's queries attend over all of its keys,
-   cached and new. Every layer reuses the same metadata: that is why it is computed once.
+   attention-backend seam (``minisgl.layers.attention``). It stores the layer's new keys and
+   values into the pool at the prepared slots, then lets each request's queries attend over
+   all of its keys, cached and new. Every layer reuses the same metadata: that is why it is
+   computed once.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from minisgl.kvcache.mha_pool import MHAKVPool
 from minisgl.kvcache.page_table import PageTable, expand_ranges
 
 
-# --8<-- [start:metadata]
 @dataclass(frozen=True)
 class ReqSpan:
     """One request's share of a forward pass.
@@ -62,7 +62,7 @@ class BatchLayout:
 
     ``is_decode`` marks a batch where every request brings exactly one token after a cached
     past. Such a batch can use a decode kernel (one query per request), and it is the kind of
-    batch chapter 8 replays as a CUDA graph.
+    batch the engine replays as a CUDA graph.
     """
 
     spans: tuple[ReqSpan, ...]
@@ -134,11 +134,10 @@ class AttnMetadata:
     def num_tokens(self) -> int:
         """Tokens of the forward pass this metadata serves, padding included."""
         return self.out_loc.shape[0]
-# --8<-- [end:metadata]
 
 
 class BaseAttnBackend(ABC):
-    """A paged attention backend: it implements chapter 3's ``AttentionBackend`` protocol.
+    """A paged attention backend: it implements the layers' ``AttentionBackend`` protocol.
 
     Args:
         kv_pool: the pool the keys and values live in (this device's share of the heads).
@@ -168,7 +167,6 @@ class BaseAttnBackend(ABC):
         self.device = kv_pool.device
         self._metadata: AttnMetadata | None = None
 
-    # --8<-- [start:plan]
     def prepare(self, layout: BatchLayout) -> AttnMetadata:
         """Compute the metadata of the next forward pass; call once per batch, before the model.
 
@@ -181,7 +179,7 @@ class BaseAttnBackend(ABC):
     def _new_token_fields(self, layout: BatchLayout) -> dict[str, Any]:
         """The fields of :class:`AttnMetadata` that do not depend on the backend.
 
-        The slots come from the page table (chapter 5): the new tokens of request ``i`` are
+        The slots come from the page table: the new tokens of request ``i`` are
         its positions ``cached_len .. total_len - 1``, and the table checks that the row holds
         pages for all of them. Two numbers per request cross to the device, in one copy the
         host does not wait for; the per-token arrays are expanded there.
@@ -198,7 +196,6 @@ class BaseAttnBackend(ABC):
     @abstractmethod
     def _plan(self, layout: BatchLayout) -> AttnMetadata:
         """Build this backend's metadata for ``layout`` (and plan its kernel, if it has one)."""
-    # --8<-- [end:plan]
 
     @property
     def metadata(self) -> AttnMetadata:
@@ -208,7 +205,6 @@ class BaseAttnBackend(ABC):
                                "prepare(layout) before running the model")
         return self._metadata
 
-    # --8<-- [start:store_then_attend]
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer_id: int) -> torch.Tensor:
         """Store this layer's new K/V into the pool, then attend over every request's keys.
@@ -234,9 +230,8 @@ class BaseAttnBackend(ABC):
     @abstractmethod
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
         """Attention of ``q`` over the pool's keys of layer ``layer_id``, as ``meta`` says."""
-    # --8<-- [end:store_then_attend]
 
-    # CUDA-graph hooks (chapter 8). Only a backend whose decode kernel reads fixed buffers can
+    # CUDA-graph hooks. Only a backend whose decode kernel reads fixed buffers can
     # be captured; the others say so instead of failing somewhere inside the capture.
     def init_graph_buffers(self, max_batch_size: int, pad_page: int) -> None:
         """Allocate the fixed buffers that captured decode graphs read."""

@@ -17,7 +17,7 @@ backend interface has a ``prepare`` per batch and a ``forward`` per layer.
 Two wrappers serve two kinds of batch: ``BatchPrefillWithPagedKVCacheWrapper`` for batches with
 several new tokens per request (causal mask aligned to the end of each sequence, so a cached
 prefix comes for free), and ``BatchDecodeWithPagedKVCacheWrapper`` for one new token per
-request. Decode can run inside a CUDA graph (chapter 8) when its wrapper is built with
+request. Decode can run inside a CUDA graph when its wrapper is built with
 ``use_cuda_graph=True`` over buffers that never move; :meth:`FlashInferBackend.init_graph_buffers`
 allocates them.
 
@@ -77,7 +77,7 @@ class FIMetadata(AttnMetadata):
 
 @dataclass
 class GraphBuffers:
-    """The fixed device memory that captured decode graphs read (chapter 8).
+    """The fixed device memory that captured decode graphs read.
 
     A CUDA graph records the addresses its kernels read. Replaying it for a new batch means
     writing the new batch's arrays *into these same tensors*; the wrappers built with
@@ -138,7 +138,6 @@ class FlashInferBackend(BaseAttnBackend):
         """
         return self.num_qo_heads // self.num_kv_heads >= 4
 
-    # --8<-- [start:fi_plan]
     def _page_arrays(self, layout: BatchLayout) -> dict[str, torch.Tensor]:
         """The CSR description of where each request's keys are: pages, not token slots."""
         num_pages = [pages_for(n, self.page_size) for n in layout.total_lens]
@@ -173,16 +172,12 @@ class FlashInferBackend(BaseAttnBackend):
                               meta.last_page_lens, head_dim_qk=self.head_dim, causal=True,
                               **common)
         self._plan_copied.record()
-    # --8<-- [end:fi_plan]
 
-    # --8<-- [start:fi_forward]
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
         assert isinstance(meta, FIMetadata)
         # The layer's pool seen page by page: the same memory, no copy.
         return meta.wrapper.run(q.contiguous(), self.kv_pool.kv_pages(layer_id))
-    # --8<-- [end:fi_forward]
 
-    # --8<-- [start:graph_buffers]
     def init_graph_buffers(self, max_batch_size: int, pad_page: int) -> None:
         """Allocate the buffers every captured decode graph reads; call once, before capturing.
 
@@ -226,9 +221,7 @@ class FlashInferBackend(BaseAttnBackend):
                 paged_kv_indices_buffer=graph.page_indices,
                 paged_kv_last_page_len_buffer=graph.last_page_lens[:batch_size])
         return self._graph_wrappers[batch_size]
-    # --8<-- [end:graph_buffers]
 
-    # --8<-- [start:graph_replay]
     def prepare_for_capture(self, batch_size: int) -> FIMetadata:
         """Make a decode batch of ``batch_size`` padding entries current, to capture its graph.
 
@@ -299,7 +292,6 @@ class FlashInferBackend(BaseAttnBackend):
             "last_page_lens": torch.ones(count, dtype=torch.int32),
             "qo_indptr": torch.arange(count + 1, dtype=torch.int32),
         }
-    # --8<-- [end:graph_replay]
 
 
 def check_flashinfer_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:

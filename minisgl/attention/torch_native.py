@@ -1,7 +1,7 @@
 """Paged attention in plain PyTorch: runs anywhere, and is the reference for the fused kernels.
 
 The backend reads the pool the simplest way: it *gathers* each request's keys and values out of
-the pages into a contiguous tensor (one indexing operation, chapter 5's ``gather_kv``) and then
+the pages into a contiguous tensor (one indexing operation, the pool's ``gather_kv``) and then
 computes ordinary attention on that copy. A fused kernel such as FlashInfer's reads the pages
 in place instead and never makes the copy; the result is the same, which is exactly what the
 tests check.
@@ -75,7 +75,6 @@ class TorchNativeBackend(BaseAttnBackend):
             return paged_decode_attention(q, k_cache, v_cache, meta.slot_table, meta.slot_valid)
         return self._ragged_prefill(q, k_cache, v_cache, meta)
 
-    # --8<-- [start:ragged_prefill]
     @staticmethod
     def _ragged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: TorchNativeMetadata) -> torch.Tensor:
@@ -90,10 +89,8 @@ class TorchNativeBackend(BaseAttnBackend):
             for i, span in enumerate(meta.layout.spans)
         ]
         return torch.cat(outputs)
-    # --8<-- [end:ragged_prefill]
 
 
-# --8<-- [start:causal_attention]
 def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                      num_cached: int) -> torch.Tensor:
     """One request: ``T`` new queries over ``S = num_cached + T`` keys, causally.
@@ -120,10 +117,8 @@ def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
     out = torch.einsum("hgts,shd->thgd", scores.softmax(dim=-1), v.float())
     return out.reshape(num_new, num_qo_heads, head_dim).to(q.dtype)
-# --8<-- [end:causal_attention]
 
 
-# --8<-- [start:decode]
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slot_table: torch.Tensor, slot_valid: torch.Tensor) -> torch.Tensor:
     """One query per request over that request's keys, the whole batch in one computation.
@@ -150,4 +145,3 @@ def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torc
     scores.masked_fill_(~slot_valid[:, None, None, :], float("-inf"))
     out = torch.einsum("bhgl,blhd->bhgd", scores.softmax(dim=-1), values)
     return out.reshape(batch, num_qo_heads, head_dim).to(q.dtype)
-# --8<-- [end:decode]

@@ -17,7 +17,6 @@ import torch
 from minisgl.kvcache.page_table import PageTable, expand_ranges
 
 
-# --8<-- [start:indptr]
 def indptr_of(lengths: Sequence[int]) -> list[int]:
     """Offsets of a packed ragged array: ``[0, l0, l0 + l1, ...]`` (``len(lengths) + 1`` items).
 
@@ -33,10 +32,8 @@ def indptr_of(lengths: Sequence[int]) -> list[int]:
 def indptr_tensor(lengths: Sequence[int]) -> torch.Tensor:
     """:func:`indptr_of` as an int32 tensor on the host, the form FlashInfer's ``plan`` reads."""
     return torch.tensor(indptr_of(lengths), dtype=torch.int32)
-# --8<-- [end:indptr]
 
 
-# --8<-- [start:page_counts]
 def pages_for(num_tokens: int, page_size: int) -> int:
     """Pages that ``num_tokens`` tokens occupy (the last one may be partly filled)."""
     return -(-num_tokens // page_size)  # ceiling division
@@ -45,10 +42,8 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 def last_page_len(num_tokens: int, page_size: int) -> int:
     """Tokens in the last of those pages: between 1 and ``page_size`` for a non-empty sequence."""
     return num_tokens - (pages_for(num_tokens, page_size) - 1) * page_size
-# --8<-- [end:page_counts]
 
 
-# --8<-- [start:gather_page_ids]
 def gather_page_ids(page_table: PageTable, rows: Sequence[int],
                     num_pages: Sequence[int]) -> torch.Tensor:
     """The first ``num_pages[i]`` page ids of row ``rows[i]``, requests concatenated.
@@ -67,10 +62,8 @@ def gather_page_ids(page_table: PageTable, rows: Sequence[int],
     spans = spans.to(page_table.device, non_blocking=True)
     entries, _ = expand_ranges(spans[0], spans[1], total=sum(num_pages))
     return page_table.page_ids.view(-1)[entries]
-# --8<-- [end:gather_page_ids]
 
 
-# --8<-- [start:padded_index]
 def padded_index(lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     """Turn a packed ragged array into a padded ``[B, max_len]`` view of it.
 
@@ -85,4 +78,3 @@ def padded_index(lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
     valid = columns[None, :] < lens[:, None]
     index = starts[:, None] + torch.where(valid, columns[None, :], 0)
     return index, valid
-# --8<-- [end:padded_index]

@@ -1,7 +1,7 @@
 """The tensor-parallel process group: how ranks find each other and what they send each other.
 
-Chapter 2 left two numbers (``TPInfo``) and one hook (``all_reduce``) for the layers. This module
-makes them real with ``torch.distributed``:
+The layers read two numbers (``TPInfo``) and call one hook (``all_reduce``). This module makes
+them real with ``torch.distributed``:
 
 - **rendezvous**: every rank calls :func:`init_tp_group` with the same ``tcp://127.0.0.1:PORT``
   address (:func:`free_loopback_address` picks a port nobody listens on). Rank 0 listens there,
@@ -46,7 +46,6 @@ def free_loopback_address() -> str:
         return f"tcp://127.0.0.1:{sock.getsockname()[1]}"
 
 
-# --8<-- [start:device_for_rank]
 def device_for_rank(device: torch.device, rank: int, size: int) -> torch.device:
     """The device rank ``rank`` of ``size`` computes on: the CPU for every rank, or GPU ``rank``.
 
@@ -67,7 +66,6 @@ def device_for_rank(device: torch.device, rank: int, size: int) -> torch.device:
         raise ValueError(f"tensor parallelism over {size} ranks needs {size} GPUs; "
                          f"{visible} visible here (CUDA_VISIBLE_DEVICES decides which)")
     return torch.device("cuda", rank)
-# --8<-- [end:device_for_rank]
 
 
 def check_tp_size(size: int, *, num_qo_heads: int, num_kv_heads: int, intermediate_size: int,
@@ -94,7 +92,6 @@ def check_tp_size(size: int, *, num_qo_heads: int, num_kv_heads: int, intermedia
                          "(and the MLP width) works")
 
 
-# --8<-- [start:init_tp_group]
 def init_tp_group(rank: int, size: int, device: torch.device, init_address: str) -> TPInfo:
     """Join the group of ``size`` ranks as ``rank``; set this process's ``TPInfo`` and
     register the all-reduce the layers call. Blocks until every rank has joined.
@@ -131,7 +128,6 @@ def _sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
     dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x
-# --8<-- [end:init_tp_group]
 
 
 _device: torch.device | None = None  # this rank's device while it belongs to a group
@@ -147,7 +143,6 @@ def destroy_tp_group() -> None:
     _device = None
 
 
-# --8<-- [start:engine_collectives]
 def min_over_ranks(value: int) -> int:
     """The smallest ``value`` any rank passed (every rank must call it)."""
     if get_tp_info().size == 1:
@@ -162,4 +157,3 @@ def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
     if get_tp_info().size > 1:
         dist.broadcast(x, src=0)
     return x
-# --8<-- [end:engine_collectives]

@@ -1,10 +1,10 @@
 """Where this process sits in the tensor-parallel group, and the one collective layers need.
 
 Tensor parallelism (chapter 17) splits every large weight matrix across ``size`` processes; the
-process with index ``rank`` keeps one slice. The layers of chapter 2 read this information when
-they are built, so that they allocate only their own slice and know which part of a checkpoint
-tensor to copy. With the default ``TPInfo(rank=0, size=1)`` every "slice" is the whole tensor and
-nothing is communicated, which is how the single-device chapters run.
+process with index ``rank`` keeps one slice. The layers read this information when they are
+built, so that they allocate only their own slice and know which part of a checkpoint tensor
+to copy. With the default ``TPInfo(rank=0, size=1)`` every "slice" is the whole tensor and
+nothing is communicated, which is how a single device runs.
 
 The only communication the layers need is an all-reduce (a sum of one tensor over all ranks).
 It is a hook: the default does nothing on a single rank and refuses to guess on several; the
@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 
-# --8<-- [start:tp_info]
 @dataclass(frozen=True)
 class TPInfo:
     """This process's place in the tensor-parallel group: ``rank`` in ``[0, size)``."""
@@ -39,7 +38,6 @@ class TPInfo:
     def is_primary(self) -> bool:
         """True on rank 0, the rank that logs and shows progress bars."""
         return self.rank == 0
-# --8<-- [end:tp_info]
 
 
 AllReduceFn = Callable[[torch.Tensor], torch.Tensor]
@@ -75,7 +73,6 @@ def set_all_reduce(fn: AllReduceFn | None) -> AllReduceFn | None:
     return previous
 
 
-# --8<-- [start:all_reduce]
 def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum ``x`` over the tensor-parallel group.
 
@@ -91,4 +88,3 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         f"all_reduce called with tensor-parallel size {_tp_info.size} but no implementation is "
         "registered; call minisgl.distributed.set_all_reduce(fn) after setting up the process group"
     )
-# --8<-- [end:all_reduce]

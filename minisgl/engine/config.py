@@ -2,7 +2,7 @@
 
 An :class:`EngineConfig` says which checkpoint to run, where, in which dtype and with which
 attention backend, how the paged KV cache is shaped and sized, how many requests may run at
-once, and whether decode steps are captured as CUDA graphs (chapter 8). Every value is checked
+once, and whether decode steps are captured as CUDA graphs. Every value is checked
 when the config is made, with an error that names the field, the value and what is allowed, so
 a typo in a flag fails at start-up instead of deep inside a forward pass.
 
@@ -30,7 +30,6 @@ from minisgl.utils.torch_utils import DEVICE_CHOICES, resolve_dtype
 DEFAULT_CUDA_GRAPH_MAX_BS = 256
 
 
-# --8<-- [start:engine_config]
 @dataclass(frozen=True)
 class EngineConfig:
     """Everything :class:`~minisgl.engine.engine.Engine` needs to start.
@@ -40,7 +39,7 @@ class EngineConfig:
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16`` or
             ``float16``: the model's weights and activations, and the KV pool.
-        attention_backend: ``auto``, ``torch`` or ``flashinfer`` (chapter 6).
+        attention_backend: ``auto``, ``torch`` or ``flashinfer``.
         page_size: token slots per KV page. 1 (the default, as upstream) lets a prefix cache
             share any prefix; larger pages make the page table shorter.
         memory_fraction: CUDA only: the share of the GPU memory left free *after the model is
@@ -54,11 +53,11 @@ class EngineConfig:
         max_seq_len: the longest sequence (prompt + output) one request may reach; ``None``
             means the model's ``max_position_embeddings``. The engine lowers it to what the
             pool can hold.
-        cuda_graph: chapter 8: capture decode steps as CUDA graphs where possible (a CUDA
+        cuda_graph: capture decode steps as CUDA graphs where possible (a CUDA
             device and an attention backend that supports it). False runs every step eagerly.
-        cuda_graph_max_bs: chapter 8: the largest decode batch replayed as a graph; bigger
+        cuda_graph_max_bs: the largest decode batch replayed as a graph; bigger
             batches run eagerly. ``None`` means ``min(max_running_reqs, 256)``.
-        cuda_graph_batch_sizes: chapter 8: the exact batch sizes to capture, overriding the
+        cuda_graph_batch_sizes: the exact batch sizes to capture, overriding the
             default list built from ``cuda_graph_max_bs``.
     """
 
@@ -72,13 +71,11 @@ class EngineConfig:
     num_pages: int | None = None
     max_running_reqs: int = 256
     max_seq_len: int | None = None
-    # chapter 8: CUDA graphs
+    # CUDA graphs
     cuda_graph: bool = True
     cuda_graph_max_bs: int | None = None
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
-    # --8<-- [end:engine_config]
 
-    # --8<-- [start:engine_config_checks]
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, (str, os.PathLike)) or not str(self.model_path):
             raise ValueError(f"model_path must be a checkpoint directory or hub id, "
@@ -118,13 +115,12 @@ class EngineConfig:
 
     @property
     def graph_max_bs(self) -> int:
-        """The largest decode batch a CUDA graph is captured for (chapter 8)."""
+        """The largest decode batch a CUDA graph is captured for."""
         if self.cuda_graph_batch_sizes is not None:
             return self.cuda_graph_batch_sizes[-1]
         if self.cuda_graph_max_bs is not None:
             return min(self.cuda_graph_max_bs, self.max_running_reqs)
         return min(DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_reqs)
-    # --8<-- [end:engine_config_checks]
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...],

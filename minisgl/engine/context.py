@@ -16,7 +16,6 @@ if TYPE_CHECKING:
     from minisgl.core import Batch
 
 
-# --8<-- [start:context]
 @dataclass
 class Context:
     """One forward pass made ready to run.
@@ -24,11 +23,11 @@ class Context:
     The engine builds it from a :class:`Batch` (:meth:`Engine.prepare`) once the requests'
     page-table rows hold pages for all their tokens. It carries what does not depend on *how*
     the pass runs: run eagerly, the attention backend then plans for ``layout``; replayed as a
-    CUDA graph (chapter 8), the graph runner pads ``layout`` and ``input_ids`` to a captured
+    CUDA graph, the graph runner pads ``layout`` and ``input_ids`` to a captured
     size instead.
 
     The model itself never sees this object: it receives tensors, and the attention layers
-    reach the backend through the seam of chapter 3 (``use_attention_backend``).
+    reach the backend through ``use_attention_backend``.
 
     Attributes:
         batch: the requests.
@@ -40,4 +39,3 @@ class Context:
     batch: Batch
     layout: BatchLayout
     input_ids: torch.Tensor
-# --8<-- [end:context]

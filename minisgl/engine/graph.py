@@ -46,7 +46,6 @@ from minisgl.utils.logger import get_logger
 logger = get_logger(__name__)
 
 
-# --8<-- [start:capture_sizes]
 def default_capture_sizes(max_batch_size: int) -> list[int]:
     """Batch sizes to capture: 1, 2, 4, then every multiple of 8, up to ``max_batch_size``.
 
@@ -79,10 +78,8 @@ def padded_batch_size(batch_size: int, capture_sizes: Sequence[int]) -> int | No
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
     i = bisect_left(capture_sizes, batch_size)
     return capture_sizes[i] if i < len(capture_sizes) else None
-# --8<-- [end:capture_sizes]
 
 
-# --8<-- [start:disabled_reason]
 def cuda_graph_disabled_reason(enabled: bool, device: torch.device,
                                attn_backend: BaseAttnBackend) -> str | None:
     """Why decode steps cannot be captured here, or None when they can."""
@@ -95,7 +92,6 @@ def cuda_graph_disabled_reason(enabled: bool, device: torch.device,
         return (f"the {attn_backend.name} attention backend cannot be captured (it builds new "
                 "metadata tensors every step); the flashinfer backend can")
     return None
-# --8<-- [end:disabled_reason]
 
 
 class GraphRunner:
@@ -111,7 +107,6 @@ class GraphRunner:
     Use :meth:`disabled` for a runner that replays nothing.
     """
 
-    # --8<-- [start:static_buffers]
     def __init__(self, model: BaseLLMModel, attn_backend: BaseAttnBackend,
                  batch_sizes: Sequence[int], *, pad_page: int, vocab_size: int) -> None:
         if not batch_sizes:
@@ -132,7 +127,6 @@ class GraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
         self._capture_all()
-    # --8<-- [end:static_buffers]
 
     @classmethod
     def disabled(cls, reason: str) -> GraphRunner:
@@ -154,7 +148,6 @@ class GraphRunner:
         """The largest captured batch size (0 when disabled)."""
         return self.batch_sizes[-1] if self.batch_sizes else 0
 
-    # --8<-- [start:capture]
     @torch.no_grad()
     def _capture_all(self) -> None:
         """Capture one graph per batch size, largest first, all in one memory pool.
@@ -200,9 +193,7 @@ class GraphRunner:
             # Every row is a request's one new token, so every row is scored: no logits
             # indices needed.
             self.logits[:bs] = self.model.forward(self.input_ids[:bs], self.positions[:bs])
-    # --8<-- [end:capture]
 
-    # --8<-- [start:replay]
     def can_replay(self, ctx: Context) -> bool:
         """A decode batch no larger than the largest captured size."""
         return self.enabled and ctx.batch.is_decode and ctx.batch.size <= self.max_batch_size
@@ -245,7 +236,6 @@ class GraphRunner:
         self.input_ids[num_reqs:bs].zero_()
         self.positions[:bs].copy_(meta.positions)
         return bs
-    # --8<-- [end:replay]
 
     def __repr__(self) -> str:
         if not self.enabled:

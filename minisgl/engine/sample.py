@@ -25,7 +25,6 @@ import torch
 from minisgl.core import SamplingParams
 
 
-# --8<-- [start:sampling_tensors]
 @dataclass
 class SamplingTensors:
     """The sampling parameters of a batch's rows, one tensor per parameter.
@@ -65,10 +64,6 @@ class SamplingTensors:
         )
 
 
-# --8<-- [end:sampling_tensors]
-
-
-# --8<-- [start:temperature]
 def temperature_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> torch.Tensor:
     """Softmax of ``logits / temperature`` row by row, in float32.
 
@@ -84,10 +79,6 @@ def temperature_softmax(logits: torch.Tensor, temperatures: torch.Tensor) -> tor
     return torch.softmax(logits.float() / temperatures, dim=-1)
 
 
-# --8<-- [end:temperature]
-
-
-# --8<-- [start:top_k]
 def top_k_mask(sorted_probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     """Which entries of each sorted row fall among that row's ``k`` largest.
 
@@ -104,10 +95,6 @@ def top_k_mask(sorted_probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     return ranks[None, :] < top_k[:, None]
 
 
-# --8<-- [end:top_k]
-
-
-# --8<-- [start:top_p]
 def top_p_mask(sorted_probs: torch.Tensor, keep: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """The nucleus of each sorted row, computed over the entries ``keep`` still allows.
 
@@ -136,10 +123,6 @@ def top_p_mask(sorted_probs: torch.Tensor, keep: torch.Tensor, top_p: torch.Tens
     return keep & in_nucleus
 
 
-# --8<-- [end:top_p]
-
-
-# --8<-- [start:min_p]
 def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     """Keep the tokens at least ``min_p`` times as likely as the row's most likely token.
 
@@ -157,10 +140,6 @@ def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     return probs >= threshold
 
 
-# --8<-- [end:min_p]
-
-
-# --8<-- [start:filter_probs]
 def filter_probs(probs: torch.Tensor, args: SamplingTensors) -> torch.Tensor:
     """Apply top-k, then top-p, then min-p to a batch of rows and renormalise.
 
@@ -186,9 +165,6 @@ def filter_probs(probs: torch.Tensor, args: SamplingTensors) -> torch.Tensor:
         keep &= min_p_mask(probs, args.min_p)
     filtered = probs.masked_fill(~keep, 0.0)
     return filtered / filtered.sum(dim=-1, keepdim=True)
-
-
-# --8<-- [end:filter_probs]
 
 
 def compute_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
@@ -223,7 +199,6 @@ def _sampled_rows_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) 
     return filter_probs(temperature_softmax(logits, args.temperatures), args)
 
 
-# --8<-- [start:seeded_generators]
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A random generator on ``device`` seeded with ``seed``, owned by one request.
 
@@ -274,10 +249,6 @@ def sample_from_probs(
     return (probs / noise).argmax(dim=-1)
 
 
-# --8<-- [end:seeded_generators]
-
-
-# --8<-- [start:greedy_fast_path]
 def sample_batch(
     logits: torch.Tensor,
     params: Sequence[SamplingParams],
@@ -313,9 +284,6 @@ def sample_batch(
     probs = _sampled_rows_probs(logits[rows], [params[i] for i in sampled])
     tokens[rows] = sample_from_probs(probs, [generators[i] for i in sampled])
     return tokens
-
-
-# --8<-- [end:greedy_fast_path]
 
 
 def _check_batch(logits: torch.Tensor, params: Sequence[SamplingParams]) -> None:

@@ -12,7 +12,7 @@ stored ones.
 model through the attention-backend seam of ``minisgl.layers.attention``, so the model code does
 not change at all. :func:`generate` runs the loop with the cache (prefill once, then decode) or
 without it (re-run everything at each step), which lets the example measure the difference.
-Chapter 5 replaces the one-sequence buffer by a paged pool shared by many requests.
+The engine proper replaces the one-sequence buffer by a paged pool shared by many requests.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from minisgl.models.base import BaseLLMModel
 FinishReason = Literal["stop", "length"]
 
 
-# --8<-- [start:contiguous_cache]
 class ContiguousKVCache:
     """An attention backend that keeps one sequence's keys and values between steps.
 
@@ -57,7 +56,7 @@ class ContiguousKVCache:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         shape = (num_layers, max_len, num_kv_heads, head_dim)
         # Allocated once, up front, at the longest length this sequence may reach: no
-        # reallocation or copying while generating (chapter 5 asks what this wastes).
+        # reallocation or copying while generating, at the price of memory reserved unused.
         self.k_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.v_cache = torch.zeros(shape, dtype=dtype, device=device)
         self.max_len = max_len
@@ -109,10 +108,6 @@ class ContiguousKVCache:
         )
 
 
-# --8<-- [end:contiguous_cache]
-
-
-# --8<-- [start:prefix_attention]
 def causal_attention_with_prefix(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int
 ) -> torch.Tensor:
@@ -148,10 +143,6 @@ def causal_attention_with_prefix(
     return out.to(q.dtype)
 
 
-# --8<-- [end:prefix_attention]
-
-
-# --8<-- [start:generation_result]
 @dataclass
 class GenerationResult:
     """What :func:`generate` returns for one prompt."""
@@ -173,10 +164,6 @@ def finish_reason(
     return None
 
 
-# --8<-- [end:generation_result]
-
-
-# --8<-- [start:generate]
 @torch.inference_mode()
 def generate(
     model: BaseLLMModel,
@@ -222,10 +209,6 @@ def generate(
     return loop(model, prompt, params, tuple(eos_token_ids), generator)
 
 
-# --8<-- [end:generate]
-
-
-# --8<-- [start:generate_loop]
 def _generate_with_cache(
     model: BaseLLMModel,
     prompt: list[int],
@@ -255,10 +238,6 @@ def _generate_with_cache(
             input_ids = torch.tensor([token], device=device)  # later steps (decode): one token
 
 
-# --8<-- [end:generate_loop]
-
-
-# --8<-- [start:no_cache_loop]
 def _generate_without_cache(
     model: BaseLLMModel,
     prompt: list[int],
@@ -283,6 +262,3 @@ def _generate_without_cache(
         reason = finish_reason(token, len(output), params, eos_token_ids)
         if reason is not None:
             return GenerationResult(output, reason)
-
-
-# --8<-- [end:no_cache_loop]

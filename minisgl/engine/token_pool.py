@@ -30,7 +30,6 @@ import torch
 from minisgl.core import Batch, Req
 
 
-# --8<-- [start:token_pool]
 class TokenPool:
     """The token ids of every request holding a page-table row, on the device.
 
@@ -94,4 +93,3 @@ class TokenPool:
     def _row_start(self, req: Req) -> int:
         assert req.table_row is not None, f"request {req.uid} holds no page-table row"
         return req.table_row * self.row_len
-# --8<-- [end:token_pool]

@@ -1,7 +1,7 @@
 """The paged KV cache: the pool that stores keys and values, and the allocator of its pages.
 
 - ``base``: the interfaces: :class:`BaseKVPool` (storage addressed by token slot) and
-  :class:`BasePrefixCache` (the seam for the caches of chapters 9 and 11).
+  :class:`BasePrefixCache` (the policy for keeping pages after their request ends).
 - ``mha_pool``: :class:`MHAKVPool`, one K and one V tensor per layer.
 - ``allocator``: :class:`PageAllocator`, the free list of page ids.
 - ``page_table``: :class:`PageTable`, which pages hold which request's tokens. It is KV-cache

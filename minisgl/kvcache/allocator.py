@@ -27,7 +27,6 @@ class OutOfPagesError(RuntimeError):
         self.free = free
 
 
-# --8<-- [start:page_allocator_state]
 class PageAllocator:
     """A free list over the page ids ``0 .. num_pages - 1``.
 
@@ -43,7 +42,6 @@ class PageAllocator:
         # pages in order, which makes printed page tables easy to read.
         self._free_stack: list[int] = list(range(num_pages - 1, -1, -1))
         self._is_free = bytearray([1]) * num_pages
-    # --8<-- [end:page_allocator_state]
 
     @property
     def num_pages(self) -> int:
@@ -64,7 +62,6 @@ class PageAllocator:
         """Whether ``page`` (a valid id) is currently free."""
         return bool(self._is_free[page])
 
-    # --8<-- [start:page_allocator_alloc]
     def alloc(self, n: int) -> list[int]:
         """Take ``n`` free pages and return their ids; all ``n`` or, if too few are free, none.
 
@@ -83,9 +80,7 @@ class PageAllocator:
         for page in pages:
             self._is_free[page] = 0
         return pages
-    # --8<-- [end:page_allocator_alloc]
 
-    # --8<-- [start:page_allocator_free]
     def free(self, pages: Sequence[int] | torch.Tensor) -> None:
         """Return ``pages`` to the pool.
 
@@ -109,7 +104,6 @@ class PageAllocator:
         for page in reversed(ids):  # so the next alloc returns them in the order given here
             self._is_free[page] = 1
             self._free_stack.append(page)
-    # --8<-- [end:page_allocator_free]
 
     def __repr__(self) -> str:
         return f"PageAllocator(num_pages={self._num_pages}, num_free={self.num_free})"

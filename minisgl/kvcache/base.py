@@ -7,11 +7,10 @@ belongs to: it stores a vector where it is told to (``store_kv``) and hands back
 asked for (``gather_kv``). Who owns which page is the business of the allocator
 (``allocator.py``) and of the page table (``page_table.py``).
 
-``BasePrefixCache`` is the seam for later chapters: a policy that keeps the pages of finished
-requests alive so that a new request starting with the same tokens can reuse them. Chapter 9
-plugs in a cache that keeps nothing, chapter 11 a radix tree that shares common prefixes. This
-chapter defines the interface only, so that those chapters add a class rather than rewrite the
-scheduler around it.
+``BasePrefixCache`` is a policy that keeps the pages of finished requests alive so that a new
+request starting with the same tokens can reuse them: ``NaivePrefixCache`` keeps nothing,
+``RadixCache`` shares common prefixes in a radix tree. The scheduler talks to the interface
+only, so a new policy is a new class, not a change to the scheduler.
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ from dataclasses import dataclass
 import torch
 
 
-# --8<-- [start:base_pool]
 class BaseKVPool(ABC):
     """Storage for the keys and values of every layer, addressed by token slot.
 
@@ -66,24 +64,21 @@ class BaseKVPool(ABC):
     @property
     @abstractmethod
     def dtype(self) -> torch.dtype: ...
-# --8<-- [end:base_pool]
 
     @property
     def num_slots(self) -> int:
         """Token slots in the pool: every page's ``page_size`` slots."""
         return self.num_pages * self.page_size
 
-    # --8<-- [start:gather_kv]
     def gather_kv(self, slots: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Read back the keys and values at ``slots``: two ``[len(slots), num_kv_heads, head_dim]``.
 
         Indexing with a tensor copies the rows into a new, contiguous tensor: the order of
         ``slots`` becomes the order of the result, wherever the pages sit in the pool. This is
-        how the simple attention backend of chapter 6 turns a request's scattered pages back into
+        how the simple (torch) attention backend turns a request's scattered pages back into
         one sequence; the fused kernels read the pages in place instead.
         """
         return self.k_cache(layer_id)[slots], self.v_cache(layer_id)[slots]
-    # --8<-- [end:gather_kv]
 
     def kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_id``'s K and V seen page by page: ``[num_pages, page_size, heads, dim]``.
@@ -98,7 +93,6 @@ class BaseKVPool(ABC):
         return by_page(self.k_cache(layer_id)), by_page(self.v_cache(layer_id))
 
 
-# --8<-- [start:prefix_cache_seam]
 @dataclass(frozen=True)
 class CacheHandle:
     """A reference to a prefix held by a :class:`BasePrefixCache`.
@@ -134,7 +128,7 @@ class InsertResult:
 class BasePrefixCache(ABC):
     """A policy that keeps KV pages alive after their request is done, to share them later.
 
-    The scheduler (chapter 9) talks to the cache in whole pages, in four moves:
+    The scheduler talks to the cache in whole pages, in four moves:
 
     1. ``match_prefix(tokens)`` when a request arrives: the longest cached prefix of its tokens,
        and the pages that hold its K/V. The request copies those page ids into its page table
@@ -146,9 +140,9 @@ class BasePrefixCache(ABC):
        and every page past ``handle.num_tokens``.
     4. ``evict(num_pages)`` when the allocator runs short: unlocked cached pages go back.
 
-    Chapter 9's cache keeps nothing (every match is empty, every insert keeps nothing), which
-    makes the scheduler's bookkeeping the same with and without prefix sharing. Chapter 11's
-    radix cache keeps every shared prefix, evicting the least recently used first.
+    The naive cache keeps nothing (every match is empty, every insert keeps nothing), which
+    makes the scheduler's bookkeeping the same with and without prefix sharing. The radix
+    cache keeps every shared prefix, evicting the least recently used first.
     """
 
     @abstractmethod
@@ -184,4 +178,3 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def num_locked_pages(self) -> int:
         """Pages the cache holds that some running request has locked."""
-# --8<-- [end:prefix_cache_seam]

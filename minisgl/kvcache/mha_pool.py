@@ -27,8 +27,8 @@ class MHAKVPool(BaseKVPool):
 
     Args:
         num_layers: transformer layers; each gets its own K and V tensor.
-        num_kv_heads: KV heads *on this device* (under tensor parallelism, chapter 17, each
-            rank passes its share).
+        num_kv_heads: KV heads *on this device* (under tensor parallelism each rank passes its
+            share).
         head_dim: features per head.
         num_pages: pages in the pool.
         page_size: token slots per page (1 and 16 are the usual choices).
@@ -36,7 +36,6 @@ class MHAKVPool(BaseKVPool):
         device: where the pool lives.
     """
 
-    # --8<-- [start:pool_layout]
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, num_pages: int,
                  page_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
         for name, value in (("num_layers", num_layers), ("num_kv_heads", num_kv_heads),
@@ -56,9 +55,7 @@ class MHAKVPool(BaseKVPool):
 
     def v_cache(self, layer_id: int) -> torch.Tensor:
         return self._kv[1, layer_id]
-    # --8<-- [end:pool_layout]
 
-    # --8<-- [start:store_kv]
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor,
                  layer_id: int) -> None:
         """Write the new tokens' K/V (``[T, num_kv_heads, head_dim]``) to slots ``out_loc[:T]``.
@@ -73,7 +70,6 @@ class MHAKVPool(BaseKVPool):
         # feeding a bfloat16 cache (index assignment refuses mixed dtypes).
         self.k_cache(layer_id)[out_loc] = k.to(self.dtype)
         self.v_cache(layer_id)[out_loc] = v.to(self.dtype)
-    # --8<-- [end:store_kv]
 
     @property
     def num_layers(self) -> int:
@@ -103,7 +99,6 @@ class MHAKVPool(BaseKVPool):
     def dtype(self) -> torch.dtype:
         return self._kv.dtype
 
-    # --8<-- [start:pool_sizing]
     @property
     def bytes_per_token(self) -> int:
         """Bytes one token slot takes over all layers, K and V together."""
@@ -136,4 +131,3 @@ class MHAKVPool(BaseKVPool):
         logger.info("KV pool: %d pages x %d tokens = %d token slots, %.1f MiB on %s",
                     num_pages, page_size, pool.num_slots, pool.num_bytes / 2**20, pool.device)
         return pool
-    # --8<-- [end:pool_sizing]

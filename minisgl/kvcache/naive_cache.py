@@ -1,13 +1,13 @@
 """The prefix cache that keeps nothing: every request computes its whole prompt.
 
-Chapter 5 defined :class:`~minisgl.kvcache.base.BasePrefixCache`, the policy that decides which
-KV pages outlive their request so that a later request starting with the same tokens can reuse
-them. This is its simplest implementation: nothing is ever matched, nothing is ever kept, so
-every page a finished request held goes straight back to the allocator.
+:class:`~minisgl.kvcache.base.BasePrefixCache` is the policy that decides which KV pages
+outlive their request so that a later request starting with the same tokens can reuse them.
+This is its simplest implementation: nothing is ever matched, nothing is ever kept, so every
+page a finished request held goes straight back to the allocator.
 
-Why have a class that does nothing? Because the scheduler (chapter 9) then talks to a prefix
-cache in every case, through the same four moves (match, lock, insert, evict), and chapter 11's
-radix cache slots in without changing one line of the scheduler's bookkeeping.
+Why have a class that does nothing? Because the scheduler then talks to a prefix cache in every
+case, through the same four moves (match, lock, insert, evict), and the radix cache slots in
+without changing one line of the scheduler's bookkeeping.
 """
 
 from __future__ import annotations
@@ -17,7 +17,6 @@ from collections.abc import Sequence
 from minisgl.kvcache.base import BasePrefixCache, CacheHandle, InsertResult, PrefixMatch
 from minisgl.utils.checks import check_int
 
-# --8<-- [start:naive_cache]
 # The only prefix this cache ever holds: the empty one.
 EMPTY_HANDLE = CacheHandle(num_tokens=0)
 
@@ -61,7 +60,6 @@ class NaivePrefixCache(BasePrefixCache):
     @property
     def num_locked_pages(self) -> int:
         return 0
-    # --8<-- [end:naive_cache]
 
     def _check_handle(self, handle: CacheHandle) -> None:
         # A handle from another cache would mean pages this one knows nothing about.

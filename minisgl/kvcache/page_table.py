@@ -17,7 +17,7 @@ step, and must never wait for the device to do it. Pages appended to rows reach 
 together, in one copy, the next time the table is read (once per forward pass), and a batch's
 slots are computed on the device from a few numbers per request, never from a list per token.
 On a GPU that keeps the host's share of a step small and free of synchronisation, which is what
-lets chapter 12 overlap it with the device's work.
+lets overlap scheduling hide it under the device's work.
 """
 
 from __future__ import annotations
@@ -33,7 +33,6 @@ from minisgl.utils.checks import check_int
 NO_PAGE = -1
 
 
-# --8<-- [start:token_slots]
 def slots_of(page_ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor,
              page_size: int) -> torch.Tensor:
     """Pool slot of each token: token ``i`` is at position ``positions[i]`` of row ``rows[i]``.
@@ -44,10 +43,8 @@ def slots_of(page_ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
     """
     pages = page_ids[rows, positions // page_size].long()
     return pages * page_size + positions % page_size
-# --8<-- [end:token_slots]
 
 
-# --8<-- [start:expand_ranges]
 def expand_ranges(starts: torch.Tensor, counts: torch.Tensor,
                   total: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Every integer of the ranges ``starts[i] .. starts[i] + counts[i] - 1``, concatenated,
@@ -65,7 +62,6 @@ def expand_ranges(starts: torch.Tensor, counts: torch.Tensor,
     first = torch.cumsum(counts, 0) - counts  # where each range begins in the output
     values = torch.arange(total, device=counts.device) - first[owner] + starts[owner]
     return values, owner
-# --8<-- [end:expand_ranges]
 
 
 class PageTable:
@@ -79,7 +75,6 @@ class PageTable:
         device: where the table lives (the pool's device).
     """
 
-    # --8<-- [start:page_table]
     def __init__(self, max_reqs: int, max_pages_per_req: int, *, page_size: int,
                  device: torch.device | str = "cpu") -> None:
         for name, value in (("max_reqs", max_reqs), ("max_pages_per_req", max_pages_per_req),
@@ -145,7 +140,6 @@ class PageTable:
         self._in_use[row] = False
         self._free_rows.append(row)
         return pages
-    # --8<-- [end:page_table]
 
     @property
     def max_reqs(self) -> int:
@@ -181,7 +175,6 @@ class PageTable:
         """The page ids ``row`` holds, in token order (a view into the device table)."""
         return self.page_ids[row, : self.num_pages(row)]
 
-    # --8<-- [start:grow_row]
     def pages_needed(self, row: int, num_tokens: int) -> int:
         """How many more pages ``row`` needs so that it can map ``num_tokens`` tokens.
 
@@ -208,9 +201,7 @@ class PageTable:
         if ids:  # the host copy now; the device table at its next read (see page_ids)
             self._rows[row].extend(ids)
             self._unwritten.append((row, held, ids))
-    # --8<-- [end:grow_row]
 
-    # --8<-- [start:batch_token_slots]
     def token_slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """Pool slots of the tokens at positions ``start .. end - 1`` of ``row``'s request."""
         return self.batch_token_slots([row], [start], [end])
@@ -239,7 +230,6 @@ class PageTable:
         spans = spans.to(self.device, non_blocking=True)
         positions, owner = expand_ranges(spans[1], spans[2], total=sum(counts))
         return slots_of(self.page_ids, spans[0][owner], positions, self.page_size)
-    # --8<-- [end:batch_token_slots]
 
     def _check_row(self, row: int) -> None:
         if not 0 <= row < self._shape[0] or not self._in_use[row]:

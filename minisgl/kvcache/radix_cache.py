@@ -18,9 +18,9 @@ The tree:
   was last used (``last_used``, a logical clock). When the allocator runs short, the least
   recently used leaves that nobody has locked are cut off and their pages given back.
 
-The cache talks to the scheduler through :class:`~minisgl.kvcache.base.BasePrefixCache`, the
-seam chapter 5 laid down and chapter 9's naive cache implements by keeping nothing. The
-scheduler's bookkeeping is the same for both; this module changes only what is kept.
+The cache talks to the scheduler through :class:`~minisgl.kvcache.base.BasePrefixCache`, which
+the naive cache implements by keeping nothing. The scheduler's bookkeeping is the same for both;
+this module changes only what is kept.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ logger = get_logger(__name__)
 Tokens = tuple[int, ...]
 
 
-# --8<-- [start:radix_node]
 @dataclass(eq=False)  # nodes are compared by identity: two runs of equal tokens are two nodes
 class RadixNode:
     """One edge of the tree and the node it leads to.
@@ -80,7 +79,6 @@ class RadixHandle(CacheHandle):
     """A cached prefix: the node where it ends. ``num_tokens`` is that node's depth."""
 
     node: RadixNode = field(repr=False)
-# --8<-- [end:radix_node]
 
 
 class RadixCache(BasePrefixCache):
@@ -130,7 +128,6 @@ class RadixCache(BasePrefixCache):
     # ---------------------------------------------------------------------------------------
     # Matching
 
-    # --8<-- [start:match_prefix]
     def match_prefix(self, token_ids: Sequence[int] | torch.Tensor) -> PrefixMatch:
         """The longest cached prefix of ``token_ids``, in whole pages, and its pages.
 
@@ -173,9 +170,7 @@ class RadixCache(BasePrefixCache):
             runs.append(node.pages)
             node = node.parent
         return [p for run in reversed(runs) for p in run]
-    # --8<-- [end:match_prefix]
 
-    # --8<-- [start:split_node]
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
         """Cut ``node``'s edge after its first ``num_pages`` pages; return the new upper node.
 
@@ -197,12 +192,10 @@ class RadixCache(BasePrefixCache):
         node.parent = upper
         upper.children[node.tokens[: self.page_size]] = node
         return upper
-    # --8<-- [end:split_node]
 
     # ---------------------------------------------------------------------------------------
     # Inserting
 
-    # --8<-- [start:insert]
     def insert(self, token_ids: Sequence[int] | torch.Tensor,
                pages: Sequence[int] | torch.Tensor) -> InsertResult:
         """Offer the K/V of ``token_ids``, held in ``pages``; the cache keeps what it lacks.
@@ -239,12 +232,10 @@ class RadixCache(BasePrefixCache):
             node = leaf
         return InsertResult(num_already_cached=num_cached,
                             handle=RadixHandle(num_tokens=node.depth, node=node))
-    # --8<-- [end:insert]
 
     # ---------------------------------------------------------------------------------------
     # Locking
 
-    # --8<-- [start:lock_unlock]
     def lock(self, handle: CacheHandle) -> None:
         """Protect the prefix behind ``handle`` from eviction while a request reads it.
 
@@ -289,12 +280,10 @@ class RadixCache(BasePrefixCache):
                              "lock a handle right after match_prefix, before anything evicts")
         assert node.depth == handle.num_tokens, (node.depth, handle.num_tokens)
         return node
-    # --8<-- [end:lock_unlock]
 
     # ---------------------------------------------------------------------------------------
     # Evicting
 
-    # --8<-- [start:evict]
     def evict(self, num_pages: int) -> list[int]:
         """Remove least recently used unlocked leaves until ``num_pages`` pages are freed.
 
@@ -334,7 +323,6 @@ class RadixCache(BasePrefixCache):
         logger.debug("evicted %d page(s) (asked for %d); %d evictable left",
                      len(freed), num_pages, self._num_evictable)
         return freed
-    # --8<-- [end:evict]
 
     # ---------------------------------------------------------------------------------------
     # Checking and printing
@@ -347,7 +335,6 @@ class RadixCache(BasePrefixCache):
             yield node
             stack.extend(node.children.values())
 
-    # --8<-- [start:invariants]
     def check_invariants(self) -> None:
         """Recount the tree and check every structural promise the operations above make.
 
@@ -390,7 +377,6 @@ class RadixCache(BasePrefixCache):
         if (evictable, locked) != (self._num_evictable, self._num_locked):
             fail(f"recounted {evictable} evictable / {locked} locked pages, the counters say "
                  f"{self._num_evictable} / {self._num_locked}")
-    # --8<-- [end:invariants]
 
     def pretty(self, decode: Callable[[Sequence[int]], str] | None = None,
                max_tokens: int = 12) -> str:

@@ -33,7 +33,6 @@ from minisgl.kvcache.page_table import PageTable
 from minisgl.utils.checks import check_int
 
 
-# --8<-- [start:request_pages]
 class RequestPages:
     """The KV pool's pages and the page table's rows, handed to requests and taken back.
 
@@ -57,9 +56,7 @@ class RequestPages:
         self._allocator = PageAllocator(num_pages)
         self.table = PageTable(max_reqs, self._pages_for(max_seq_len), page_size=page_size,
                                device=device)
-    # --8<-- [end:request_pages]
 
-    # --8<-- [start:reserve]
     def pages_needed(self, req: Req) -> int:
         """Pages :meth:`reserve` would take for ``req`` now (what admission control checks)."""
         if req.table_row is None:
@@ -102,9 +99,7 @@ class RequestPages:
         pages = self.close_row(req)
         self._allocator.free(pages)
         return len(pages)
-    # --8<-- [end:reserve]
 
-    # --8<-- [start:rows]
     def open_row(self, req: Req, prefix_pages: Sequence[int] = ()) -> int:
         """Give ``req`` a row whose first entries are ``prefix_pages``; returns the row.
 
@@ -139,9 +134,7 @@ class RequestPages:
     def free_pages(self, pages: Sequence[int]) -> None:
         """Return pages that no row maps any more (closed rows, evicted cache entries)."""
         self._allocator.free(pages)
-    # --8<-- [end:rows]
 
-    # --8<-- [start:set_aside_page]
     def set_aside_page(self) -> int:
         """Take one page out of circulation for good; returns its id.
 
@@ -149,7 +142,6 @@ class RequestPages:
         page, which no request will ever own.
         """
         return self._allocator.alloc(1)[0]
-    # --8<-- [end:set_aside_page]
 
     # ----------------------------------------------------------------------- counts
     @property

@@ -8,7 +8,6 @@ import torch.nn.functional as F
 from . import fused
 
 
-# --8<-- [start:silu_and_mul]
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     """``silu(gate) * up`` where ``x = [gate | up]`` along the last dimension.
 
@@ -24,4 +23,3 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
         return fused.silu_and_mul(x)
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
-# --8<-- [end:silu_and_mul]

@@ -1,14 +1,15 @@
 """Attention: the layer every model uses, and the backend seam that computes it.
 
-The attention *layer* is the same in every chapter: split the fused qkv projection into
+The attention *layer* is the same whatever computes it: split the fused qkv projection into
 queries, keys and values, normalise them (Qwen3's qk-norm), rotate them (RoPE), and hand them
-to the attention *backend*. What the backend does with them changes as the book goes on:
+to the attention *backend*, of which there are three kinds:
 
-* here (chapter 3) :class:`DenseCausalAttention` treats the whole input as one sequence and
-  keeps nothing: the model computes logits for a prompt, which is all we need to compare
-  against transformers;
-* chapter 4 adds a contiguous KV cache so generation does not recompute the past;
-* chapter 6 adds paged backends that serve many sequences at once.
+* :class:`DenseCausalAttention`, here, treats the whole input as one sequence and keeps
+  nothing: the model computes logits for a prompt, which is all we need to compare against
+  transformers;
+* a contiguous KV cache (``minisgl.engine.simple_loop``) lets one sequence's generation skip
+  recomputing the past;
+* the paged backends (``minisgl.attention``) serve many sequences at once.
 
 All of them implement :class:`AttentionBackend`, and :func:`use_attention_backend` selects the
 one in effect, so the model code never changes when the backend does.
@@ -30,7 +31,6 @@ from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
 
-# --8<-- [start:backend_protocol]
 class AttentionBackend(Protocol):
     """Computes attention outputs from rotated queries, keys and values.
 
@@ -42,10 +42,8 @@ class AttentionBackend(Protocol):
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
     ) -> torch.Tensor: ...
-# --8<-- [end:backend_protocol]
 
 
-# --8<-- [start:dense_causal_attention]
 class DenseCausalAttention:
     """The reference backend: one sequence, causal mask, no cache.
 
@@ -68,12 +66,10 @@ class DenseCausalAttention:
         probs = scores.softmax(dim=-1)
         out = torch.einsum("hqk,khd->qhd", probs, v.float())
         return out.to(q.dtype)
-# --8<-- [end:dense_causal_attention]
 
 
-# --8<-- [start:backend_context]
 # The backend in effect. A plain module variable rather than a thread-local: the model may run
-# on a worker thread (chapter 12) and must see the backend the engine installed.
+# on a worker thread (overlap scheduling) and must see the backend the engine installed.
 _current_backend: AttentionBackend = DenseCausalAttention()
 
 
@@ -92,10 +88,8 @@ def use_attention_backend(backend: AttentionBackend) -> Iterator[AttentionBacken
         yield backend
     finally:
         _current_backend = previous
-# --8<-- [end:backend_context]
 
 
-# --8<-- [start:attention_layer]
 class AttentionLayer(nn.Module):
     """qkv -> split -> qk-norm -> RoPE -> backend -> attention output.
 
@@ -142,4 +136,3 @@ class AttentionLayer(nn.Module):
         q, k = self.rope(positions, q, k)
         out = get_attention_backend().forward(q, k, v, self.layer_id)
         return out.reshape(num_tokens, q_size)
-# --8<-- [end:attention_layer]

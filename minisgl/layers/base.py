@@ -29,7 +29,6 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-# --8<-- [start:kv_head_sharding]
 def local_kv_heads(num_kv_heads: int, tp_size: int) -> int:
     """Number of key/value heads each rank holds.
 
@@ -52,7 +51,6 @@ def first_local_kv_head(num_kv_heads: int, tp_rank: int, tp_size: int) -> int:
     if num_kv_heads >= tp_size:
         return tp_rank * local_kv_heads(num_kv_heads, tp_size)
     return tp_rank // (tp_size // num_kv_heads)  # replicated: a run of ranks shares one head
-# --8<-- [end:kv_head_sharding]
 
 
 def new_parameter(*shape: int) -> nn.Parameter:
@@ -95,7 +93,6 @@ def copy_checked(dst: torch.Tensor, src: torch.Tensor, what: str) -> None:
     dst.copy_(src)
 
 
-# --8<-- [start:base_layer]
 class BaseLayer(nn.Module):
     """A module whose parameters are filled from full checkpoint tensors by ``load_weight``.
 
@@ -128,4 +125,3 @@ class BaseLayer(nn.Module):
             raise ValueError(f"{type(self).__name__} has no merged slots, "
                              f"got shard_id={shard_id!r}")
         copy_checked(getattr(self, param_name), loaded, f"{type(self).__name__}.{param_name}")
-# --8<-- [end:base_layer]

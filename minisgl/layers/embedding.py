@@ -66,7 +66,6 @@ class _VocabParallelBase(BaseLayer):
                 f"rows=[{self.shard.start}, {self.shard.end}), tp={self.tp_rank}/{self.tp_size}")
 
 
-# --8<-- [start:vocab_embedding]
 class VocabParallelEmbedding(_VocabParallelBase):
     """Token id -> hidden vector, with the vocabulary rows split across ranks.
 
@@ -85,10 +84,8 @@ class VocabParallelEmbedding(_VocabParallelBase):
         local_ids = torch.where(owned, input_ids - self.shard.start, 0)
         hidden = F.embedding(local_ids, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
         return all_reduce(hidden)
-# --8<-- [end:vocab_embedding]
 
 
-# --8<-- [start:lm_head]
 class ParallelLMHead(_VocabParallelBase):
     """Hidden vector -> one score (logit) per vocabulary entry.
 
@@ -125,4 +122,3 @@ class ParallelLMHead(_VocabParallelBase):
         gathered = logits.new_zeros(logits.shape[0], rows * self.tp_size)
         gathered[:, self.tp_rank * rows : (self.tp_rank + 1) * rows] = logits
         return all_reduce(gathered)[:, : self.num_embeddings]
-# --8<-- [end:lm_head]

@@ -60,7 +60,6 @@ def _log_once(key: str, level: int, message: str, *args: object) -> None:
         logger.log(level, message, *args)
 
 
-# --8<-- [start:fused_available]
 def available(x: torch.Tensor) -> bool:
     """True when ``x`` may go through FlashInfer: on CUDA, float16/bfloat16, flashinfer present.
 
@@ -74,7 +73,6 @@ def available(x: torch.Tensor) -> bool:
                   "activation kernels do not take %s; those run as PyTorch code", x.dtype)
         return False
     return _load() is not None
-# --8<-- [end:fused_available]
 
 
 def _load() -> SimpleNamespace | None:
@@ -131,7 +129,6 @@ def _same_place(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 # ------------------------------------------------------------------------------- RMSNorm
 
-# --8<-- [start:fused_rmsnorm]
 def can_rmsnorm(x: torch.Tensor, weight: torch.Tensor,
                 residual: torch.Tensor | None = None) -> bool:
     """Whether :func:`rmsnorm` can take this call.
@@ -165,12 +162,10 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         return _kernels.rmsnorm(x, weight, eps=eps, out=out)
     _kernels.fused_add_rmsnorm(x, residual, weight, eps=eps)
     return x, residual
-# --8<-- [end:fused_rmsnorm]
 
 
 # --------------------------------------------------------------------------------- RoPE
 
-# --8<-- [start:fused_rope]
 def can_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
              cos_sin_cache: torch.Tensor, head_dim: int) -> bool:
     """Whether :func:`rope_inplace` can take this call.
@@ -216,7 +211,6 @@ def rope_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     # is_neox=True is the "rotate half" pairing of Llama/Qwen checkpoints; False would pair
     # neighbours (2i, 2i + 1).
     _kernels.rope(positions, q, k, head_dim, cos_sin_cache, is_neox=True)
-# --8<-- [end:fused_rope]
 
 
 # ------------------------------------------------------------------------ SiLU and multiply

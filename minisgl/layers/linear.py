@@ -62,7 +62,6 @@ class ReplicatedLinear(_LinearBase):
         super().__init__(input_size, output_size, bias)
 
 
-# --8<-- [start:column_parallel]
 class ColumnParallelLinear(_LinearBase):
     """A linear layer whose output features are split: rank ``r`` computes block ``r`` of ``y``."""
 
@@ -80,10 +79,8 @@ class ColumnParallelLinear(_LinearBase):
         src = take_slice(loaded, 0, self.tp_rank * rows, rows, self.output_size,
                          f"{type(self).__name__}.{param_name}")
         copy_checked(param, src, f"{type(self).__name__}.{param_name}")
-# --8<-- [end:column_parallel]
 
 
-# --8<-- [start:merged_column]
 class MergedColumnParallelLinear(_LinearBase):
     """Several column-parallel projections of the same input, stored as one matrix.
 
@@ -116,7 +113,6 @@ class MergedColumnParallelLinear(_LinearBase):
         offset = sum(self.local_sizes[:shard_id])  # where this slot starts in our parameter
         src = take_slice(loaded, 0, self.tp_rank * local, local, self.output_sizes[shard_id], what)
         copy_checked(getattr(self, param_name).narrow(0, offset, local), src, what)
-# --8<-- [end:merged_column]
 
 
 class QKVParallelLinear(_LinearBase):
@@ -149,7 +145,6 @@ class QKVParallelLinear(_LinearBase):
     def shard_ids(self, param_name: str = "weight") -> tuple[ShardId, ...]:
         return ("q", "k", "v")
 
-    # --8<-- [start:qkv_shard]
     def load_weight(
         self, loaded: torch.Tensor, shard_id: ShardId = None, param_name: str = "weight"
     ) -> None:
@@ -169,10 +164,8 @@ class QKVParallelLinear(_LinearBase):
         what = f"QKVParallelLinear.{param_name}[{shard_id}]"
         src = take_slice(loaded, 0, first_head * d, num_heads * d, full_heads * d, what)
         copy_checked(getattr(self, param_name).narrow(0, dst_head * d, num_heads * d), src, what)
-    # --8<-- [end:qkv_shard]
 
 
-# --8<-- [start:row_parallel]
 class RowParallelLinear(_LinearBase):
     """A linear layer whose input features are split; partial outputs are summed by all-reduce.
 
@@ -202,4 +195,3 @@ class RowParallelLinear(_LinearBase):
         cols = self.local_input_size
         src = take_slice(loaded, 1, self.tp_rank * cols, cols, self.input_size, what)
         copy_checked(self.weight, src, what)
-# --8<-- [end:row_parallel]

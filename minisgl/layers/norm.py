@@ -22,7 +22,6 @@ class RMSNorm(BaseLayer):
         self.eps = eps
         self.weight = new_parameter(hidden_size)
 
-    # --8<-- [start:rmsnorm_forward]
     def _normalize(self, x: torch.Tensor) -> torch.Tensor:
         # The mean of squares is taken in float32 whatever the input dtype: in bfloat16 the
         # sum of thousands of squares would lose most of its digits.
@@ -31,9 +30,7 @@ class RMSNorm(BaseLayer):
         # Round back to the input dtype *before* the scale, as transformers' Qwen3RMSNorm
         # does: the same operations in the same order give the same bits, in bfloat16 too.
         return self.weight * (x32 * inv_rms).to(x.dtype)
-    # --8<-- [end:rmsnorm_forward]
 
-    # --8<-- [start:fused_residual]
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +49,6 @@ class RMSNorm(BaseLayer):
             return self._normalize(x)
         summed = x + residual
         return self._normalize(summed), summed
-    # --8<-- [end:fused_residual]
 
     def extra_repr(self) -> str:
         return f"{self.hidden_size}, eps={self.eps}"

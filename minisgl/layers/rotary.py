@@ -25,12 +25,10 @@ from torch import nn
 from . import fused
 
 
-# --8<-- [start:inv_freq]
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     """The unscaled RoPE frequencies ``base ** (-2i / rotary_dim)``, in float32."""
     exponents = torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim
     return 1.0 / (base ** exponents)
-# --8<-- [end:inv_freq]
 
 
 class RotaryEmbedding(nn.Module):
@@ -41,7 +39,6 @@ class RotaryEmbedding(nn.Module):
     every layer. It is a buffer (moves with ``.to(device)``) that is not saved with the weights.
     """
 
-    # --8<-- [start:rope_cache]
     def __init__(
         self,
         head_dim: int,
@@ -79,9 +76,7 @@ class RotaryEmbedding(nn.Module):
     def sin_cache(self) -> torch.Tensor:
         """``sin`` of every angle, [max_position, rotary_dim/2] (a view of the table)."""
         return self.cos_sin_cache[:, self.rotary_dim // 2 :]
-    # --8<-- [end:rope_cache]
 
-    # --8<-- [start:rope_apply]
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [T, H, head_dim] by the per-token angles in ``cos``/``sin`` [T, 1, d/2]."""
         rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
@@ -113,7 +108,6 @@ class RotaryEmbedding(nn.Module):
         q_rot = self._rotate(q.view(q.shape[0], -1, self.head_dim), cos, sin)
         k_rot = self._rotate(k.view(k.shape[0], -1, self.head_dim), cos, sin)
         return q_rot.view(q.shape), k_rot.view(k.shape)
-    # --8<-- [end:rope_apply]
 
     def extra_repr(self) -> str:
         return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
@@ -124,14 +118,11 @@ class RotaryEmbedding(nn.Module):
 
 Scaled = tuple[torch.Tensor, float]
 
-# --8<-- [start:linear_scaling]
 def _linear_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> Scaled:
     """Position interpolation: divide every frequency by ``factor`` (positions squeezed by it)."""
     return default_inv_freq(rotary_dim, base) / params["factor"], 1.0
-# --8<-- [end:linear_scaling]
 
 
-# --8<-- [start:llama3_scaling]
 def _llama3_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> Scaled:
     """Llama 3.1's scaling: slow down only the low frequencies, and blend in between.
 
@@ -154,10 +145,8 @@ def _llama3_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> 
     smooth = (original_max / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
     smooth = smooth.clamp(0.0, 1.0)
     return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
-# --8<-- [end:llama3_scaling]
 
 
-# --8<-- [start:yarn_scaling]
 def _yarn_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> Scaled:
     """YaRN: interpolate slow pairs, keep fast ones, ramp in between; and sharpen attention.
 
@@ -200,7 +189,6 @@ def _yarn_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> Sc
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep_weight = 1 - ramp  # 1 for the fast pairs at the start, 0 for the slow ones at the end
     return interpolate * (1 - keep_weight) + keep * keep_weight, float(attention_factor)
-# --8<-- [end:yarn_scaling]
 
 
 _SCALINGS: dict[str, Callable[[int, float, Mapping[str, Any]], Scaled]] = {
@@ -211,7 +199,6 @@ _SCALINGS: dict[str, Callable[[int, float, Mapping[str, Any]], Scaled]] = {
 SUPPORTED_ROPE_TYPES = ("default", *_SCALINGS)
 
 
-# --8<-- [start:get_rope]
 def get_rope(
     head_dim: int,
     rotary_dim: int,
@@ -243,4 +230,3 @@ def get_rope(
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
     return RotaryEmbedding(head_dim, rotary_dim, max_position, inv_freq, attention_scaling)
-# --8<-- [end:get_rope]

@@ -6,14 +6,14 @@ detokenize the outputs. The scheduler does the rest: it admits as many prompts a
 holds, batches them continuously, and takes in the waiting ones as the first ones finish. A list
 of a thousand prompts therefore needs no more memory than the pool it was given.
 
-Chapters 13 to 15 put the same scheduler behind a server, in a process of its own; this class is
-what a script, a notebook or a test uses.
+The server (``python -m minisgl``) puts the same scheduler in a process of its own; this class
+is what a script, a notebook or a test uses.
 
-From chapter 12 on the scheduler is the :class:`~minisgl.scheduler.overlap.OverlapScheduler`,
-so the host plans each step while the device runs the one before; ``LLM(path, overlap=False)``
-runs chapter 9's synchronous loop instead, for comparison.
+The scheduler is the :class:`~minisgl.scheduler.overlap.OverlapScheduler`, so the host plans
+each step while the device runs the one before; ``LLM(path, overlap=False)`` runs the
+synchronous loop instead, for comparison.
 
-Chapter 17: ``LLM(path, tp=2)`` splits the model over two ranks. This process is rank 0, and
+``LLM(path, tp=2)`` splits the model over two ranks. This process is rank 0, and
 each other rank is a process of its own that repeats what rank 0's scheduler does
 (:mod:`minisgl.scheduler.tp`); :meth:`LLM.close` (or leaving a ``with`` block) stops them.
 """
@@ -58,7 +58,7 @@ class LLM:
         device: ``auto``, ``cpu``, ``cuda`` or ``cuda:N``.
         dtype: ``auto`` (float32 on CPU, bfloat16 on CUDA), ``float32``, ``bfloat16`` or
             ``float16``.
-        tp: chapter 17: tensor-parallel ranks (on CPU with gloo; on CUDA rank r uses GPU r).
+        tp: tensor-parallel ranks (on CPU with gloo; on CUDA rank r uses GPU r).
         **engine_options: any other field of :class:`~minisgl.scheduler.config.SchedulerConfig`
             (``page_size``, ``num_pages``, ``max_running_reqs``, ``max_prefill_tokens``,
             ``prefix_cache``, ``overlap``, ...).
@@ -68,7 +68,6 @@ class LLM:
         tokenizer: the checkpoint's tokenizer (a ``transformers`` tokenizer).
     """
 
-    # --8<-- [start:llm_init]
     def __init__(self, model: str | os.PathLike[str], device: str = "auto", dtype: str = "auto",
                  tp: int = 1, **engine_options: Any) -> None:
         _check_engine_options(engine_options)
@@ -83,9 +82,7 @@ class LLM:
             self.scheduler = self._start_tp(config, tp)
         self.tokenizer = _load_tokenizer(path)
         self._next_uid = 0  # uids stay unique across generate() calls
-    # --8<-- [end:llm_init]
 
-    # --8<-- [start:start_tp]
     def _start_tp(self, config: SchedulerConfig, tp: int) -> TPLeaderScheduler:
         """Start ranks 1..tp-1, become rank 0, and wait until every rank has loaded."""
         launch = TPLaunch.new(tp)
@@ -104,7 +101,6 @@ class LLM:
                 scheduler.close()
             raise
         return scheduler
-    # --8<-- [end:start_tp]
 
     def close(self) -> None:
         """Stop the other ranks (tensor parallelism) and leave their group; idempotent."""
@@ -123,7 +119,6 @@ class LLM:
     def engine(self):  # the Engine: for its device, dtype and KV budget
         return self.scheduler.engine
 
-    # --8<-- [start:generate]
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, progress: bool | None = None) -> list[Completion]:
@@ -173,9 +168,7 @@ class LLM:
         finally:  # an error or Ctrl-C: drop what is left, so that no page stays taken
             for uid in pending:
                 self.scheduler.abort(uid)
-    # --8<-- [end:generate]
 
-    # --8<-- [start:completion]
     def _completion(self, req: Req) -> Completion:
         assert req.finish_reason is not None, req
         text_ids = req.output_ids
@@ -183,7 +176,6 @@ class LLM:
             text_ids = text_ids[:-1]
         return {"text": self.tokenizer.decode(text_ids), "token_ids": list(req.output_ids),
                 "finish_reason": req.finish_reason}
-    # --8<-- [end:completion]
 
     def _encode(self, index: int, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):
@@ -233,7 +225,7 @@ def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
 
 
 def _refuse_stop_strings(params: Sequence[SamplingParams]) -> None:
-    """Stop strings are matched on text, by the server's detokenizer (chapter 14); ``LLM``
+    """Stop strings are matched on text, by the server's detokenizer; ``LLM``
     decodes only once a request has finished, so it could not stop there. Say so rather than
     return text that runs past the stop string."""
     for i, p in enumerate(params):

@@ -12,7 +12,7 @@ Modules are named for the process that *receives* their messages: ``tokenizer`` 
 and detokenizer workers), ``backend`` (the scheduler), ``frontend`` (the API server). ``utils``
 holds the one serializer they all share (:func:`dumps`, :func:`loads`).
 
-A request that a worker cannot serve ends with a :class:`RequestError` (chapter 16), carried by
+A request that a worker cannot serve ends with a :class:`RequestError`, carried by
 its last message: an :class:`AbortRequest` between the workers, a :class:`UserReply` to the API
 server.
 """

@@ -25,7 +25,6 @@ class BackendMessage(Message, family=True):
     """Everything the scheduler receives."""
 
 
-# --8<-- [start:message_types_backend]
 @dataclass(frozen=True)
 class UserRequest(BackendMessage):
     """A new request for the scheduler: tokenizer -> scheduler.
@@ -34,7 +33,7 @@ class UserRequest(BackendMessage):
         uid: the request's id, chosen by the API server; every reply carries it back.
         input_ids: the prompt's token ids (chat template applied, if any).
         sampling_params: how to sample and when to stop.
-        strict_max_tokens: chapter 16: the client chose ``max_tokens``; if the prompt leaves
+        strict_max_tokens: the client chose ``max_tokens``; if the prompt leaves
             less room, refuse the request (HTTP 400) instead of lowering it.
     """
 
@@ -42,4 +41,3 @@ class UserRequest(BackendMessage):
     input_ids: list[int]
     sampling_params: SamplingParams
     strict_max_tokens: bool = False
-# --8<-- [end:message_types_backend]

@@ -4,7 +4,7 @@ The detokenizer sends one :class:`UserReply` per generated token. The API server
 waiting HTTP request by ``uid`` and either streams ``delta`` to the client at once or appends
 it to the full answer.
 
-Chapter 16: a request can also end in an error (a prompt too long for the context, a worker
+A request can also end in an error (a prompt too long for the context, a worker
 that failed while serving it). Its last reply then carries a :class:`RequestError`: what the
 client is told, and with which HTTP status.
 """
@@ -24,7 +24,6 @@ class FrontendMessage(Message, family=True):
     """Everything the API server (the frontend) receives."""
 
 
-# --8<-- [start:message_types_frontend]
 @register_wire_type
 @dataclass(frozen=True)
 class TokenUsage:
@@ -43,11 +42,10 @@ class TokenUsage:
         return self.prompt_tokens + self.completion_tokens
 
 
-# --8<-- [start:request_error]
 @register_wire_type
 @dataclass(frozen=True)
 class RequestError:
-    """Why a request failed, as the client will be told (chapter 16).
+    """Why a request failed, as the client will be told.
 
     A worker that cannot serve a request does not drop it: it sends this along the request's
     normal path, as its last message, so that every process on the way forgets the request
@@ -68,7 +66,6 @@ class RequestError:
     kind: str = "invalid_request_error"
     param: str | None = None
     code: str | None = None
-# --8<-- [end:request_error]
 
 
 def server_error(what: str, exc: BaseException) -> RequestError:
@@ -76,7 +73,6 @@ def server_error(what: str, exc: BaseException) -> RequestError:
     return RequestError(f"{what}: {type(exc).__name__}: {exc}", status=500, kind="server_error")
 
 
-# --8<-- [start:user_reply]
 @dataclass(frozen=True)
 class UserReply(FrontendMessage):
     """New text for request ``uid``: detokenizer -> API server, one per generated token.
@@ -87,9 +83,9 @@ class UserReply(FrontendMessage):
             the middle of a multi-byte character (the detokenizer holds it back until the
             character is complete).
         finish_reason: None while the request runs; why it ended on its last reply
-            (``"stop"``, ``"length"``; chapter 16: ``"error"``).
+            (``"stop"``, ``"length"`` or ``"error"``).
         usage: the request's token counts, on the last reply only.
-        error: chapter 16: why the request failed, on the last reply of a request that ended
+        error: why the request failed, on the last reply of a request that ended
             in an error (``finish_reason`` is then ``"error"``).
     """
 
@@ -108,5 +104,3 @@ class UserReply(FrontendMessage):
     def failure(cls, uid: int, error: RequestError) -> UserReply:
         """The last reply of request ``uid``, which ended in ``error``."""
         return cls(uid, finish_reason="error", error=error)
-# --8<-- [end:user_reply]
-# --8<-- [end:message_types_frontend]

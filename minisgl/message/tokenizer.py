@@ -7,7 +7,7 @@ Two workers sit between the API server and the scheduler, one on each side of it
   scheduler;
 - the **detokenizer** receives one :class:`DetokenizeRequest` per generated token from the
   scheduler and sends :class:`~minisgl.message.frontend.UserReply` (new text) to the API server.
-  From chapter 14 the scheduler also passes it every :class:`AbortRequest` it acted on, as the
+  The scheduler also passes it every :class:`AbortRequest` it acted on, as the
   last word on that request, so that the detokenizer can forget it.
 
 Each has its family, so each queue accepts exactly what its process handles.
@@ -35,7 +35,6 @@ class DetokenizerMessage(Message, family=True):
     """Everything the detokenizer worker receives (from the scheduler)."""
 
 
-# --8<-- [start:message_types]
 @dataclass(frozen=True)
 class TokenizeRequest(TokenizerMessage):
     """A new request as the API server received it: API server -> tokenizer.
@@ -50,7 +49,7 @@ class TokenizeRequest(TokenizerMessage):
         text: a completion prompt.
         input_ids: a completion prompt as token ids.
         messages: a chat conversation, ``[{"role": "user", "content": "..."}, ...]``.
-        strict_max_tokens: chapter 16: the client chose ``max_tokens`` (passed on to the
+        strict_max_tokens: the client chose ``max_tokens`` (passed on to the
             scheduler's :class:`~minisgl.message.UserRequest`).
     """
 
@@ -81,11 +80,11 @@ class AbortRequest(TokenizerMessage, BackendMessage, DetokenizerMessage):
     order behind the request it cancels: sent straight to the scheduler, it could overtake a
     request still being tokenized, find nothing to cancel, and the request would run anyway.
 
-    Chapter 14: the detokenizer also sends one to the scheduler when a stop string ends a
+    The detokenizer also sends one to the scheduler when a stop string ends a
     request's text, and the scheduler passes on each abort that dropped a request to the
     detokenizer, after that request's last token: nothing more will come for that uid.
 
-    Chapter 16: a worker that cannot serve a request (the tokenizer: the chat template fails;
+    A worker that cannot serve a request (the tokenizer: the chat template fails;
     the scheduler: the prompt is longer than the context, or a step failed) sends an abort
     that carries the ``error``. It travels the rest of the way like any abort, the scheduler
     passes it on to the detokenizer even when it had nothing to drop, and the detokenizer
@@ -93,9 +92,7 @@ class AbortRequest(TokenizerMessage, BackendMessage, DetokenizerMessage):
     """
 
     uid: int
-    # --8<-- [start:abort_error]
-    error: RequestError | None = None  # chapter 16: why a worker dropped the request
-    # --8<-- [end:abort_error]
+    error: RequestError | None = None  # why a worker dropped the request
 
 
 @dataclass(frozen=True)
@@ -108,9 +105,9 @@ class DetokenizeRequest(DetokenizerMessage):
         finish_reason: None while the request runs; on its last token, why it ended
             (``"stop"``: end of sequence or a stop token; ``"length"``: ``max_tokens``).
         usage: the request's token counts, on its last token only.
-        stop: chapter 14: the request's stop strings, on its first token only (the
+        stop: the request's stop strings, on its first token only (the
             detokenizer applies them; the scheduler works on tokens).
-        prompt_tokens: chapter 14: the prompt's length, on its first token only, for the
+        prompt_tokens: the prompt's length, on its first token only, for the
             usage of a request that a stop string ends (the scheduler's usage never comes).
     """
 
@@ -118,15 +115,12 @@ class DetokenizeRequest(DetokenizerMessage):
     next_token: int
     finish_reason: FinishReason | None = None
     usage: TokenUsage | None = None
-    # --8<-- [start:first_token_fields]
-    # Chapter 14. Set on a request's first token only: a field at its default is not sent, so
+    # Set on a request's first token only: a field at its default is not sent, so
     # every later token costs exactly what it did.
     stop: tuple[str, ...] = ()
     prompt_tokens: int = 0
-    # --8<-- [end:first_token_fields]
 
     @property
     def finished(self) -> bool:
         """Whether this is the request's last token."""
         return self.finish_reason is not None
-# --8<-- [end:message_types]

@@ -51,7 +51,6 @@ _FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {}
 _REQUIRED = object()
 
 
-# --8<-- [start:registry]
 def register_wire_type(cls: C) -> C:
     """Let instances of the dataclass ``cls`` travel in messages, tagged with its class name.
 
@@ -107,7 +106,6 @@ class Message:
     @staticmethod
     def loads(frame: bytes) -> Any:
         return loads(frame)
-# --8<-- [end:registry]
 
 
 def _wire_fields(cls: type) -> tuple[tuple[str, Any], ...]:
@@ -126,7 +124,6 @@ def _wire_fields(cls: type) -> tuple[tuple[str, Any], ...]:
     return fields
 
 
-# --8<-- [start:serializer]
 def to_wire(obj: Any) -> dict[str, Any]:
     """msgpack's ``default`` hook: a tagged map for a value msgpack cannot pack by itself.
 
@@ -201,7 +198,6 @@ def loads(frame: bytes) -> Any:
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise SerializationError(f"not a message frame ({len(frame)} bytes, starting "
                                  f"{bytes(frame[:16])!r}): {reason}") from exc
-# --8<-- [end:serializer]
 
 
 register_wire_type(SamplingParams)

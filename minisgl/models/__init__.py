@@ -5,7 +5,7 @@
 :func:`load_model` goes from a checkpoint to a ready model in one call.
 
 This file imports nothing heavy at module level: processes that only need a config (the
-tokenizer and the server, from chapter 13 on) import ``minisgl.models.config`` and must not
+tokenizer and the server processes) import ``minisgl.models.config`` and must not
 pay for torch and safetensors on the way.
 """
 
@@ -20,7 +20,6 @@ if TYPE_CHECKING:
     from minisgl.models.base import BaseLLMModel
 
 
-# --8<-- [start:load_model]
 def load_model(
     path_or_id: str | os.PathLike[str],
     device: str | torch.device = "auto",
@@ -52,4 +51,3 @@ def load_model(
         model = model_cls(config)
     load_weights(model, model_dir, progress=progress)
     return model.eval()
-# --8<-- [end:load_model]

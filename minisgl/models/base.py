@@ -12,7 +12,6 @@ from torch import nn
 from minisgl.models.config import ModelConfig
 
 
-# --8<-- [start:base_model]
 class BaseLLMModel(nn.Module, ABC):
     """A causal language model: token ids and their positions in, next-token logits out.
 
@@ -38,9 +37,7 @@ class BaseLLMModel(nn.Module, ABC):
         generation only the last token of each request needs logits, and the LM head (a
         ``hidden x vocab`` matrix product) is the most expensive layer per scored token.
         """
-# --8<-- [end:base_model]
 
-    # --8<-- [start:checkpoint_names]
     # Checkpoint tensors that our layers fuse: the checkpoint's module name -> (our module
     # name, the shard_id its load_weight expects). Every Llama-family checkpoint uses these.
     merged_modules: ClassVar[dict[str, tuple[str, Hashable]]] = {
@@ -74,4 +71,3 @@ class BaseLLMModel(nn.Module, ABC):
             if (ours, slot) == (merged, shard_id):
                 return f"{parent}.{ckpt_module}.{leaf}" if parent else f"{ckpt_module}.{leaf}"
         return f"{param_name}[{shard_id}]"
-    # --8<-- [end:checkpoint_names]

@@ -14,8 +14,8 @@ Qwen3-MoE      no          no         yes         gated MLP or experts
 :class:`DecoderOnlyLM` builds embedding, layers, final norm and LM head from a config; a family
 subclasses it and answers up to three questions: which config settings it refuses, which attention options
 (:class:`AttentionOptions`) it has, and which feed-forward block layer ``i`` gets. Module names
-are the checkpoints' (``model.layers.3.self_attn.o_proj``), so the loader's name mapping of
-chapter 3 applies unchanged.
+are the checkpoints' (``model.layers.3.self_attn.o_proj``), so the loader's name mapping
+applies unchanged.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ModelConfig
 
 
-# --8<-- [start:gated_mlp]
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one column-parallel matrix."""
 
@@ -55,10 +54,8 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-# --8<-- [end:gated_mlp]
 
 
-# --8<-- [start:rotary_attention]
 @dataclass(frozen=True)
 class AttentionOptions:
     """What a family's attention has beyond the common core."""
@@ -87,11 +84,10 @@ class RotaryAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attn(self.qkv_proj(x), positions))
-# --8<-- [end:rotary_attention]
 
 
 class DecoderLayer(nn.Module):
-    """One pre-norm block, the residual carried beside the stream as in chapter 3's Qwen3."""
+    """One pre-norm block, the residual carried beside the stream."""
 
     def __init__(self, config: ModelConfig, self_attn: nn.Module, mlp: nn.Module) -> None:
         super().__init__()
@@ -129,7 +125,6 @@ class DecoderModel(nn.Module):
         return x
 
 
-# --8<-- [start:decoder_only_lm]
 class DecoderOnlyLM(BaseLLMModel):
     """A Llama-family causal LM; a family overrides the three hooks below that it needs."""
 
@@ -162,7 +157,6 @@ class DecoderOnlyLM(BaseLLMModel):
         if logits_indices is not None:
             hidden = hidden[logits_indices]
         return self.lm_head(hidden).float()
-# --8<-- [end:decoder_only_lm]
 
 
 def refuse_true(config: ModelConfig, key: str, family: str) -> None:

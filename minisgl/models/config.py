@@ -55,20 +55,17 @@ def dtype_bytes(dtype: str | torch.dtype) -> int:
     return itemsize
 
 
-# --8<-- [start:rotary_config]
 @dataclass(frozen=True)
 class RotaryConfig:
-    """What the rotary embedding layer needs (chapter 2 builds it from this)."""
+    """What the rotary embedding layer needs (``get_rope`` builds it from this)."""
 
     head_dim: int
     rotary_dim: int  # how many of the head_dim features rotate; all of them unless partial
     max_position: int
     base: float  # rope_theta: the wavelength scale of the slowest-rotating pair
     scaling: Mapping[str, Any] | None  # None, or {"rope_type": "linear"|"llama3"|"yarn", ...}
-# --8<-- [end:rotary_config]
 
 
-# --8<-- [start:model_config]
 @dataclass(frozen=True)
 class ModelConfig:
     """The architecture of one checkpoint, validated; see :meth:`from_dict` for the keys read."""
@@ -96,16 +93,14 @@ class ModelConfig:
     torch_dtype: str | None = None  # the dtype the weights were published in
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
-    # mixture of experts (chapter 18); all zero for a dense model
+    # mixture of experts; all zero for a dense model
     num_experts: int = 0
     num_experts_per_tok: int = 0
     moe_intermediate_size: int = 0
     norm_topk_prob: bool = False
     # every key of config.json, for a later architecture that needs one not listed above
     raw: Mapping[str, Any] = field(default_factory=dict, repr=False, compare=False)
-# --8<-- [end:model_config]
 
-    # --8<-- [start:post_init]
     def __post_init__(self) -> None:
         for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
                      "num_qo_heads", "num_kv_heads", "head_dim", "max_position_embeddings"):
@@ -128,9 +123,7 @@ class ModelConfig:
         if self.num_experts and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"num_experts_per_tok ({self.num_experts_per_tok}) must be "
                               f"between 1 and num_experts ({self.num_experts})")
-    # --8<-- [end:post_init]
 
-    # --8<-- [start:derived]
     @property
     def group_size(self) -> int:
         """Query heads per KV head: 1 is plain multi-head attention, more is GQA."""
@@ -163,9 +156,7 @@ class ModelConfig:
     def kv_bytes_per_token(self, dtype: str | torch.dtype) -> int:
         """Bytes of KV cache one token occupies: a K and a V vector per KV head, in every layer."""
         return 2 * self.num_layers * self.num_kv_heads * self.head_dim * dtype_bytes(dtype)
-    # --8<-- [end:derived]
 
-    # --8<-- [start:from_dict]
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "config") -> ModelConfig:
         """Parse a ``config.json`` dict; ``source`` (a file name) starts every error message."""
@@ -231,7 +222,6 @@ class ModelConfig:
                 i for i in dict.fromkeys(extra) if i not in config.eos_token_ids)
             config = dataclasses.replace(config, eos_token_ids=merged)
         return config
-    # --8<-- [end:from_dict]
 
 
 _MISSING = object()
@@ -280,7 +270,6 @@ class _Reader:
         return values
 
 
-# --8<-- [start:rope_settings]
 def _rope_settings(d: Mapping[str, Any], source: str) -> tuple[float, dict[str, Any] | None, float]:
     """(rope_theta, scaling or None, partial_rotary_factor) from either transformers spelling.
 
@@ -304,4 +293,3 @@ def _rope_settings(d: Mapping[str, Any], source: str) -> tuple[float, dict[str, 
     params.pop("type", None)
     scaling = None if rope_type == "default" else {"rope_type": rope_type, **params}
     return float(theta), scaling, float(partial)
-# --8<-- [end:rope_settings]

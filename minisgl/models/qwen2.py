@@ -12,11 +12,9 @@ from minisgl.models.blocks import AttentionOptions, DecoderOnlyLM, refuse_true
 from minisgl.models.config import ModelConfig
 
 
-# --8<-- [start:qwen2]
 class Qwen2ForCausalLM(DecoderOnlyLM):
     def check_config(self, config: ModelConfig) -> None:
         refuse_true(config, "use_sliding_window", "Qwen2ForCausalLM")
 
     def attention_options(self, config: ModelConfig) -> AttentionOptions:
         return AttentionOptions(qkv_bias=True)
-# --8<-- [end:qwen2]

@@ -9,9 +9,9 @@ The architecture, from the token ids up:
 
 What makes it Qwen3 rather than Llama is small: RMSNorm on every query and key head
 (``q_norm``/``k_norm``) before the rotation, no bias in the projections, an explicit
-``head_dim`` (128 in the released models, not ``hidden_size / heads``). Chapter 3 wrote these
-blocks out for Qwen3 alone; since chapter 18 they live in :mod:`minisgl.models.blocks`, shared
-with Llama, Qwen2 and Qwen3-MoE, and Qwen3 only names its options.
+``head_dim`` (128 in the released models, not ``hidden_size / heads``). The blocks live in
+:mod:`minisgl.models.blocks`, shared with Llama, Qwen2 and Qwen3-MoE; Qwen3 only names its
+options.
 """
 
 from __future__ import annotations
@@ -20,8 +20,6 @@ from minisgl.models.blocks import AttentionOptions, DecoderOnlyLM
 from minisgl.models.config import ModelConfig
 
 
-# --8<-- [start:qwen3]
 class Qwen3ForCausalLM(DecoderOnlyLM):
     def attention_options(self, config: ModelConfig) -> AttentionOptions:
         return AttentionOptions(qkv_bias=config.attention_bias, qk_norm=True)
-# --8<-- [end:qwen3]

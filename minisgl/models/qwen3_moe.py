@@ -27,7 +27,6 @@ _EXPERT_SLOTS: dict[str, tuple[str, int | None]] = {
 }
 
 
-# --8<-- [start:sparse_layers]
 def sparse_layer_ids(config: ModelConfig) -> list[int]:
     """The layers whose feed-forward block is a mixture of experts."""
     step = config.raw.get("decoder_sparse_step", 1)
@@ -38,10 +37,8 @@ def sparse_layer_ids(config: ModelConfig) -> list[int]:
         raise ConfigError(f"mlp_only_layers must be a list of layer indices, got {only_mlp!r}")
     return [i for i in range(config.num_layers)
             if config.is_moe and i not in only_mlp and (i + 1) % step == 0]
-# --8<-- [end:sparse_layers]
 
 
-# --8<-- [start:qwen3_moe]
 class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
     def check_config(self, config: ModelConfig) -> None:
         if not config.is_moe or config.moe_intermediate_size <= 0:
@@ -77,4 +74,3 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
             proj = next(p for p, target in _EXPERT_SLOTS.items() if target == (leaf, slot))
             return f"{module}.{expert}.{proj}.weight"
         return super().param_to_checkpoint(param_name, shard_id)
-# --8<-- [end:qwen3_moe]

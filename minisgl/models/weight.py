@@ -73,7 +73,6 @@ def _read_names(files: list[Path]) -> list[str]:
     return names
 
 
-# --8<-- [start:stream_tensors]
 def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor, one shard open at a time, on the CPU.
 
@@ -84,7 +83,6 @@ def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tens
         with safe_open(file, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)
-# --8<-- [end:stream_tensors]
 
 
 @dataclass
@@ -102,7 +100,6 @@ def _owner(model: nn.Module, param_name: str) -> tuple[nn.Module, str]:
     return model.get_submodule(module_name), attr
 
 
-# --8<-- [start:missing_unexpected]
 def _plan(model: BaseLLMModel, names: list[str]) -> _LoadPlan:
     plan = _LoadPlan()
     # named_parameters() lists a shared tensor once, under the name it was first registered
@@ -147,10 +144,8 @@ def _check(plan: _LoadPlan, model_dir: Path, model: nn.Module) -> None:
             f"checkpoint {model_dir} does not match {type(model).__name__}: "
             + "; ".join(problems)
         )
-# --8<-- [end:missing_unexpected]
 
 
-# --8<-- [start:weight_loader_merge]
 def load_weights(
     model: BaseLLMModel, model_dir: str | os.PathLike[str], progress: bool = True
 ) -> None:
@@ -186,4 +181,3 @@ def load_weights(
                 raise ValueError(f"cannot load checkpoint tensor {name!r}: {exc}") from None
     logger.debug("loaded %d tensors from %d file(s) in %.2f s (%d tied duplicate(s) skipped)",
                  len(plan.targets), len(files), time.perf_counter() - start, len(plan.skipped))
-# --8<-- [end:weight_loader_merge]

@@ -46,7 +46,6 @@ def fused_available(x: torch.Tensor) -> bool:
     return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
 
 
-# --8<-- [start:align_by_expert]
 @dataclass(frozen=True)
 class AlignedRows:
     """The (token, expert) pairs sorted by expert, each expert's run padded to ``block_m``.
@@ -82,12 +81,10 @@ def align_by_expert(expert_ids: torch.Tensor, num_experts: int, block_m: int) ->
     block_starts = torch.arange(0, capacity, block_m, device=flat.device)
     block_expert = torch.searchsorted(padded_end, block_starts, right=True).to(torch.int32)
     return AlignedRows(rows, block_expert, padded_end[-1:].to(torch.int32), block_m)
-# --8<-- [end:align_by_expert]
 
 
 if triton is not None:
 
-    # --8<-- [start:expert_matmul_kernel]
     @triton.jit
     def _expert_matmul_kernel(
         a_ptr, w_ptr, c_ptr, pair_weight_ptr,
@@ -123,7 +120,6 @@ if triton is not None:
             acc = acc * tl.load(pair_weight_ptr + pairs, mask=real, other=0.0)[:, None]
         c_ptrs = c_ptr + pairs.to(tl.int64)[:, None] * stride_cm + cols[None, :] * stride_cn
         tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=real[:, None] & (cols[None, :] < n_out))
-    # --8<-- [end:expert_matmul_kernel]
 
 
 def _expert_matmul(a: torch.Tensor, weights: torch.Tensor, aligned: AlignedRows, num_pairs: int,
@@ -144,7 +140,6 @@ def _expert_matmul(a: torch.Tensor, weights: torch.Tensor, aligned: AlignedRows,
     return out
 
 
-# --8<-- [start:moe_fused]
 def moe_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
               routing: Routing) -> torch.Tensor:
     """The same sum as the reference, in two kernel launches plus the gate and the final sum."""
@@ -160,4 +155,3 @@ def moe_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     pair_weights = routing.weights.flatten().float().contiguous()
     y = _expert_matmul(hidden, down, aligned, num_pairs, 1, pair_weights)
     return y.view(num_tokens, top_k, -1).float().sum(dim=1).to(x.dtype)
-# --8<-- [end:moe_fused]

@@ -21,7 +21,6 @@ from minisgl.moe.router import Routing
 _GROUPED_MM_ALIGN_BYTES = 16  # grouped_mm wants every row stride to be a multiple of this
 
 
-# --8<-- [start:sort_by_expert]
 @dataclass(frozen=True)
 class ExpertGroups:
     """The (token, expert) pairs of a batch, sorted so that each expert's rows are together.
@@ -43,7 +42,6 @@ def sort_by_expert(expert_ids: torch.Tensor, num_experts: int) -> ExpertGroups:
     counts = torch.bincount(flat, minlength=num_experts)
     return ExpertGroups(pair_ids=pair_ids, token_ids=pair_ids // expert_ids.shape[1],
                         ends=torch.cumsum(counts, dim=0))
-# --8<-- [end:sort_by_expert]
 
 
 def _grouped_mm_fits(rows: torch.Tensor, weights: torch.Tensor) -> bool:
@@ -56,7 +54,6 @@ def _grouped_mm_fits(rows: torch.Tensor, weights: torch.Tensor) -> bool:
                for n in (rows.shape[1], weights.shape[1], weights.shape[2]))
 
 
-# --8<-- [start:grouped_linear]
 def grouped_linear(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
     """Row group ``e`` (rows ``ends[e-1]:ends[e]``) times ``weights[e].T``, for every ``e``.
 
@@ -71,10 +68,8 @@ def grouped_linear(rows: torch.Tensor, weights: torch.Tensor, ends: torch.Tensor
             out[start:end] = F.linear(rows[start:end], weights[expert])
         start = end
     return out
-# --8<-- [end:grouped_linear]
 
 
-# --8<-- [start:moe_grouped]
 def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                 routing: Routing) -> torch.Tensor:
     """The same sum as :func:`~minisgl.moe.reference.moe_reference`, with the rows sorted once."""
@@ -86,4 +81,3 @@ def moe_grouped(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
     out.index_add_(0, groups.token_ids, y)  # each token sums its top_k rows
     return out.to(x.dtype)
-# --8<-- [end:moe_grouped]

@@ -34,7 +34,6 @@ MOE_IMPLS: dict[str, MoEFunction] = {
     "fused": moe_fused,
 }
 
-# --8<-- [start:moe_impl]
 # "auto": the fused Triton kernels on a GPU, the grouped path elsewhere.
 _current_impl = "auto"
 
@@ -58,10 +57,8 @@ def use_moe_impl(name: str) -> Iterator[None]:
         yield
     finally:
         _current_impl = previous
-# --8<-- [end:moe_impl]
 
 
-# --8<-- [start:moe_experts]
 class MoEExperts(BaseLayer):
     """``num_experts`` gated MLPs, stacked, sharded along their intermediate dimension.
 
@@ -103,10 +100,8 @@ class MoEExperts(BaseLayer):
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
         out = moe_function(x)(x, self.gate_up_proj, self.down_proj, routing)
         return all_reduce(out) if self.tp_size > 1 else out  # each rank summed a slice of inter
-# --8<-- [end:moe_experts]
 
 
-# --8<-- [start:sparse_moe_block]
 class SparseMoeBlock(torch.nn.Module):
     """Router and experts: what replaces the dense MLP in a sparse decoder layer."""
 
@@ -121,7 +116,3 @@ class SparseMoeBlock(torch.nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         routing = route_topk(self.gate(x), self.top_k, self.renormalize)
         return self.experts(x, routing)
-# --8<-- [end:sparse_moe_block]
-
-
-

@@ -15,7 +15,6 @@ from minisgl.layers import silu_and_mul
 from minisgl.moe.router import Routing
 
 
-# --8<-- [start:moe_reference]
 def moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
                   routing: Routing) -> torch.Tensor:
     """``sum_k weight[t, k] * expert_{id[t, k]}(x[t])`` for every token ``t``.
@@ -32,4 +31,3 @@ def moe_reference(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
         y = F.linear(hidden, down[expert]).float() * routing.weights[tokens, slots, None]
         out.index_add_(0, tokens, y)
     return out.to(x.dtype)
-# --8<-- [end:moe_reference]

@@ -13,7 +13,6 @@ from dataclasses import dataclass
 import torch
 
 
-# --8<-- [start:routing]
 @dataclass(frozen=True)
 class Routing:
     """Each token's chosen experts, best first, and their weights.
@@ -47,4 +46,3 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Ro
     if renormalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return Routing(expert_ids=expert_ids, weights=weights)
-# --8<-- [end:routing]

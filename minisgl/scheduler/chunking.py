@@ -33,7 +33,6 @@ from minisgl.core import Batch, Req
 from minisgl.scheduler.prefill import PrefillBudget
 
 
-# --8<-- [start:chunk_prompt]
 @dataclass
 class ChunkedPrefillBudget(PrefillBudget):
     """A prefill budget whose token limit is hard: a prompt that does not fit is cut to fit.
@@ -53,10 +52,8 @@ class ChunkedPrefillBudget(PrefillBudget):
         """How many of a request's ``new_tokens`` uncomputed tokens this step computes: as many
         as are left in the budget. The rest waits for the next prefill batch."""
         return min(new_tokens, self.tokens)
-# --8<-- [end:chunk_prompt]
 
 
-# --8<-- [start:mid_prefill]
 def is_mid_prefill(req: Req) -> bool:
     """Whether ``req`` waits in the queue with part of its prompt computed.
 
@@ -72,10 +69,8 @@ def cut_reqs(batch: Batch) -> list[Req]:
     They sample no real token this step: their prompt goes on in a later chunk.
     """
     return [req for req, n in zip(batch.reqs, batch.new_lens) if n < req.new_len]
-# --8<-- [end:mid_prefill]
 
 
-# --8<-- [start:unsampled]
 @contextmanager
 def unsampled(reqs: Sequence[Req]) -> Iterator[None]:
     """Run a step in which the tokens sampled for ``reqs`` are thrown away, as if never drawn.
@@ -96,4 +91,3 @@ def unsampled(reqs: Sequence[Req]) -> Iterator[None]:
                 req.generator = None
             else:
                 req.generator.set_state(state)
-# --8<-- [end:unsampled]

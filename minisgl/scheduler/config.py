@@ -5,9 +5,9 @@ builds its engine from it) with a few more fields:
 
 - ``max_prefill_tokens``: the per-step token budget of a prefill batch;
 - ``prefix_cache``: which prefix cache keeps KV pages after their request finishes;
-- ``chunked_prefill`` (chapter 10): make the token budget a hard limit by cutting long prompts
+- ``chunked_prefill``: make the token budget a hard limit by cutting long prompts
   into chunks computed over several steps;
-- ``overlap`` (chapter 12): let the host plan the next step while the device runs this one
+- ``overlap``: let the host plan the next step while the device runs this one
   (read by :class:`~minisgl.scheduler.overlap.OverlapScheduler`).
 
 The engine's ``max_running_reqs`` (rows of the page table) is also the scheduler's limit on
@@ -28,7 +28,6 @@ from minisgl.utils.checks import check_int
 DEFAULT_MAX_PREFILL_TOKENS = 8192
 
 
-# --8<-- [start:scheduler_config]
 @dataclass(frozen=True)
 class SchedulerConfig(EngineConfig):
     """Everything :class:`~minisgl.scheduler.scheduler.Scheduler` needs to start.
@@ -39,26 +38,21 @@ class SchedulerConfig(EngineConfig):
             would go over. The first request of a batch is always taken, however long its
             prompt: unless ``chunked_prefill`` is on, a prompt longer than the budget runs in
             a batch of its own.
-        prefix_cache: the prefix cache: ``"naive"`` keeps nothing (chapter 9); chapter 11 adds
-            ``"radix"``, which shares common prefixes between requests.
+        prefix_cache: the prefix cache: ``"naive"`` keeps nothing; ``"radix"`` shares common
+            prefixes between requests.
     """
 
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
     prefix_cache: str = "naive"
-    # --8<-- [end:scheduler_config]
-    # --8<-- [start:chunked_prefill_config]
-    # Chapter 10. When True, no prefill step computes more than max_prefill_tokens tokens: the
+    # When True, no prefill step computes more than max_prefill_tokens tokens: the
     # prompt that does not fit is cut, and the rest of it runs in the next prefill steps (see
-    # scheduler/chunking.py). Off by default, so that a step is chapter 9's unless asked.
+    # scheduler/chunking.py). Off by default: a prompt is computed whole unless asked.
     chunked_prefill: bool = False
-    # --8<-- [end:chunked_prefill_config]
-    # --8<-- [start:overlap_config]
-    # Chapter 12. Whether OverlapScheduler overlaps the host's work for the next step with the
-    # device's for this one; chapter 9's Scheduler has no other way to run and ignores it.
+    # Whether OverlapScheduler overlaps the host's work for the next step with the device's for
+    # this one; the synchronous Scheduler has no other way to run and ignores it.
     # None (the default) means on, unless MINISGL_DISABLE_OVERLAP is set; the config then
     # holds the resolved True or False.
     overlap: bool | None = None
-    # --8<-- [end:overlap_config]
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the engine's fields first

@@ -15,7 +15,6 @@ from collections.abc import Iterable
 from minisgl.core import Batch, Req
 
 
-# --8<-- [start:decode_manager]
 class DecodeManager:
     """The requests that have been prefilled and have not finished.
 
@@ -47,4 +46,3 @@ class DecodeManager:
     def schedule(self) -> Batch | None:
         """Every running request, one new token each; None if none is running."""
         return Batch(self.running, "decode") if self._running else None
-# --8<-- [end:decode_manager]

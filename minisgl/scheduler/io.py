@@ -1,12 +1,12 @@
 """The scheduler as a process: requests in from the tokenizer, tokens out to the detokenizer.
 
-Chapters 9 to 12 drive the scheduler from a loop in the caller's own process (``LLM``). Served,
+``LLM`` drives the scheduler from a loop in the caller's own process. Served,
 it runs in a process of its own, and its loop is :func:`run_scheduler`:
 
 1. wait for messages only when there is nothing to compute; otherwise take whatever has
    arrived without waiting, so that a new request never stalls the running ones;
 2. add the new requests, abort the cancelled ones;
-3. run one step of the (chapter 12, overlapping) scheduler;
+3. run one step of the (overlapping) scheduler;
 4. send one frame holding a :class:`~minisgl.message.DetokenizeRequest` for every token the
    step produced; the last token of a request carries its ``finish_reason`` and ``usage``.
 
@@ -17,13 +17,13 @@ The scheduler publishes its state after every step in a
 :class:`~minisgl.utils.counters.SharedCounters` with the names :data:`SCHEDULER_COUNTERS`,
 which the API server reads for ``/metrics``.
 
-Chapter 16: a request the scheduler cannot serve is answered, never dropped. A prompt longer
+A request the scheduler cannot serve is answered, never dropped. A prompt longer
 than the context, or a token id outside the vocabulary, and every request of a step that
 raised, leave with an :class:`~minisgl.message.AbortRequest` carrying a
 :class:`~minisgl.message.RequestError`; the detokenizer turns it into the request's last
 reply, and the scheduler serves on.
 
-Chapter 17: under tensor parallelism this process is rank 0. Its scheduler passes every request
+Under tensor parallelism this process is rank 0. Its scheduler passes every request
 and step on to the other ranks (:class:`~minisgl.scheduler.tp.TPLeaderScheduler`), and a step
 that fails ends the process instead: the ranks could no longer be trusted to agree.
 """
@@ -56,7 +56,6 @@ from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)
 
-# --8<-- [start:counters]
 # What the scheduler publishes after each step. running / waiting / kv_pages_in_use are the
 # state now; prompt_tokens and generation_tokens are totals since start-up.
 SCHEDULER_COUNTERS = ("running", "waiting", "kv_pages_in_use", "prompt_tokens",
@@ -66,9 +65,8 @@ SCHEDULER_COUNTERS = ("running", "waiting", "kv_pages_in_use", "prompt_tokens",
 def scheduler_counters() -> SharedCounters:
     """Counters for :func:`run_scheduler`'s ``stats`` argument."""
     return SharedCounters(SCHEDULER_COUNTERS)
-# --8<-- [end:counters]
 
-# Chapter 16: a step that raises fails the requests it was serving, and the scheduler goes on;
+# A step that raises fails the requests it was serving, and the scheduler goes on;
 # this many failed steps in a row mean it cannot recover, and the process exits (the API server
 # then reports it unhealthy and fails every waiting request).
 MAX_FAILED_STEPS = 3
@@ -91,13 +89,12 @@ class SchedulerIO:
         self.live: dict[int, Req] = {}
         self._sent: dict[int, int] = {}  # uid -> tokens sent to the detokenizer so far
         self._last_uids: tuple[int, ...] = ()  # the previous step's batch
-        self._failed_steps = 0  # chapter 16: steps in a row that raised
+        self._failed_steps = 0  # steps in a row that raised
 
     @property
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    # --8<-- [start:receive]
     def receive(self, messages: list[BackendMessage]) -> list[DetokenizerMessage]:
         """Add and abort requests, in the order the messages came.
 
@@ -107,7 +104,7 @@ class SchedulerIO:
         finished (its last token went out already) or finishes in the batch in flight (its
         last token will).
 
-        Chapter 16: an abort that carries an error is always passed on (a tokenizer could not
+        An abort that carries an error is always passed on (a tokenizer could not
         serve the request, which the scheduler never saw: the client must still hear why), and
         a request the scheduler refuses leaves the same way, with its own error.
         """
@@ -127,9 +124,7 @@ class SchedulerIO:
             else:  # the queue only lets BackendMessage through; a new kind needs code here
                 logger.error("the scheduler cannot handle a %s; dropped", type(message).__name__)
         return forward
-    # --8<-- [end:receive]
 
-    # --8<-- [start:add]
     def _add(self, message: UserRequest) -> RequestError | None:
         """Queue a request; the error to answer it with if it cannot be served."""
         limit = self.scheduler.max_seq_len  # the model's context, or what the KV pool holds
@@ -161,13 +156,11 @@ class SchedulerIO:
         self.live[req.uid] = req
         self._sent[req.uid] = 0
         return None
-    # --8<-- [end:add]
 
-    # --8<-- [start:step]
     def step(self) -> list[DetokenizerMessage]:
         """Run one scheduler step; one message per token it produced.
 
-        With overlap (chapter 12) a step reads the tokens of the batch launched the step
+        With overlap a step reads the tokens of the batch launched the step
         before, so the requests that may have a new token are those of this step's batch and
         of the previous one. A request's ``output_ids`` hold only tokens the host has read:
         one still on the device is not there yet.
@@ -181,7 +174,7 @@ class SchedulerIO:
                 req = self.live.get(uid)
                 if req is not None:
                     messages += self._new_tokens(req, finished.get(uid) is req)
-        except Exception as exc:  # noqa: BLE001 - chapter 16: fail the requests, not the process
+        except Exception as exc:  # noqa: BLE001 - fail the requests, not the process
             return self._fail(live, exc)
         self._failed_steps = 0
         self._last_uids = result.uids
@@ -211,9 +204,7 @@ class SchedulerIO:
         if finished:
             del self.live[req.uid], self._sent[req.uid]
         return messages
-    # --8<-- [end:step]
 
-    # --8<-- [start:fail]
     def _fail(self, uids: list[int], exc: Exception) -> list[DetokenizerMessage]:
         """A step raised: end every request that was live before it with an error.
 
@@ -240,7 +231,6 @@ class SchedulerIO:
         self._last_uids = ()
         self._publish()
         return [AbortRequest(uid, error=error) for uid in uids]
-    # --8<-- [end:fail]
 
     def _publish(self) -> None:
         if self.stats is None:
@@ -253,12 +243,11 @@ class SchedulerIO:
         )
 
 
-# --8<-- [start:run_scheduler]
 def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
                   ready: multiprocessing.Queue | None = None,
                   stats: SharedCounters | None = None, tp: TPLaunch | None = None) -> None:
-    """The scheduler process: serve requests from ``inbox`` until SIGTERM or SIGINT (or,
-    chapter 16, until its parent dies: ``signals.requested`` is checked after every step).
+    """The scheduler process: serve requests from ``inbox`` until SIGTERM or SIGINT (or until
+    its parent dies: ``signals.requested`` is checked after every step).
 
     Args:
         config: the engine's and the scheduler's settings.
@@ -268,7 +257,7 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
         ready: a queue from :func:`~minisgl.utils.processes.new_ready_queue` to report start-up on,
             or None.
         stats: counters named :data:`SCHEDULER_COUNTERS` to publish, or None.
-        tp: chapter 17: the tensor-parallel group this process leads as rank 0, or None.
+        tp: the tensor-parallel group this process leads as rank 0, or None.
     """
     # the process that computes gets the cores (shared with the other ranks under TP)
     configure_cpu_threads("model", processes=1 if tp is None else tp.size)
@@ -295,4 +284,3 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
             scheduler.close()
         close_queues(receive, send)
     logger.info("scheduler stopped")
-# --8<-- [end:run_scheduler]

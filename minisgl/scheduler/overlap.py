@@ -59,7 +59,6 @@ from minisgl.utils.logger import get_logger
 logger = get_logger(__name__)
 
 
-# --8<-- [start:in_flight]
 @dataclass
 class InFlight:
     """A launched batch whose sampled tokens the host has not read yet.
@@ -83,7 +82,6 @@ class InFlight:
         if self.ready is not None:
             self.ready.synchronize()
         return self.host_tokens.tolist()
-# --8<-- [end:in_flight]
 
 
 class OverlapScheduler(Scheduler):
@@ -105,7 +103,6 @@ class OverlapScheduler(Scheduler):
     ``phase`` None with the requests that batch finished.
     """
 
-    # --8<-- [start:overlap_init]
     def __init__(self, config: SchedulerConfig) -> None:
         super().__init__(config)
         assert isinstance(config.overlap, bool), "SchedulerConfig resolves overlap"
@@ -123,7 +120,6 @@ class OverlapScheduler(Scheduler):
                 (torch.empty(config.max_running_reqs, dtype=torch.int64, pin_memory=True),
                  torch.cuda.Event()) for _ in range(2)]
         self._launches = 0
-    # --8<-- [end:overlap_init]
 
     # ------------------------------------------------------------------ bookkeeping
     @property
@@ -158,7 +154,6 @@ class OverlapScheduler(Scheduler):
         return req
 
     # ------------------------------------------------------------------ one step
-    # --8<-- [start:overlap_step]
     def process_batch(self, batch: Batch, next_tokens: torch.Tensor) -> list[Req]:
         """Start bringing ``batch``'s tokens to the host; read those of the batch before it.
 
@@ -189,9 +184,7 @@ class OverlapScheduler(Scheduler):
             return super().idle_step()
         previous, self._in_flight = self._in_flight, None
         return self._report(None, 0, self._read(previous))
-    # --8<-- [end:overlap_step]
 
-    # --8<-- [start:copy_to_host]
     def _copy_to_host(self, tokens: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Start copying ``tokens`` to the host; the host view and the event that says it is
@@ -207,9 +200,7 @@ class OverlapScheduler(Scheduler):
         host.copy_(tokens, non_blocking=True)
         ready.record()
         return host, ready
-    # --8<-- [end:copy_to_host]
 
-    # --8<-- [start:process]
     def _read(self, flight: InFlight) -> list[Req]:
         """Read ``flight``'s tokens, append them, retire the finished; returns those.
 
@@ -241,4 +232,3 @@ class OverlapScheduler(Scheduler):
         self._retiring.pop(req.uid, None)
         self.cache.release(req)
         self._live_uids.discard(req.uid)
-    # --8<-- [end:process]

@@ -10,9 +10,9 @@ formed, first come, first served, under three limits that a :class:`PrefillBudge
   the requests already running;
 - **tokens**: the batch's prompt tokens must fit the per-step budget ``max_prefill_tokens``,
   except for the batch's first request, which is always taken (a longer prompt would otherwise
-  wait forever; chapter 10 cuts it into chunks instead).
+  wait forever; chunked prefill cuts it into chunks instead).
 
-With chunked prefill (chapter 10, ``chunking.py``) the token budget is a hard limit: the request
+With chunked prefill (``chunking.py``) the token budget is a hard limit: the request
 that does not fit whole computes the *chunk* of its prompt that does, and stays at the head of
 the queue, holding its row and pages, until a later batch has computed the rest.
 
@@ -30,7 +30,6 @@ from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.utils import lifetime_pages
 
 
-# --8<-- [start:prefill_budget]
 @dataclass
 class PrefillBudget:
     """What the prefill batch being formed may still take.
@@ -62,13 +61,11 @@ class PrefillBudget:
         self.tokens -= new_tokens
         self.pages -= pages
         self.rows -= 1
-# --8<-- [end:prefill_budget]
 
-    # --8<-- [start:budget_chunk]
     def chunk(self, new_tokens: int) -> int:
         """How many of a request's ``new_tokens`` uncomputed tokens this step computes.
 
-        All of them: this budget never cuts a prompt. Chapter 10's
+        All of them: this budget never cuts a prompt.
         :class:`~minisgl.scheduler.chunking.ChunkedPrefillBudget` cuts it to the tokens left.
         """
         return new_tokens
@@ -82,7 +79,6 @@ class PrefillBudget:
         chunk = self.chunk(req.new_len)
         self.tokens -= chunk
         return chunk
-    # --8<-- [end:budget_chunk]
 
 
 class PrefillManager:
@@ -113,14 +109,12 @@ class PrefillManager:
         """Whether any request is waiting (it may still not fit this step)."""
         return bool(self.waiting)
 
-    # --8<-- [start:schedule_prefill]
-    # --8<-- [start:chunked_admission]
     def schedule(self, budget: PrefillBudget) -> Batch | None:
         """Admit waiting requests in arrival order while they fit ``budget``; None if none fits.
 
         Admitted requests leave the queue holding a page-table row (and any cached prefix);
         the scheduler reserves their pages before the batch runs. A request whose prompt the
-        budget cuts (chapter 10) is the batch's last; it stays at the head of the queue, and
+        budget cuts is the batch's last; it stays at the head of the queue, and
         the batch's ``chunk_lens`` say how much of each prompt runs now.
         """
         admitted: list[Req] = []
@@ -146,8 +140,7 @@ class PrefillManager:
             assert is_first, f"request {req.uid} holds a row but is not at the head of the queue"
             return budget.resume(req)
         match = self.cache.match(req)  # always empty with the naive cache
-        # --8<-- [start:admit_with_lock]
-        # Chapter 11: lock the match straight away. Its pages that were evictable counted in
+        # Lock the match straight away. Its pages that were evictable counted in
         # the budget as room for anyone; now they are this request's, so they are charged.
         drop = self.cache.lock(match)
         new_tokens = req.num_tokens - match.num_tokens
@@ -156,10 +149,7 @@ class PrefillManager:
         if not budget.admits(new_tokens, pages, is_first):
             self.cache.unlock(match)
             return 0
-        # --8<-- [end:admit_with_lock]
         self.cache.admit(req, match)
         chunk = budget.chunk(new_tokens)
         budget.take(chunk, pages)
         return chunk
-    # --8<-- [end:chunked_admission]
-    # --8<-- [end:schedule_prefill]

@@ -63,7 +63,6 @@ class Scheduler:
         num_steps: steps that ran a batch so far.
     """
 
-    # --8<-- [start:init]
     def __init__(self, config: SchedulerConfig) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"Scheduler takes a SchedulerConfig, got {type(config).__name__}")
@@ -80,10 +79,8 @@ class Scheduler:
         self._live_uids: set[int] = set()  # waiting or running
         # Chapter 10: the last prefill batch cut a prompt, so the running requests go next.
         self._decode_owed = False
-    # --8<-- [end:init]
 
     # ------------------------------------------------------------------ requests in and out
-    # --8<-- [start:add]
     def add(self, req: Req) -> None:
         """Queue a new request. It runs once admitted, on a later :meth:`step`.
 
@@ -112,9 +109,7 @@ class Scheduler:
             req.params = dataclasses.replace(req.params, max_tokens=room)
         self._live_uids.add(req.uid)
         self.prefill.add(req)
-    # --8<-- [end:add]
 
-    # --8<-- [start:abort]
     def abort(self, uid: int) -> Req | None:
         """Drop request ``uid``, waiting or running, and free its pages at once.
 
@@ -132,7 +127,6 @@ class Scheduler:
         self._live_uids.discard(uid)
         logger.debug("request %d aborted after %d output token(s)", uid, len(req.output_ids))
         return req
-    # --8<-- [end:abort]
 
     @property
     def num_waiting(self) -> int:
@@ -153,7 +147,6 @@ class Scheduler:
         return self.prefill.runnable or self.decode.runnable
 
     # ------------------------------------------------------------------ one step
-    # --8<-- [start:step]
     def step(self) -> StepResult:
         """Run one batch, prefill or decode, and report what happened.
 
@@ -177,9 +170,7 @@ class Scheduler:
             raise RuntimeError(f"{self.num_waiting} request(s) wait but none can be admitted "
                                f"with nothing running: {self.prefill_budget()}")
         return self._report(None, 0, [])
-    # --8<-- [end:step]
 
-    # --8<-- [start:schedule]
     def schedule_next_batch(self) -> Batch | None:
         """The next batch: prefill first, then decode.
 
@@ -188,13 +179,11 @@ class Scheduler:
         later decode step serve more requests at once; the price is a pause in the running
         requests' output while a prompt is computed (chapter 10 bounds that pause).
         """
-        # --8<-- [start:decode_between_chunks]
         # Chapter 10: after a prefill batch that cut a prompt, the running requests decode before
         # its next chunk, so that however long the prompt, they wait one step at a time.
         owed, self._decode_owed = self._decode_owed, False
         if owed and self.decode.runnable:
             return self.decode.schedule()
-        # --8<-- [end:decode_between_chunks]
         if self.prefill.runnable:
             batch = self.prefill.schedule(self.prefill_budget())
             if batch is not None:
@@ -215,7 +204,6 @@ class Scheduler:
         return budget_class(tokens=self.config.max_prefill_tokens,
                             pages=self.cache.available_pages - promised,
                             rows=self.engine.pages.num_free_rows)
-    # --8<-- [end:schedule]
 
     def admitted_reqs(self) -> list[Req]:
         """Requests holding a row and a promise of pages: the running ones (and, from chapter
@@ -223,18 +211,15 @@ class Scheduler:
         return self.decode.running + [req for req in self.prefill.waiting
                                       if req.table_row is not None]
 
-    # --8<-- [start:run_batch]
     def prepare_batch(self, batch: Batch) -> int:
         """Pages for every token this batch writes; returns how many were allocated."""
         return sum(self.cache.reserve(req) for req in batch.reqs)
 
     def forward_batch(self, batch: Batch) -> torch.Tensor:
         """Run the batch on the engine: the ``[B]`` sampled token ids, still on the device."""
-        # --8<-- [start:forward_chunk]
         # A cut request's sample is thrown away: it must not move its random generator on.
         with unsampled(cut_reqs(batch)):
             return self.engine.forward(batch)
-        # --8<-- [end:forward_chunk]
 
     def process_batch(self, batch: Batch, next_tokens: torch.Tensor) -> list[Req]:
         """Append each request's new token; retire the finished ones. Returns them.
@@ -259,7 +244,6 @@ class Scheduler:
         self._live_uids.discard(req.uid)
         logger.debug("request %d finished (%s) after %d token(s)", req.uid, req.finish_reason,
                      len(req.output_ids))
-    # --8<-- [end:run_batch]
 
     # ------------------------------------------------------------------ bookkeeping
     def _report(self, batch: Batch | None, num_tokens: int, finished: list[Req],

@@ -20,7 +20,7 @@ scheduler and they are kept identical by giving them identical inputs:
 Only rank 0 replies. A follower publishes its own gauges (``rank1_kv_pages_in_use`` ...), so
 ``/metrics`` shows that every rank frees what it held.
 
-A failed step cannot be answered and forgotten here, as chapter 16 does with one rank: the
+A failed step cannot be answered and forgotten here, as ``scheduler.io`` does with one rank: the
 ranks may have stopped at different collectives, and the next step would pair one rank's
 all-reduce with another's broadcast. A rank whose step fails exits (:class:`RankFailed`); the
 others' next collective then fails as well, and the API server, seeing its processes gone,
@@ -59,7 +59,6 @@ class FollowerMessage(Message, family=True):
     """Everything a follower rank receives from rank 0."""
 
 
-# --8<-- [start:messages]
 @dataclass(frozen=True)
 class RankInput(FollowerMessage):
     """A request rank 0 accepted, or an abort it applied: the follower does the same."""
@@ -72,13 +71,12 @@ class RankStep(FollowerMessage):
     """Run one step now; ``step`` is rank 0's count of steps before this one."""
 
     step: int
-# --8<-- [end:messages]
 
 
 class RankFailed(BaseException):
     """A step failed on a tensor-parallel rank: this rank cannot go on in step with the others.
 
-    A BaseException, so that chapter 16's "fail the step's requests and serve on" (which
+    A BaseException, so that the scheduler loop's "fail the step's requests and serve on" (which
     catches ``Exception``) lets it through and the process exits.
     """
 
@@ -117,7 +115,6 @@ def join_group(config: SchedulerConfig, launch: TPLaunch, rank: int) -> None:
     init_tp_group(rank, launch.size, device, launch.init_address)
 
 
-# --8<-- [start:leader]
 class TPLeaderScheduler(OverlapScheduler):
     """Rank 0's scheduler: an :class:`OverlapScheduler` that repeats its inputs to the others.
 
@@ -156,7 +153,6 @@ class TPLeaderScheduler(OverlapScheduler):
     def _tell(self, message: FollowerMessage) -> None:
         for queue in self._followers:
             queue.put(message)
-    # --8<-- [end:leader]
 
     def close(self) -> None:
         """Close the queues to the followers and leave the group (they stop on their own
@@ -166,7 +162,6 @@ class TPLeaderScheduler(OverlapScheduler):
         destroy_tp_group()
 
 
-# --8<-- [start:follower]
 def run_tp_follower(config: SchedulerConfig, launch: TPLaunch, rank: int,
                     ready: multiprocessing.Queue | None = None,
                     stats: SharedCounters | None = None) -> None:
@@ -223,7 +218,6 @@ def apply_input(scheduler: OverlapScheduler, message: BackendMessage) -> None:
         scheduler.abort(message.uid)
     else:
         raise TypeError(f"a follower rank cannot apply a {type(message).__name__}")
-# --8<-- [end:follower]
 
 
 def follower_counters(rank: int) -> SharedCounters:

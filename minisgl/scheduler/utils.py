@@ -16,7 +16,6 @@ from minisgl.attention.utils import pages_for
 from minisgl.core import Phase, Req
 
 
-# --8<-- [start:lifetime]
 def lifetime_tokens(req: Req) -> int:
     """The most tokens whose K/V ``req`` will ever keep in the pool.
 
@@ -36,10 +35,8 @@ def output_room(prompt_len: int, max_seq_len: int) -> int:
     ``max_seq_len``: :func:`lifetime_tokens` solved for ``max_tokens`` (the last sample needs
     no slot, hence the + 1)."""
     return max_seq_len - prompt_len + 1
-# --8<-- [end:lifetime]
 
 
-# --8<-- [start:step_result]
 @dataclass(frozen=True)
 class StepResult:
     """What one scheduler step did.
@@ -56,8 +53,8 @@ class StepResult:
         waiting: uids still in the waiting queue after this step, in arrival order.
         running: uids holding KV pages after this step (they decode in the next decode step).
         finished: requests that finished in this step; each has its ``finish_reason``.
-        new_lens: tokens each request of the batch computed, in batch order (chapter 10: a
-            request whose prompt was cut computed only a chunk of it).
+        new_lens: tokens each request of the batch computed, in batch order (a request whose
+            prompt was cut computed only a chunk of it).
     """
 
     step: int
@@ -70,12 +67,9 @@ class StepResult:
     waiting: tuple[int, ...]
     running: tuple[int, ...]
     finished: tuple[Req, ...]
-    # --8<-- [start:step_new_lens]
-    new_lens: tuple[int, ...] = ()  # chapter 10
-    # --8<-- [end:step_new_lens]
+    new_lens: tuple[int, ...] = ()
 
     @property
     def idle(self) -> bool:
         """True when the step ran nothing (no request was waiting or running)."""
         return self.phase is None
-# --8<-- [end:step_result]

@@ -58,7 +58,6 @@ from minisgl.utils.logger import get_logger
 logger = get_logger(__name__)
 
 
-# --8<-- [start:abort_on_disconnect]
 async def abort_on_disconnect(frontend: RequestRouter, uid: int,
                               chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Pass ``chunks`` through; if the stream stops before they end, abort request ``uid``.
@@ -80,10 +79,8 @@ async def abort_on_disconnect(frontend: RequestRouter, uid: int,
     finally:
         if not finished:
             frontend.abort(uid)
-# --8<-- [end:abort_on_disconnect]
 
 
-# --8<-- [start:sse_response]
 class SSEResponse(StreamingResponse):
     """A Server-Sent Events response that closes its chunk generator however it ends.
 
@@ -107,7 +104,6 @@ class SSEResponse(StreamingResponse):
 def sse_response(frontend: RequestRouter, uid: int,
                  chunks: AsyncIterator[bytes]) -> SSEResponse:
     return SSEResponse(abort_on_disconnect(frontend, uid, chunks))
-# --8<-- [end:sse_response]
 
 
 # =========================================================================== routes
@@ -225,7 +221,6 @@ async def _observed(replies: AsyncIterator[UserReply],
             yield reply
 
 
-# --8<-- [start:answer]
 async def whole_answer(request: Request, frontend: RequestRouter, uid: int,
                        prompt_param: str) -> tuple[str, UserReply]:
     """Request ``uid``'s whole text and last reply, for a response that is not streamed.
@@ -270,10 +265,8 @@ async def _prepend(first: UserReply, rest: AsyncIterator[UserReply]) -> AsyncIte
         if not first.finished:
             async for reply in rest:
                 yield reply
-# --8<-- [end:answer]
 
 
-# --8<-- [start:chat_endpoint]
 @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """A chat turn: the tokenizer applies the model's chat template to ``messages``."""
@@ -300,7 +293,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     text, last = await whole_answer(request, frontend, uid, "messages")
     record.add(last)
     return chat_body(meta, text, last)
-# --8<-- [end:chat_endpoint]
 
 
 @router.post("/v1/completions", responses=GENERATION_RESPONSES)
@@ -473,7 +465,6 @@ async def metrics(request: Request):
 
 
 # =========================================================================== /metrics
-# --8<-- [start:metrics]
 # Worker counter name -> (metric, Prometheus type, help).
 WORKER_METRICS: dict[str, tuple[str, str, str]] = {
     "running": ("minisgl_running_requests", "gauge", "Requests in the running batch."),
@@ -513,7 +504,6 @@ def metrics_text(worker_counters: Mapping[str, int], frontend: RequestRouter) ->
     for name, kind, help_text, value in rows:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
     return "\n".join(lines) + "\n"
-# --8<-- [end:metrics]
 
 
 # =========================================================================== access log
@@ -596,7 +586,36 @@ def openapi_schema(app: FastAPI, model_name: str, max_token_id: int | None,
 
 
 # =========================================================================== the app
-# --8<-- [start:create_app]
+def answer_errors_as_openai(app: FastAPI) -> None:
+    """Make every error leave as OpenAI's error object: FastAPI's and Starlette's own bodies
+    (``{"detail": ...}``, status 422 for a bad body) are not what OpenAI clients expect."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        error = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                         kind="invalid_request_error" if exc.status_code < 500
+                         else "server_error")
+        return error.response(headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client has gone
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unexpected error while serving a request", exc_info=exc)
+        return APIError(500, f"internal server error: {type(exc).__name__}",
+                        kind="server_error").response()
+
+
 def create_app(frontend_factory: Callable[[], RequestRouter], model_name: str, *,
                model_root: str | None = None, aliases: Sequence[str] = (),
                vocab_size: int | None = None, max_seq_len: int | None = None,
@@ -645,34 +664,5 @@ def create_app(frontend_factory: Callable[[], RequestRouter], model_name: str, *
 
     app.openapi = schema  # type: ignore[method-assign]
 
-    # --8<-- [start:error_handlers]
-    # Every error leaves as OpenAI's error object; FastAPI's and Starlette's own bodies
-    # ({"detail": ...}, status 422 for a bad body) are not what OpenAI clients expect.
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        error = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
-                         kind="invalid_request_error" if exc.status_code < 500
-                         else "server_error")
-        return error.response(headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(_: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=499)  # nobody reads it: the client has gone
-
-    @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception) -> JSONResponse:
-        logger.error("unexpected error while serving a request", exc_info=exc)
-        return APIError(500, f"internal server error: {type(exc).__name__}",
-                        kind="server_error").response()
-    # --8<-- [end:error_handlers]
-
+    answer_errors_as_openai(app)
     return app
-# --8<-- [end:create_app]

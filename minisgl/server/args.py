@@ -4,14 +4,14 @@ Three groups of options:
 
 - **the service**: which checkpoint (``--model``; left out, the book's default model, found or
   built locally: :func:`~minisgl.utils.hf.default_model`), where to listen (``--host``, ``--port``),
-  how many tokenizer workers, the interactive ``--shell`` instead of HTTP; chapter 16 adds the
-  limits of the request lifecycle: how many replies a slow reader may leave unread
+  how many tokenizer workers, the interactive ``--shell`` instead of HTTP; the limits of the
+  request lifecycle: how many replies a slow reader may leave unread
   (``--reply-buffer-size``) and for how long (``--slow-reader-timeout``), and how long
   requests in flight may take to finish when the server is stopped (``--shutdown-timeout``);
 - **the engine**: every field of :class:`~minisgl.scheduler.config.SchedulerConfig` that a
   user may want to set (``--page-size``, ``--num-pages``, ``--prefix-cache`` ...). An option
   left out keeps the engine's own default, so the defaults live in one place only;
-- **tensor parallelism** (``--tp``, chapter 17): the model split over N scheduler processes.
+- **tensor parallelism** (``--tp``): the model split over N scheduler processes.
 
 :func:`parse_args` checks everything before a single process starts: a bad value stops the
 program with argparse's usage line and a message naming the option and what it accepts,
@@ -36,7 +36,7 @@ DEFAULT_HOST = "127.0.0.1"  # loopback: serving on every interface is a choice t
 DEFAULT_PORT = 1919
 DEFAULT_STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint from a slow disk takes minutes
 DEFAULT_SHELL_MAX_TOKENS = 2048  # room for a reasoning model to think, then answer
-# Chapter 16: on SIGINT/SIGTERM, requests in flight get this long to finish; what is left then
+# On SIGINT/SIGTERM, requests in flight get this long to finish; what is left then
 # is ended with an error (a stream gets an error event), never cut off without a word.
 DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 
@@ -56,7 +56,7 @@ ENGINE_OPTIONS: dict[str, str] = {
     "chunked_prefill": "cut prompts longer than --max-prefill-tokens into chunks",
     "cuda_graph": "capture decode steps as CUDA graphs (CUDA only)",
     "cuda_graph_max_bs": "the largest decode batch replayed as a CUDA graph",
-    "overlap": "overlap scheduling (chapter 12) (default: on unless MINISGL_DISABLE_OVERLAP is set)",
+    "overlap": "overlap scheduling (default: on unless MINISGL_DISABLE_OVERLAP is set)",
 }
 
 
@@ -69,16 +69,16 @@ class ServerArgs:
             default model (the launcher finds it: :func:`~minisgl.utils.hf.default_model`).
         host, port: where the HTTP server listens.
         device, dtype: as for :class:`~minisgl.scheduler.config.SchedulerConfig`.
-        tp: tensor-parallel ranks (chapter 17): one scheduler process per rank.
+        tp: tensor-parallel ranks: one scheduler process per rank.
         shell: run the interactive chat in the terminal instead of the HTTP server.
         shell_max_tokens: the longest reply the shell asks for.
         num_tokenizers: tokenizer worker processes; request ``uid`` goes to ``uid % N``.
         served_model_name: the model name the API reports; None means ``model`` as given.
         startup_timeout_s: how long the launcher waits for the workers to report ready.
-        reply_buffer_size: chapter 16: the most replies the API server holds for one reader.
-        slow_reader_timeout_s: chapter 16: how long a reader may stay behind the engine
+        reply_buffer_size: the most replies the API server holds for one reader.
+        slow_reader_timeout_s: how long a reader may stay behind the engine
             before its request is aborted.
-        shutdown_timeout_s: chapter 16: how long requests in flight may run on after SIGINT
+        shutdown_timeout_s: how long requests in flight may run on after SIGINT
             or SIGTERM.
         engine_options: the engine options given on the command line (field -> value); the
             others keep the engine's defaults.
@@ -110,7 +110,7 @@ class ServerArgs:
         check_int("--num-tokenizers", self.num_tokenizers, at_least=1)
         check_int("--shell-max-tokens", self.shell_max_tokens, at_least=1)
         # Whether the model splits --tp ways is checked by the launcher, once the checkpoint
-        # is found (chapter 17).
+        # is found.
         check_int("--tp", self.tp, at_least=1)
         if not (math.isfinite(self.startup_timeout_s) and self.startup_timeout_s > 0):
             raise ValueError(f"--startup-timeout must be a number of seconds > 0, "
@@ -149,7 +149,6 @@ class ServerArgs:
         return SchedulerConfig(model_path, device=self.device, dtype=self.dtype, **options)
 
 
-# --8<-- [start:build_parser]
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m minisgl`` (the Reference page shows its ``--help``)."""
     parser = argparse.ArgumentParser(
@@ -184,7 +183,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
                         metavar="SECONDS", dest="startup_timeout_s",
                         help="how long to wait for the workers to start (default: %(default)s)")
-    # --8<-- [start:lifecycle_options]
     lifecycle = parser.add_argument_group(
         "request lifecycle", "limits that keep one client from holding the server's memory "
         "or its shutdown")
@@ -200,14 +198,12 @@ def build_parser() -> argparse.ArgumentParser:
                            default=DEFAULT_SHUTDOWN_TIMEOUT_S, dest="shutdown_timeout_s",
                            help="on SIGINT/SIGTERM, how long requests in flight may take to "
                            "finish before they are ended with an error (default: %(default)s)")
-    # --8<-- [end:lifecycle_options]
 
     engine = parser.add_argument_group(
         "engine options", "left out, each keeps the engine's default (shown in brackets)")
     for name, help_text in ENGINE_OPTIONS.items():
         _add_engine_option(engine, name, help_text)
     return parser
-# --8<-- [end:build_parser]
 
 
 def _add_engine_option(group: argparse._ArgumentGroup, name: str, help_text: str) -> None:
@@ -237,7 +233,6 @@ def _mem_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-# --8<-- [start:parse_args]
 def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     """``argv`` (default: ``sys.argv[1:]``) as checked :class:`ServerArgs`.
 
@@ -255,7 +250,6 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     return args
-# --8<-- [end:parse_args]
 
 
 def _check_seconds(flag: str, value: object, minimum: float, inclusive: bool) -> None:
@@ -264,5 +258,3 @@ def _check_seconds(flag: str, value: object, minimum: float, inclusive: bool) ->
     if not ok:
         bound = f"{'>=' if inclusive else '>'} {minimum:g}"
         raise ValueError(f"{flag} must be a number of seconds {bound}, got {value!r}")
-
-

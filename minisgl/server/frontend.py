@@ -55,7 +55,6 @@ class _Inbox(Protocol):
     async def get(self) -> FrontendMessage: ...
 
 
-# --8<-- [start:frontend_state]
 @dataclass
 class FrontendStats:
     """Counters the router keeps for ``/metrics`` (totals since start)."""
@@ -110,7 +109,6 @@ class RequestRouter:
         self.lifecycle = LifecyclePolicy(self, reply_buffer_size=reply_buffer_size,
                                          slow_reader_timeout_s=slow_reader_timeout_s,
                                          health=health)
-    # --8<-- [end:frontend_state]
 
     @classmethod
     def connect(cls, tokenizer_addrs: Sequence[str], inbox_addr: str,
@@ -156,7 +154,6 @@ class RequestRouter:
             self.lifecycle.start()
 
     # ----------------------------------------------------------------- requests out
-    # --8<-- [start:frontend_submit]
     async def submit(self, params: SamplingParams, *, text: str | None = None,
                      input_ids: list[int] | None = None,
                      messages: list[dict[str, Any]] | None = None,
@@ -211,10 +208,8 @@ class RequestRouter:
 
     def _tokenizer_of(self, uid: int) -> _Outbox:
         return self._tokenizers[uid % len(self._tokenizers)]
-    # --8<-- [end:frontend_submit]
 
     # ----------------------------------------------------------------- replies in
-    # --8<-- [start:frontend_dispatch]
     async def _listen(self) -> None:
         """The one reader of the inbox: hand each reply to its request's buffer."""
         while True:
@@ -240,9 +235,7 @@ class RequestRouter:
             self.stats.failed += 1
         if not buffer.push(reply, time.monotonic()):  # chapter 16: the reader is too slow
             self.lifecycle.cut_off(reply.uid, buffer)
-    # --8<-- [end:frontend_dispatch]
 
-    # --8<-- [start:frontend_replies]
     async def replies(self, uid: int) -> AsyncIterator[UserReply]:
         """Request ``uid``'s replies, in order, up to and including its last one.
 
@@ -281,10 +274,8 @@ class RequestRouter:
                 last = reply
         assert last is not None and last.finished, f"request {uid} ended without a last reply"
         return "".join(parts), last
-    # --8<-- [end:frontend_replies]
 
     # ----------------------------------------------------------------- ending requests
-    # --8<-- [start:frontend_fail]
     def fail(self, uid: int, error: RequestError, *, abort: bool = True) -> None:
         """End request ``uid`` with ``error``: its reader gets it as the last reply, what was
         buffered is dropped, later replies are ignored, and (``abort``) the workers are told
@@ -300,7 +291,6 @@ class RequestRouter:
     def forget(self, uid: int) -> None:
         """Drop request ``uid``'s state: its reader has gone without a word."""
         self._pending.pop(uid, None)
-    # --8<-- [end:frontend_fail]
 
     async def close(self) -> None:
         """End what still waits (the policy says with what), stop the listener, let the abort

@@ -19,10 +19,10 @@ Start-up order (:func:`launch`):
 4. serve HTTP with uvicorn (or run the shell) until SIGINT or SIGTERM;
 5. stop every worker, whatever the way out: a normal return, a signal or an error.
 
-Chapter 17: with ``--tp N`` the scheduler is N processes, one per rank: the one above is rank
+With ``--tp N`` the scheduler is N processes, one per rank: the one above is rank
 0, and ranks 1..N-1 (``scheduler-rank1`` ...) repeat what it does (``minisgl.scheduler.tp``).
 
-Chapter 16: the workers live in process groups of their own, so a Ctrl-C in the terminal
+The workers live in process groups of their own, so a Ctrl-C in the terminal
 reaches the launcher alone, which decides what it means (the shell stops the answer being
 written; the server shuts down in order). On SIGINT or SIGTERM the server stops taking
 connections, gives the requests in flight ``--shutdown-timeout`` seconds to finish, and ends
@@ -67,7 +67,7 @@ logger = get_logger(__name__)
 # chat of ``minisgl.shell``; the shell sits above the server, so the server never imports it.
 ShellRunner = Callable[[Callable[[], "RequestRouter"], Path, int], None]
 
-# Chapter 16: uvicorn cancels what still runs this long after the shutdown timeout; by then the
+# uvicorn cancels what still runs this long after the shutdown timeout; by then the
 # frontend has ended every request, so it is only a last resort.
 UVICORN_GRACE_S = 5.0
 # Exit statuses by the shell's convention: 128 + the signal's number.
@@ -115,7 +115,6 @@ class Workers:
         logger.info("stopped %d worker process(es)", len(self.processes))
 
 
-# --8<-- [start:start_workers]
 def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
     """Start the scheduler, the detokenizer and the tokenizers; return once all are ready.
 
@@ -128,7 +127,7 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
     from minisgl.tokenizer.server import detokenizer_counters, run_detokenizer, run_tokenizer
 
     model_path = str(config.model_path)
-    check_tp(model_path, args.tp)  # chapter 17: a model that cannot be split fails here, at once
+    check_tp(model_path, args.tp)  # a model that cannot be split fails here, at once
     tp = TPLaunch.new(args.tp) if args.tp > 1 else None
     scheduler_addr, detokenizer_addr = ipc_address("scheduler"), ipc_address("detokenizer")
     workers = Workers(tokenizer_addrs=[ipc_address(f"tokenizer-{k}")
@@ -139,7 +138,7 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
 
     def start(label: str, target: Callable[..., None], *task_args: object,
               **kwargs: object) -> None:
-        # Chapter 16: a group of its own, so that a terminal's Ctrl-C reaches the launcher only.
+        # A group of its own, so that a terminal's Ctrl-C reaches the launcher only.
         workers.processes.append(start_process(target, f"minisgl-{label}", args=task_args,
                                                kwargs=kwargs | {"ready": ready},
                                                own_process_group=True))
@@ -148,7 +147,7 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
     try:
         start("scheduler", run_scheduler, config, scheduler_addr, detokenizer_addr,
               stats=workers.counters[0], tp=tp)
-        for rank in range(1, args.tp):  # chapter 17: the other ranks, each its own scheduler
+        for rank in range(1, args.tp):  # the other ranks, each its own scheduler
             workers.counters.append(follower_counters(rank))
             start(f"scheduler-rank{rank}", run_tp_follower, config, tp, rank,
                   stats=workers.counters[-1])
@@ -164,10 +163,8 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
         workers.stop()
         raise
     return workers
-# --8<-- [end:start_workers]
 
 
-# --8<-- [start:launch]
 def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
     """Run the server (or, with ``--shell``, ``shell``) described by ``args``; returns the exit
     status."""
@@ -219,7 +216,6 @@ def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
                     workers.stop()
                 if listener is not None:
                     listener.close()
-# --8<-- [end:launch]
 
 
 def main(argv: Sequence[str] | None = None, shell: ShellRunner | None = None) -> int:
@@ -263,7 +259,6 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-# --8<-- [start:serve_http]
 def serve_http(app: Any, sock: socket.socket, shutdown_timeout_s: float = 5.0) -> None:
     """Run uvicorn on ``sock`` until SIGINT or SIGTERM.
 
@@ -285,7 +280,7 @@ def serve_http(app: Any, sock: socket.socket, shutdown_timeout_s: float = 5.0) -
 
 
 class OrderlyServer(uvicorn.Server):
-    """uvicorn's server, with the frontend told when shutting down starts (chapter 16).
+    """uvicorn's server, with the frontend told when shutting down starts.
 
     uvicorn's own graceful shutdown waits for the connections in flight, then cancels them: a
     client is cut off without an error, and one long stream holds the shutdown for the whole
@@ -327,7 +322,6 @@ class OrderlyServer(uvicorn.Server):
         super().handle_exit(sig, frame)
         if self.force_exit and self._loop is not None:  # a second Ctrl-C: no more waiting
             self._loop.call_soon_threadsafe(self._end_requests)
-# --8<-- [end:serve_http]
 
 
 # --------------------------------------------------------------------------- signals

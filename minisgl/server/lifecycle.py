@@ -43,7 +43,6 @@ DEFAULT_REPLY_BUFFER_SIZE = 1024  # replies (about one per token) held for one s
 DEFAULT_SLOW_READER_TIMEOUT_S = 30.0  # how long a reader may stay behind before it is cut off
 
 
-# --8<-- [start:reply_buffer]
 @dataclass
 class ReplyBuffer:
     """One request's replies that its reader has not taken yet: at most ``capacity``.
@@ -114,10 +113,8 @@ class ReplyBuffer:
         self.behind_since = now
         self.finished = self.failed = True
         self.event.set()
-# --8<-- [end:reply_buffer]
 
 
-# --8<-- [start:errors]
 def slow_reader_error(lag_s: float, buffered: int) -> RequestError:
     """The error a client gets when it reads more slowly than the engine writes."""
     return RequestError(f"the client read its stream too slowly: {buffered} replies waited "
@@ -132,10 +129,8 @@ def unavailable_error(reason: str, code: str) -> RequestError:
 
 
 SHUTTING_DOWN = unavailable_error("the server is shutting down", "shutting_down")
-# --8<-- [end:errors]
 
 
-# --8<-- [start:lifecycle_policy]
 class LifecyclePolicy:
     """Ends every request whose last reply will not come, or should not be waited for.
 
@@ -227,7 +222,6 @@ class LifecyclePolicy:
                 self.router.forget(uid)
             else:
                 self.cut_off(uid, buffer)
-    # --8<-- [end:lifecycle_policy]
 
     def start(self) -> None:
         """Start the watchdog (once); call from inside the event loop."""
@@ -252,7 +246,6 @@ class LifecyclePolicy:
             self._watchdog = None
 
 
-# --8<-- [start:disconnect]
 class ClientDisconnected(Exception):
     """The HTTP client went away before its answer was ready."""
 
@@ -292,4 +285,3 @@ async def wait_or_disconnect(awaitable: Awaitable[T], request: _Request) -> T:
     if work.cancelled():
         raise ClientDisconnected()
     return work.result()
-# --8<-- [end:disconnect]

@@ -13,8 +13,8 @@ What a response says back (bodies, chunks, the SSE stream) is :mod:`minisgl.serv
 :mod:`minisgl.server.frontend` raises :class:`APIError`; :mod:`minisgl.server.api_server`
 parses the bodies and answers with the builders.
 
-Chapter 16 tightens the edges: strict types and integers that fit the wire, a body that is
-not JSON said so, and a request that fails answered with its error's status.
+Bodies are checked strictly: strict types and integers that fit the wire, a body that is not
+JSON said so, and a request that fails answered with its error's status.
 """
 
 from __future__ import annotations
@@ -41,7 +41,6 @@ DEFAULT_TEMPERATURE = 1.0
 
 
 # =========================================================================== errors
-# --8<-- [start:api_error]
 class APIError(Exception):
     """An error the client caused, answered as OpenAI does: a status and ``{"error": {...}}``."""
 
@@ -56,7 +55,7 @@ class APIError(Exception):
 
     @classmethod
     def of(cls, error: RequestError, prompt_param: str = "prompt") -> APIError:
-        """The HTTP answer to a request that ended with ``error`` (chapter 16)."""
+        """The HTTP answer to a request that ended with ``error``."""
         return cls(error.status, error.message, prompt_param_of(error, prompt_param),
                    error.kind, error.code)
 
@@ -70,7 +69,7 @@ class APIError(Exception):
 def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
     """pydantic's error list as one readable message naming the field(s).
 
-    Chapter 16: a body that is not JSON at all is said so (pydantic locates that error at a
+    A body that is not JSON at all is said so (pydantic locates that error at a
     character offset, which is no parameter).
     """
     parts, param = [], None
@@ -97,7 +96,6 @@ def _union_tag(part: object) -> bool:
     ``prompt.list[constrained-int].1``)."""
     return part == "body" or (isinstance(part, str) and (
         "[" in part or "-" in part or part in ("str", "int", "float", "bool", "list", "dict")))
-# --8<-- [end:api_error]
 
 
 class ErrorDetail(BaseModel):
@@ -114,8 +112,7 @@ class ErrorResponse(BaseModel):
 
 
 # =========================================================================== request bodies
-# --8<-- [start:body_types]
-# Chapter 16: integers must fit the wire (msgpack packs at most 64 bits); a larger value is the
+# Integers must fit the wire (msgpack packs at most 64 bits); a larger value is the
 # client's mistake (HTTP 400 naming the field), not a failure to serialize (500). The bound is
 # the largest integer a JSON number holds exactly (2**53 - 1): many clients, and every tool that
 # reads the schema's bounds, parse JSON numbers as doubles, which would round 2**63 - 1 up.
@@ -133,13 +130,11 @@ def _whole_number(value: Any) -> Any:
 JsonInt = Annotated[int, BeforeValidator(_whole_number)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_JSON_INT), BeforeValidator(_whole_number)]
 Int64 = Annotated[int, Field(ge=-MAX_JSON_INT, le=MAX_JSON_INT), BeforeValidator(_whole_number)]
-# Chapter 16: strict types. Lax pydantic would take "12" for 12 and "yes" for true; OpenAI's API
+# Strict types. Lax pydantic would take "12" for 12 and "yes" for true; OpenAI's API
 # refuses a value of the wrong JSON type, and so does this one (HTTP 400 naming the field).
 STRICT_BODY = ConfigDict(extra="forbid", strict=True)
-# --8<-- [end:body_types]
 
 
-# --8<-- [start:request_models]
 # What the OpenAPI schema says of a field, beyond its type: the ranges and lengths that the
 # engine's own checks (SamplingParams, the endpoints) enforce. The checks stay where they are,
 # with their messages; the schema only tells clients, and schema-driven tools, what they are.
@@ -358,4 +353,3 @@ class CompletionRequest(_GenerationBody):
                 raise APIError(400, f"{where} is empty: it needs at least one character or "
                                     "token", where)
         return prompts
-# --8<-- [end:request_models]

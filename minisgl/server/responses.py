@@ -7,8 +7,8 @@ Everything here is data and functions of data, with no web framework: the API se
 what these functions build, and a test (or a client) can read it without a server.
 :mod:`minisgl.server.protocol` holds the inbound half, the request bodies.
 
-Chapter 16: a request that fails mid-stream ends with an error event, and a stream closes its
-replies however it ends.
+A request that fails mid-stream ends with an error event, and a stream closes its replies
+however it ends.
 """
 
 from __future__ import annotations
@@ -104,7 +104,6 @@ def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = 
                          "finish_reason": finish_reason}]}
 
 
-# --8<-- [start:sse]
 SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
 
 
@@ -123,7 +122,7 @@ async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
     """A chat completion as SSE: the role first, a chunk per piece of text, a chunk with the
     finish reason, the usage (if asked), then ``[DONE]``.
 
-    Chapter 16: a request that fails mid-stream ends with an error event (OpenAI's error
+    A request that fails mid-stream ends with an error event (OpenAI's error
     object, which the ``openai`` client raises as an exception), then ``[DONE]``. Closing this
     generator closes ``replies``, which frees the request's state at once.
     """
@@ -141,7 +140,6 @@ async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
                     yield sse_event({**chat_chunk(meta, {}), "choices": [],
                                      "usage": usage_dict(reply.usage)})
         yield SSE_DONE
-# --8<-- [end:sse]
 
 
 async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta: ResponseMeta,
@@ -171,4 +169,3 @@ async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta:
                     yield sse_event({**completion_chunk(meta, ""), "choices": [],
                                      "usage": usage_dict(total_usage(usages))})
         yield SSE_DONE
-

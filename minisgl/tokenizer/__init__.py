@@ -1,4 +1,4 @@
-"""The tokenizer and detokenizer workers (chapter 14).
+"""The tokenizer and detokenizer workers.
 
 - ``tokenize``: a request's prompt (text, chat messages or token ids) to token ids;
 - ``detokenize``: a stream of tokens back to text, a piece per token, never splitting a

@@ -22,7 +22,7 @@ be the start of one until the next piece says whether it is.
 
 :class:`DetokenizeManager` keeps one :class:`RequestText` per live request and turns each
 :class:`~minisgl.message.DetokenizeRequest` into the :class:`~minisgl.message.UserReply` the
-API server receives. Chapter 16: it also ends a request with an error reply, when a worker
+API server receives. It also ends a request with an error reply, when a worker
 dropped it with an error or when its tokens cannot be decoded.
 """
 
@@ -51,7 +51,6 @@ Decode = Callable[[Sequence[int]], str]  # token ids -> text, e.g. a tokenizer's
 REPLACEMENT_CHAR = "\ufffd"
 
 
-# --8<-- [start:decode_stream]
 @dataclass
 class DecodeStream:
     """The text of one request's tokens, a piece at a time, never a broken character.
@@ -87,10 +86,8 @@ class DecodeStream:
         new_text = self.decode(self.token_ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.token_ids)
         return new_text[len(prefix_text):]
-# --8<-- [end:decode_stream]
 
 
-# --8<-- [start:stop_matcher]
 @dataclass
 class StopMatcher:
     """Cuts a stream of text at the first of its stop strings.
@@ -133,10 +130,8 @@ class StopMatcher:
                     longest = n
                     break
         return longest
-# --8<-- [end:stop_matcher]
 
 
-# --8<-- [start:request_text]
 @dataclass
 class RequestText:
     """What the detokenizer keeps for one request.
@@ -156,7 +151,6 @@ class RequestText:
     prompt_tokens: int = 0
     num_tokens: int = 0
     stopped: bool = False
-# --8<-- [end:request_text]
 
 
 class DetokenizeManager:
@@ -180,7 +174,6 @@ class DetokenizeManager:
         """Requests whose state is kept (the ``live_states`` counter)."""
         return len(self.states)
 
-    # --8<-- [start:detokenize]
     def detokenize(self, message: DetokenizeRequest) -> UserReply | None:
         """The reply for one token of a request, or None when the token is to be dropped.
 
@@ -215,13 +208,11 @@ class DetokenizeManager:
             return UserReply(message.uid, text + state.stop.flush(), message.finish_reason,
                              message.usage)
         return UserReply(message.uid, text)
-    # --8<-- [end:detokenize]
 
-    # --8<-- [start:abort]
     def abort(self, uid: int, error: RequestError | None = None) -> UserReply | None:
         """Forget request ``uid``: the scheduler dropped it, and will send nothing more.
 
-        Chapter 16: when a worker dropped it because of ``error``, its client has not heard
+        When a worker dropped it because of ``error``, its client has not heard
         the end of it yet: returns the request's last reply, which carries the error. Unless
         a stop string had ended its text already: that client has its last reply.
         """
@@ -229,11 +220,9 @@ class DetokenizeManager:
         if error is None or (state is not None and state.stopped):
             return None
         return UserReply.failure(uid, error)
-    # --8<-- [end:abort]
 
-    # --8<-- [start:fail]
     def fail(self, message: DetokenizeRequest, exc: Exception) -> UserReply:
-        """Chapter 16: decoding ``message`` raised. The request ends here, with an error.
+        """Decoding ``message`` raised. The request ends here, with an error.
 
         Its state becomes a tombstone (like a request a stop string ended) until the
         scheduler's last word on it, so that the tokens still on their way are dropped; the
@@ -246,17 +235,15 @@ class DetokenizeManager:
             self.states[message.uid] = RequestText(DecodeStream(self.decode), StopMatcher(()),
                                                    stopped=True)
         return UserReply.failure(message.uid, server_error("the detokenizer failed", exc))
-    # --8<-- [end:fail]
 
-    # --8<-- [start:process]
     def process(self, messages: list[DetokenizerMessage]
                 ) -> tuple[list[UserReply], list[AbortRequest]]:
         """Handle what the scheduler sent, in order.
 
         Returns the replies for the API server, and the aborts for the scheduler: one for each
         request that a stop string has just ended, which the scheduler would otherwise run to
-        its ``max_tokens`` for nothing (chapter 16: and one for each request whose tokens
-        could not be decoded).
+        its ``max_tokens`` for nothing (and one for each request whose tokens could not be
+        decoded).
         """
         replies: list[UserReply] = []
         aborts: list[AbortRequest] = []
@@ -268,7 +255,7 @@ class DetokenizeManager:
                 continue
             try:
                 reply = self.detokenize(message)
-            except Exception as exc:  # noqa: BLE001 - chapter 16: fail it, serve the others
+            except Exception as exc:  # noqa: BLE001 - fail it, serve the others
                 reply = self.fail(message, exc)
             if reply is None:
                 continue
@@ -276,4 +263,3 @@ class DetokenizeManager:
             if reply.finished and not message.finished:
                 aborts.append(AbortRequest(message.uid))
         return replies, aborts
-    # --8<-- [end:process]

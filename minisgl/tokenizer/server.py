@@ -15,9 +15,9 @@ There may be several tokenizers (the API server sends request ``uid`` to tokeniz
 holds every request's text state.
 
 Each function is a process's main: it returns when the process gets SIGTERM or SIGINT, after
-closing its sockets (chapter 16: or when its parent has died).
+closing its sockets (or when its parent has died).
 
-Chapter 16: neither worker drops a request it cannot serve. The tokenizer sends an
+Neither worker drops a request it cannot serve. The tokenizer sends an
 :class:`AbortRequest` carrying a :class:`~minisgl.message.RequestError` in its place; the
 detokenizer turns such an abort, or an error of its own, into the request's last reply.
 """
@@ -56,10 +56,9 @@ def detokenizer_counters() -> SharedCounters:
     return SharedCounters(DETOKENIZER_COUNTERS)
 
 
-# --8<-- [start:tokenize_or_fail]
 def tokenize_or_fail(manager: TokenizeManager,
                      request: TokenizeRequest) -> UserRequest | AbortRequest:
-    """The scheduler's request for ``request``, or (chapter 16) an abort that carries why
+    """The scheduler's request for ``request``, or an abort that carries why
     there is none.
 
     The abort goes the request's normal way (scheduler, detokenizer, API server), so the
@@ -76,10 +75,8 @@ def tokenize_or_fail(manager: TokenizeManager,
     except Exception as exc:  # a bug, or a tokenizer that raises something else
         logger.exception("request %d could not be tokenized", request.uid)
         return AbortRequest(request.uid, error=server_error("the tokenizer failed", exc))
-# --8<-- [end:tokenize_or_fail]
 
 
-# --8<-- [start:run_tokenizer]
 def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
                   ready: multiprocessing.Queue | None = None,
                   name: str = "tokenizer-0") -> None:
@@ -115,10 +112,8 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
     finally:
         close_queues(receive, send)
     logger.info("%s stopped", name)
-# --8<-- [end:run_tokenizer]
 
 
-# --8<-- [start:run_detokenizer]
 def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
                     ready: multiprocessing.Queue | None = None,
                     stats: SharedCounters | None = None,
@@ -159,4 +154,3 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
     finally:
         close_queues(receive, send, abort)
     logger.info("detokenizer stopped")
-# --8<-- [end:run_detokenizer]

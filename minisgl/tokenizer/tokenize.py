@@ -48,7 +48,6 @@ class TokenizeManager:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
 
-    # --8<-- [start:tokenize]
     def tokenize(self, request: TokenizeRequest) -> UserRequest:
         """The scheduler's request for ``request``: the same uid and sampling parameters,
         the prompt as token ids.
@@ -80,4 +79,3 @@ class TokenizeManager:
         if isinstance(ids, Mapping):
             ids = ids["input_ids"]
         return list(ids)
-    # --8<-- [end:tokenize]

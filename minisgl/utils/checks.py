@@ -16,7 +16,6 @@ def is_int(value: object) -> bool:
     return isinstance(value, Integral) and not isinstance(value, bool)
 
 
-# --8<-- [start:check_int]
 def check_int(name: str, value: object, *, at_least: int | None = None,
               at_most: int | None = None, error: type[Exception] = ValueError) -> int:
     """``value`` as an ``int`` if it is an integer within the bounds given; else ``error`` (by
@@ -33,4 +32,3 @@ def check_int(name: str, value: object, *, at_least: int | None = None,
     else:
         allowed = "an integer"
     raise error(f"{name} must be {allowed}, got {value!r}")
-# --8<-- [end:check_int]

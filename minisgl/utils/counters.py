@@ -13,7 +13,6 @@ from collections.abc import Iterable
 from minisgl.utils.processes import SPAWN
 
 
-# --8<-- [start:shared_counters]
 class SharedCounters:
     """Named 64-bit integers in shared memory: one process writes them, others read them.
 
@@ -63,4 +62,3 @@ class SharedCounters:
 
     def __repr__(self) -> str:
         return f"SharedCounters({self.snapshot()})"
-# --8<-- [end:shared_counters]

@@ -51,7 +51,6 @@ def looks_like_hub_id(text: str) -> bool:
     return bool(_HUB_ID.match(text)) and ".." not in text
 
 
-# --8<-- [start:resolve]
 def resolve_model_path(path_or_id: str | os.PathLike[str]) -> Path:
     """The local checkpoint directory for ``path_or_id``, downloading it first if it is a hub id.
 
@@ -110,7 +109,6 @@ def _download_from_hub(repo_id: str) -> Path:
     path = Path(local)
     _require_config(path, repo_id)
     return path
-# --8<-- [end:resolve]
 
 
 def _require_config(path: Path, given: str) -> None:
@@ -138,7 +136,6 @@ def example_checkpoint(path: str | os.PathLike[str]) -> Path:
     return path
 
 
-# --8<-- [start:default_model]
 def default_model(root: Path = REPO_ROOT) -> Path:
     """The checkpoint to serve when no ``--model`` is given: the book's default, found locally.
 
@@ -192,10 +189,8 @@ def _load_tiny_model_maker(root: Path) -> ModuleType:
     sys.modules[spec.name] = module  # dataclasses look their module up while being built
     spec.loader.exec_module(module)
     return module
-# --8<-- [end:default_model]
 
 
-# --8<-- [start:load_hf_config]
 def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
     """The parsed ``config.json`` of a local checkpoint directory (or of the file itself).
 
@@ -216,4 +211,3 @@ def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
         raise ValueError(  # noqa: TRY004
             f"{file}: expected a JSON object at the top level, got {type(data).__name__}")
     return data
-# --8<-- [end:load_hf_config]

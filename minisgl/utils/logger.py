@@ -15,7 +15,7 @@ from minisgl.env import parse_log_level, read_env
 
 ROOT_LOGGER = "minisgl"
 # The process name tells the scheduler's, the tokenizer's and the server's lines apart once the
-# engine runs as several processes (chapter 13); in one process it reads MainProcess.
+# engine runs as several processes; in one process it reads MainProcess.
 LOG_FORMAT = "[%(asctime)s %(levelname)s %(processName)s] %(name)s: %(message)s"
 DATE_FORMAT = "%Y-%m-%d %H:%M:%S"
 
@@ -36,7 +36,6 @@ class _StderrHandler(logging.StreamHandler):
         pass
 
 
-# --8<-- [start:logger]
 def configure_logging(level: str | None = None) -> logging.Logger:
     """Install the package's handler (once) and set its level.
 
@@ -60,4 +59,3 @@ def get_logger(name: str) -> logging.Logger:
     if not any(isinstance(h, _StderrHandler) for h in logging.getLogger(ROOT_LOGGER).handlers):
         configure_logging()
     return logging.getLogger(name)
-# --8<-- [end:logger]

@@ -38,7 +38,6 @@ T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------- processes
-# --8<-- [start:spawn]
 # Every worker starts in a fresh interpreter ("spawn"), never as a copy of its parent ("fork").
 # fork copies the parent's memory but only the thread that called it: the CUDA driver cannot
 # run in a forked child once the parent has initialised it, and a lock that another thread
@@ -75,13 +74,11 @@ def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...
     return process
 
 
-# --8<-- [start:own_process_group]
 def _run_in_own_process_group(target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
     """Chapter 16: the child's first act, before it imports anything heavy: leave the
     parent's process group (and so the terminal's Ctrl-C), then run ``target``."""
     os.setpgid(0, 0)  # a group of its own, whose id is this process's id
     return target(*args, **kwargs)
-# --8<-- [end:own_process_group]
 
 
 def stop_process(process: BaseProcess, timeout_s: float = 5.0) -> int | None:
@@ -102,11 +99,9 @@ def stop_process(process: BaseProcess, timeout_s: float = 5.0) -> int | None:
         process.kill()
         process.join()
     return process.exitcode
-# --8<-- [end:spawn]
 
 
 # ---------------------------------------------------------------------------------- readiness
-# --8<-- [start:readiness]
 READY = "ready"
 FAILED = "failed"
 
@@ -181,11 +176,9 @@ def wait_ready(queue: multiprocessing.Queue, processes: Sequence[BaseProcess],
         if status == FAILED:
             raise RuntimeError(f"worker {name} (pid {pid}) failed to start:\n{text.rstrip()}")
         logger.debug("worker %s (pid %d) is ready", name, pid)
-# --8<-- [end:readiness]
 
 
 # ---------------------------------------------------------------------------------- shutdown
-# --8<-- [start:shutdown]
 class ShutdownRequested(BaseException):
     """Raised in a worker that got SIGTERM or SIGINT while it was waiting (or starting).
 
@@ -213,7 +206,6 @@ class ShutdownSignals:
             for sig in (signal.SIGTERM, signal.SIGINT):
                 signal.signal(sig, self._on_signal)
 
-    # --8<-- [start:orphaned]
     @property
     def requested(self) -> bool:
         """A shutdown signal came, or (chapter 16) the parent has died.
@@ -229,7 +221,6 @@ class ShutdownSignals:
     def orphaned(self) -> bool:
         """The process that started this one has exited (we were handed to another parent)."""
         return os.getppid() != self._parent
-    # --8<-- [end:orphaned]
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         first = self.signum is None
@@ -278,4 +269,3 @@ def stop_processes(processes: Iterable[BaseProcess], timeout_s: float = 5.0) -> 
             process.terminate()
     for process in processes:
         stop_process(process, timeout_s)
-# --8<-- [end:shutdown]

@@ -37,7 +37,6 @@ _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp
                   "half": "float16"}
 
 
-# --8<-- [start:resolve]
 def resolve_device(device: str | torch.device = "auto") -> torch.device:
     """Turn ``"auto"``, ``"cpu"``, ``"cuda"`` or ``"cuda:N"`` into a ``torch.device``.
 
@@ -85,10 +84,8 @@ def resolve_dtype(dtype: str | torch.dtype = "auto",
     if name in DTYPE_CHOICES:
         return DTYPE_CHOICES[name]
     raise ValueError(f"unknown dtype {dtype!r}; expected one of auto, {', '.join(DTYPE_CHOICES)}")
-# --8<-- [end:resolve]
 
 
-# --8<-- [start:default_dtype]
 @contextlib.contextmanager
 def default_dtype(dtype: torch.dtype) -> Iterator[None]:
     """Temporarily make ``dtype`` the dtype of newly created floating-point tensors.
@@ -102,7 +99,6 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         yield
     finally:
         torch.set_default_dtype(previous)
-# --8<-- [end:default_dtype]
 
 
 def count_parameters(module: torch.nn.Module) -> int:
@@ -110,7 +106,6 @@ def count_parameters(module: torch.nn.Module) -> int:
     return sum(p.numel() for p in module.parameters())
 
 
-# --8<-- [start:cpu_threads]
 ThreadRole = Literal["model", "helper"]
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max ..."
 
@@ -174,4 +169,3 @@ def configure_cpu_threads(role: ThreadRole = "model", processes: int = 1) -> int
     getattr(logger, level)("CPU threads: %d (%s; MINISGL_CPU_THREADS or OMP_NUM_THREADS "
                            "sets it)", threads, why)
     return threads
-# --8<-- [end:cpu_threads]

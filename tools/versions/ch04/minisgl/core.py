@@ -17,7 +17,6 @@ from numbers import Integral, Real
 _MAX_SEED = 2**64 - 1
 
 
-# --8<-- [start:sampling_params]
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop, for one request.
@@ -65,9 +64,6 @@ class SamplingParams:
         """
         return self.temperature == 0.0 or self.top_k == 1
 
-    # --8<-- [end:sampling_params]
-
-    # --8<-- [start:validate]
     def _validate(self) -> None:
         """Reject impossible values here, at the edge, with a message that names the field,
         the value and what is allowed; deeper code can then trust every field."""
@@ -116,8 +112,6 @@ class SamplingParams:
             _check_int("seed", self.seed)
             if not 0 <= self.seed <= _MAX_SEED:
                 _invalid("seed", self.seed, f"None or an integer in [0, {_MAX_SEED}]")
-
-    # --8<-- [end:validate]
 
 
 def _check_int(field: str, value: object) -> None:

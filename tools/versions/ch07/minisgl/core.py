@@ -29,7 +29,6 @@ if TYPE_CHECKING:  # type names only: this module must stay importable without t
 _MAX_SEED = 2**64 - 1
 
 
-# --8<-- [start:sampling_params]
 @dataclass(frozen=True)
 class SamplingParams:
     """How to pick each next token and when to stop, for one request.
@@ -77,9 +76,6 @@ class SamplingParams:
         """
         return self.temperature == 0.0 or self.top_k == 1
 
-    # --8<-- [end:sampling_params]
-
-    # --8<-- [start:validate]
     def _validate(self) -> None:
         """Reject impossible values here, at the edge, with a message that names the field,
         the value and what is allowed; deeper code can then trust every field."""
@@ -129,8 +125,6 @@ class SamplingParams:
             if not 0 <= self.seed <= _MAX_SEED:
                 _invalid("seed", self.seed, f"None or an integer in [0, {_MAX_SEED}]")
 
-    # --8<-- [end:validate]
-
 
 def _check_int(field: str, value: object) -> None:
     # bool is a subclass of int in Python; `top_k=True` is a bug, not a 1.
@@ -156,7 +150,6 @@ Phase = Literal["prefill", "decode"]
 PHASES: tuple[Phase, ...] = ("prefill", "decode")
 
 
-# --8<-- [start:req]
 @dataclass(eq=False)  # identity, not field equality: two requests with equal fields are two
 class Req:
     """One request on its way through the engine.
@@ -241,9 +234,7 @@ class Req:
     @property
     def is_finished(self) -> bool:
         return self.finish_reason is not None
-    # --8<-- [end:req]
 
-    # --8<-- [start:append_token]
     def append_token(self, token_id: int,
                      eos_token_ids: Sequence[int] = ()) -> FinishReason | None:
         """Record a sampled token and decide whether the request is done.
@@ -263,14 +254,12 @@ class Req:
         elif len(self.output_ids) >= self.params.max_tokens:
             self.finish_reason = "length"
         return self.finish_reason
-    # --8<-- [end:append_token]
 
     def __repr__(self) -> str:
         return (f"Req(uid={self.uid}, tokens={self.num_tokens}, cached={self.cached_len}, "
                 f"row={self.table_row}, finished={self.finish_reason})")
 
 
-# --8<-- [start:batch]
 @dataclass
 class Batch:
     """The requests of one forward pass, and its phase.
@@ -350,4 +339,3 @@ class Batch:
         for req, n in zip(self.reqs, self.new_lens):
             ids += req.token_range(req.cached_len, req.cached_len + n)
         return ids
-# --8<-- [end:batch]

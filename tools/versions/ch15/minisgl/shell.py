@@ -46,7 +46,6 @@ def sampling_params_for(model_dir: str | Path, max_tokens: int) -> SamplingParam
                           min_p=float(config.get("min_p") or 0.0), max_tokens=max_tokens)
 
 
-# --8<-- [start:shell_loop]
 @dataclass
 class Shell:
     """A conversation in the terminal, over a :class:`RequestRouter`.
@@ -104,7 +103,6 @@ class Shell:
         reply_text = "".join(parts)
         self.history += [turn, {"role": "assistant", "content": reply_text}]
         return reply_text
-    # --8<-- [end:shell_loop]
 
     def _write(self, text: str) -> None:
         self.out.write(text)

@@ -35,7 +35,6 @@ from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ModelConfig
 
 
-# --8<-- [start:qwen3_attention]
 class Qwen3Attention(nn.Module):
     """Self-attention: fused qkv projection, the attention layer, output projection."""
 
@@ -59,10 +58,8 @@ class Qwen3Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attn(self.qkv_proj(x), positions))
-# --8<-- [end:qwen3_attention]
 
 
-# --8<-- [start:qwen3_mlp]
 class Qwen3MLP(nn.Module):
     """The gated feed-forward block: ``down(silu(gate(x)) * up(x))``, gate and up fused."""
 
@@ -77,10 +74,8 @@ class Qwen3MLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
-# --8<-- [end:qwen3_mlp]
 
 
-# --8<-- [start:decoder_layer]
 class Qwen3DecoderLayer(nn.Module):
     """One pre-norm transformer block.
 
@@ -107,10 +102,8 @@ class Qwen3DecoderLayer(nn.Module):
         x = self.self_attn(x, positions)
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
-# --8<-- [end:decoder_layer]
 
 
-# --8<-- [start:qwen3_model]
 class Qwen3Model(nn.Module):
     """The transformer body: embedding, the decoder layers and the final norm."""
 
@@ -133,22 +126,18 @@ class Qwen3Model(nn.Module):
             x, residual = layer(x, positions, residual)
         x, _ = self.norm(x, residual)  # the last layer's output still needs its skip added
         return x
-# --8<-- [end:qwen3_model]
 
 
-# --8<-- [start:qwen3_forward]
 class Qwen3ForCausalLM(BaseLLMModel):
     """Qwen3 with its LM head: the class config.json's ``architectures`` names."""
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.model = Qwen3Model(config)
-        # --8<-- [start:tied_embeddings]
         # Tied checkpoints (the small Qwen3s, tiny-qwen3) store one matrix for both ends of
         # the network; the head then shares the embedding's parameter instead of its own copy.
         tie_to = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=tie_to)
-        # --8<-- [end:tied_embeddings]
 
     def forward(
         self,
@@ -160,4 +149,3 @@ class Qwen3ForCausalLM(BaseLLMModel):
         if logits_indices is not None:
             hidden = hidden[logits_indices]  # score only the rows asked for
         return self.lm_head(hidden).float()
-# --8<-- [end:qwen3_forward]

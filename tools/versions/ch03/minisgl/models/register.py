@@ -10,7 +10,6 @@ import importlib
 
 from minisgl.models.base import BaseLLMModel
 
-# --8<-- [start:registry]
 # config.json "architectures" entry -> (module under minisgl.models, class name)
 MODEL_REGISTRY: dict[str, tuple[str, str]] = {
     "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
@@ -36,4 +35,3 @@ def get_model_class(architectures: list[str] | tuple[str, ...]) -> type[BaseLLMM
         f"unsupported model architecture {list(architectures)!r} (from config.json "
         f"'architectures'); supported: {', '.join(supported_architectures())}"
     )
-# --8<-- [end:registry]

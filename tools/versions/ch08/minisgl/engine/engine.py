@@ -50,7 +50,6 @@ logger = get_logger(__name__)
 GiB = 2**30
 
 
-# --8<-- [start:kv_budget]
 @dataclass(frozen=True)
 class KVBudget:
     """How the KV pool was sized: the budget, where it came from, and what it buys.
@@ -109,7 +108,6 @@ def plan_kv_budget(budget_bytes: int, source: str, model_config: ModelConfig,
                          "more memory (memory_fraction on CUDA, cpu_kv_memory / "
                          "MINISGL_CPU_KV_MEMORY on CPU) or a smaller page_size")
     return budget
-# --8<-- [end:kv_budget]
 
 
 class DecodeGraphs(Protocol):
@@ -138,7 +136,6 @@ class Engine:
         graph_runner: the CUDA-graph runner for decode steps (chapter 8).
     """
 
-    # --8<-- [start:engine_init]
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
@@ -168,7 +165,6 @@ class Engine:
             self.model_config.num_qo_heads)
         self._log_kv_budget()
         self.graph_runner: DecodeGraphs | None = self._make_graph_runner()
-    # --8<-- [end:engine_init]
 
     def _model_max_seq_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -178,7 +174,6 @@ class Engine:
                              f"max_position_embeddings ({limit}): its rotary table stops there")
         return limit if wanted is None else wanted
 
-    # --8<-- [start:plan_kv_budget]
     def _plan_kv_budget(self, max_pages_per_req: int) -> KVBudget:
         """Decide the pool's memory: a fixed page count, free GPU memory, or the CPU setting."""
         config = self.config
@@ -199,7 +194,6 @@ class Engine:
         assert config.cpu_kv_memory is not None  # EngineConfig filled it in from the environment
         return plan_kv_budget(config.cpu_kv_memory, "cpu_kv_memory (MINISGL_CPU_KV_MEMORY)",
                               self.model_config, self.dtype, config.page_size, max_useful)
-    # --8<-- [end:plan_kv_budget]
 
     def _log_kv_budget(self) -> None:
         b = self.kv_budget
@@ -210,7 +204,6 @@ class Engine:
                     " (capped: enough for every page-table row)" if b.capped else "",
                     self.max_seq_len)
 
-    # --8<-- [start:make_graph_runner]
     def _make_graph_runner(self) -> GraphRunner:
         """Capture decode steps as CUDA graphs, or say why not (chapter 8).
 
@@ -225,10 +218,8 @@ class Engine:
         pad_page = self.pages.set_aside_page()
         return GraphRunner(self.model, self.attn_backend, capture_batch_sizes(self.config),
                            pad_page=pad_page, vocab_size=self.model_config.vocab_size)
-    # --8<-- [end:make_graph_runner]
 
     # ----------------------------------------------------------------------- one forward step
-    # --8<-- [start:forward]
     @torch.no_grad()
     def forward(self, batch: Batch, use_graph: bool = True) -> torch.Tensor:
         """One step: every request of ``batch`` computes its new tokens and samples one more.
@@ -288,7 +279,6 @@ class Engine:
         """One token per row of ``logits``, each with its request's parameters and generator."""
         return sample_batch(logits, [req.params for req in batch.reqs],
                             [req.generator for req in batch.reqs])
-    # --8<-- [end:forward]
 
     # ----------------------------------------------------------------------- bookkeeping
     def __repr__(self) -> str:
@@ -298,7 +288,6 @@ class Engine:
                 f"{self.attn_backend.name} attention)")
 
 
-# --8<-- [start:free_memory]
 def free_device_memory(device: torch.device) -> int:
     """Bytes free on a CUDA device, after returning PyTorch's cached blocks to it.
 
@@ -311,4 +300,3 @@ def free_device_memory(device: torch.device) -> int:
     torch.cuda.empty_cache()
     free, _total = torch.cuda.mem_get_info(device)
     return free
-# --8<-- [end:free_memory]

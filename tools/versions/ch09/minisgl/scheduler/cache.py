@@ -29,7 +29,6 @@ from minisgl.kvcache.naive_cache import NaivePrefixCache
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
 
-# --8<-- [start:prefix_caches]
 # The prefix caches a scheduler can run with, by the name ``SchedulerConfig.prefix_cache`` takes.
 # Each entry builds one from the page size. Chapter 11 adds "radix".
 PREFIX_CACHES: dict[str, Callable[[int], BasePrefixCache]] = {
@@ -42,7 +41,6 @@ def make_prefix_cache(kind: str, page_size: int) -> BasePrefixCache:
     if kind not in PREFIX_CACHES:
         raise ValueError(f"prefix_cache must be one of {', '.join(PREFIX_CACHES)}; got {kind!r}")
     return PREFIX_CACHES[kind](page_size)
-# --8<-- [end:prefix_caches]
 
 
 class CacheManager:
@@ -66,7 +64,6 @@ class CacheManager:
         # The cached prefix each admitted request started from, and locked; popped on release.
         self._handles: dict[Req, CacheHandle] = {}
 
-    # --8<-- [start:available]
     @property
     def available_pages(self) -> int:
         """Pages a new request could get: the free ones, and those the cache could evict."""
@@ -80,9 +77,7 @@ class CacheManager:
     def pages_held(self, req: Req) -> int:
         """Pages mapped by ``req``'s page-table row (0 before admission)."""
         return self.pages.pages_held(req)
-    # --8<-- [end:available]
 
-    # --8<-- [start:admit]
     def match(self, req: Req) -> PrefixMatch:
         """The longest cached prefix ``req``'s prompt may reuse. Changes nothing.
 
@@ -104,9 +99,7 @@ class CacheManager:
         self.prefix_cache.lock(match.handle)
         req.cached_len = match.num_tokens
         self._handles[req] = match.handle
-    # --8<-- [end:admit]
 
-    # --8<-- [start:reserve]
     def reserve(self, req: Req) -> int:
         """Pages for ``req``'s next forward pass; returns how many were allocated.
 
@@ -126,9 +119,7 @@ class CacheManager:
         evicted = self.prefix_cache.evict(num_pages)
         self.pages.free_pages(evicted)
         return len(evicted)
-    # --8<-- [end:reserve]
 
-    # --8<-- [start:release]
     def release(self, req: Req) -> int:
         """Take back ``req``'s row and pages (it finished or was aborted); returns pages freed.
 
@@ -159,9 +150,7 @@ class CacheManager:
         to_free = pages[prefix:already] + pages[kept:]
         self.pages.free_pages(to_free)
         return len(to_free)
-    # --8<-- [end:release]
 
-    # --8<-- [start:check_integrity]
     def check_integrity(self) -> None:
         """Every page is in exactly one place: free, held by a request, or kept by the cache.
 
@@ -178,7 +167,6 @@ class CacheManager:
             raise RuntimeError(f"KV page accounting is off: {free} free + {held} held by "
                                f"{len(self._handles)} request(s) + {cached} in the prefix cache "
                                f"!= {self.num_pages} pages")
-    # --8<-- [end:check_integrity]
 
     @property
     def num_admitted(self) -> int:

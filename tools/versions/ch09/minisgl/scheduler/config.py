@@ -23,7 +23,6 @@ from minisgl.scheduler.cache import PREFIX_CACHES
 DEFAULT_MAX_PREFILL_TOKENS = 8192
 
 
-# --8<-- [start:scheduler_config]
 @dataclass(frozen=True)
 class SchedulerConfig(EngineConfig):
     """Everything :class:`~minisgl.scheduler.scheduler.Scheduler` needs to start.
@@ -40,7 +39,6 @@ class SchedulerConfig(EngineConfig):
 
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
     prefix_cache: str = "naive"
-    # --8<-- [end:scheduler_config]
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the engine's fields first

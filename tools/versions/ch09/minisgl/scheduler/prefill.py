@@ -26,7 +26,6 @@ from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.utils import lifetime_pages
 
 
-# --8<-- [start:prefill_budget]
 @dataclass
 class PrefillBudget:
     """What the prefill batch being formed may still take.
@@ -58,7 +57,6 @@ class PrefillBudget:
         self.tokens -= new_tokens
         self.pages -= pages
         self.rows -= 1
-# --8<-- [end:prefill_budget]
 
 
 class PrefillManager:
@@ -89,7 +87,6 @@ class PrefillManager:
         """Whether any request is waiting (it may still not fit this step)."""
         return bool(self.waiting)
 
-    # --8<-- [start:schedule_prefill]
     def schedule(self, budget: PrefillBudget) -> Batch | None:
         """Admit waiting requests in arrival order while they fit ``budget``; None if none fits.
 
@@ -111,4 +108,3 @@ class PrefillManager:
         self.cache.admit(req, match)
         budget.take(new_tokens, pages)
         return True
-    # --8<-- [end:schedule_prefill]

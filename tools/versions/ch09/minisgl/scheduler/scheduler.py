@@ -58,7 +58,6 @@ class Scheduler:
         num_steps: steps that ran a batch so far.
     """
 
-    # --8<-- [start:init]
     def __init__(self, config: SchedulerConfig) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"Scheduler takes a SchedulerConfig, got {type(config).__name__}")
@@ -73,10 +72,8 @@ class Scheduler:
                                self.cache.num_pages * config.page_size)
         self.num_steps = 0
         self._live_uids: set[int] = set()  # waiting or running
-    # --8<-- [end:init]
 
     # ------------------------------------------------------------------ requests in and out
-    # --8<-- [start:add]
     def add(self, req: Req) -> None:
         """Queue a new request. It runs once admitted, on a later :meth:`step`.
 
@@ -105,9 +102,7 @@ class Scheduler:
             req.params = dataclasses.replace(req.params, max_tokens=room)
         self._live_uids.add(req.uid)
         self.prefill.add(req)
-    # --8<-- [end:add]
 
-    # --8<-- [start:abort]
     def abort(self, uid: int) -> Req | None:
         """Drop request ``uid``, waiting or running, and free its pages at once.
 
@@ -125,7 +120,6 @@ class Scheduler:
         self._live_uids.discard(uid)
         logger.debug("request %d aborted after %d output token(s)", uid, len(req.output_ids))
         return req
-    # --8<-- [end:abort]
 
     @property
     def num_waiting(self) -> int:
@@ -141,7 +135,6 @@ class Scheduler:
         return self.prefill.runnable or self.decode.runnable
 
     # ------------------------------------------------------------------ one step
-    # --8<-- [start:step]
     def step(self) -> StepResult:
         """Run one batch, prefill or decode, and report what happened.
 
@@ -160,9 +153,7 @@ class Scheduler:
         result = self._report(batch, num_tokens, finished, new_pages=new_pages)
         self.num_steps += 1
         return result
-    # --8<-- [end:step]
 
-    # --8<-- [start:schedule]
     def schedule_next_batch(self) -> Batch | None:
         """The next batch: prefill first, then decode.
 
@@ -188,7 +179,6 @@ class Scheduler:
         return PrefillBudget(tokens=self.config.max_prefill_tokens,
                              pages=self.cache.available_pages - promised,
                              rows=self.engine.pages.num_free_rows)
-    # --8<-- [end:schedule]
 
     def admitted_reqs(self) -> list[Req]:
         """Requests holding a row and a promise of pages: the running ones (and, from chapter
@@ -196,7 +186,6 @@ class Scheduler:
         return self.decode.running + [req for req in self.prefill.waiting
                                       if req.table_row is not None]
 
-    # --8<-- [start:run_batch]
     def prepare_batch(self, batch: Batch) -> int:
         """Pages for every token this batch writes; returns how many were allocated."""
         return sum(self.cache.reserve(req) for req in batch.reqs)
@@ -228,7 +217,6 @@ class Scheduler:
         self._live_uids.discard(req.uid)
         logger.debug("request %d finished (%s) after %d token(s)", req.uid, req.finish_reason,
                      len(req.output_ids))
-    # --8<-- [end:run_batch]
 
     # ------------------------------------------------------------------ bookkeeping
     def _report(self, batch: Batch | None, num_tokens: int, finished: list[Req],

@@ -15,7 +15,6 @@ from minisgl.attention.utils import pages_for
 from minisgl.core import Phase, Req
 
 
-# --8<-- [start:lifetime]
 def lifetime_tokens(req: Req) -> int:
     """The most tokens whose K/V ``req`` will ever keep in the pool.
 
@@ -28,10 +27,8 @@ def lifetime_tokens(req: Req) -> int:
 def lifetime_pages(req: Req, page_size: int) -> int:
     """Pages ``req`` holds at most, on its last step, if it runs to ``max_tokens``."""
     return pages_for(lifetime_tokens(req), page_size)
-# --8<-- [end:lifetime]
 
 
-# --8<-- [start:step_result]
 @dataclass(frozen=True)
 class StepResult:
     """What one scheduler step did.
@@ -65,4 +62,3 @@ class StepResult:
     def idle(self) -> bool:
         """True when the step ran nothing (no request was waiting or running)."""
         return self.phase is None
-# --8<-- [end:step_result]

@@ -25,7 +25,6 @@ from minisgl.scheduler.cache import PREFIX_CACHES
 DEFAULT_MAX_PREFILL_TOKENS = 8192
 
 
-# --8<-- [start:scheduler_config]
 @dataclass(frozen=True)
 class SchedulerConfig(EngineConfig):
     """Everything :class:`~minisgl.scheduler.scheduler.Scheduler` needs to start.
@@ -42,13 +41,10 @@ class SchedulerConfig(EngineConfig):
 
     max_prefill_tokens: int = DEFAULT_MAX_PREFILL_TOKENS
     prefix_cache: str = "naive"
-    # --8<-- [end:scheduler_config]
-    # --8<-- [start:chunked_prefill_config]
     # Chapter 10. When True, no prefill step computes more than max_prefill_tokens tokens: the
     # prompt that does not fit is cut, and the rest of it runs in the next prefill steps (see
     # scheduler/chunking.py). Off by default, so that a step is chapter 9's unless asked.
     chunked_prefill: bool = False
-    # --8<-- [end:chunked_prefill_config]
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the engine's fields first

@@ -30,7 +30,6 @@ from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.utils import lifetime_pages
 
 
-# --8<-- [start:prefill_budget]
 @dataclass
 class PrefillBudget:
     """What the prefill batch being formed may still take.
@@ -62,9 +61,7 @@ class PrefillBudget:
         self.tokens -= new_tokens
         self.pages -= pages
         self.rows -= 1
-# --8<-- [end:prefill_budget]
 
-    # --8<-- [start:budget_chunk]
     def chunk(self, new_tokens: int) -> int:
         """How many of a request's ``new_tokens`` uncomputed tokens this step computes.
 
@@ -82,7 +79,6 @@ class PrefillBudget:
         chunk = self.chunk(req.new_len)
         self.tokens -= chunk
         return chunk
-    # --8<-- [end:budget_chunk]
 
 
 class PrefillManager:
@@ -113,8 +109,6 @@ class PrefillManager:
         """Whether any request is waiting (it may still not fit this step)."""
         return bool(self.waiting)
 
-    # --8<-- [start:schedule_prefill]
-    # --8<-- [start:chunked_admission]
     def schedule(self, budget: PrefillBudget) -> Batch | None:
         """Admit waiting requests in arrival order while they fit ``budget``; None if none fits.
 
@@ -155,5 +149,3 @@ class PrefillManager:
         chunk = budget.chunk(new_tokens)
         budget.take(chunk, pages)
         return chunk
-    # --8<-- [end:chunked_admission]
-    # --8<-- [end:schedule_prefill]

@@ -56,7 +56,6 @@ logger = get_logger(__name__)
 GiB = 2**30
 
 
-# --8<-- [start:kv_budget]
 @dataclass(frozen=True)
 class KVBudget:
     """How the KV pool was sized: the budget, where it came from, and what it buys.
@@ -115,7 +114,6 @@ def plan_kv_budget(budget_bytes: int, source: str, model_config: ModelConfig,
                          "more memory (memory_fraction on CUDA, cpu_kv_memory / "
                          "MINISGL_CPU_KV_MEMORY on CPU) or a smaller page_size")
     return budget
-# --8<-- [end:kv_budget]
 
 
 class DecodeGraphs(Protocol):
@@ -144,7 +142,6 @@ class Engine:
         graph_runner: the CUDA-graph runner for decode steps (chapter 8).
     """
 
-    # --8<-- [start:engine_init]
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
         self.device = resolve_device(config.device)
@@ -172,14 +169,11 @@ class Engine:
         self.attn_backend = create_attention_backend(
             config.attention_backend, self.kv_pool, self.pages.table,
             self.model_config.num_qo_heads)
-        # --8<-- [start:make_token_pool]
         # Chapter 12: the token ids of every row, on the device, so that a step can be launched
         # before the host has read the tokens the step before sampled.
         self.token_pool = TokenPool(config.max_running_reqs, self.max_seq_len, self.device)
-        # --8<-- [end:make_token_pool]
         self._log_kv_budget()
         self.graph_runner: DecodeGraphs | None = self._make_graph_runner()
-    # --8<-- [end:engine_init]
 
     def _model_max_seq_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -189,7 +183,6 @@ class Engine:
                              f"max_position_embeddings ({limit}): its rotary table stops there")
         return limit if wanted is None else wanted
 
-    # --8<-- [start:plan_kv_budget]
     def _plan_kv_budget(self, max_pages_per_req: int) -> KVBudget:
         """Decide the pool's memory: a fixed page count, free GPU memory, or the CPU setting."""
         config = self.config
@@ -210,7 +203,6 @@ class Engine:
         assert config.cpu_kv_memory is not None  # EngineConfig filled it in from the environment
         return plan_kv_budget(config.cpu_kv_memory, "cpu_kv_memory (MINISGL_CPU_KV_MEMORY)",
                               self.model_config, self.dtype, config.page_size, max_useful)
-    # --8<-- [end:plan_kv_budget]
 
     def _log_kv_budget(self) -> None:
         b = self.kv_budget
@@ -221,7 +213,6 @@ class Engine:
                     " (capped: enough for every page-table row)" if b.capped else "",
                     self.max_seq_len)
 
-    # --8<-- [start:make_graph_runner]
     def _make_graph_runner(self) -> GraphRunner:
         """Capture decode steps as CUDA graphs, or say why not (chapter 8).
 
@@ -236,11 +227,8 @@ class Engine:
         pad_page = self.pages.set_aside_page()
         return GraphRunner(self.model, self.attn_backend, capture_batch_sizes(self.config),
                            pad_page=pad_page, vocab_size=self.model_config.vocab_size)
-    # --8<-- [end:make_graph_runner]
 
     # ----------------------------------------------------------------------- one forward step
-    # --8<-- [start:forward]
-    # --8<-- [start:forward_in_flight]
     @torch.no_grad()
     def forward(self, batch: Batch, use_graph: bool = True) -> torch.Tensor:
         """One step: every request of ``batch`` computes its new tokens and samples one more.
@@ -283,7 +271,6 @@ class Engine:
                               for req, new_len in zip(batch.reqs, batch.new_lens)],
                              is_decode=batch.is_decode)
         return Context(batch=batch, layout=layout, input_ids=self.token_pool.input_ids(batch))
-    # --8<-- [end:forward_in_flight]
 
     @torch.no_grad()
     def run(self, ctx: Context, use_graph: bool = True) -> torch.Tensor:
@@ -307,7 +294,6 @@ class Engine:
                               [req.generator for req in batch.reqs])
         self.token_pool.store_samples(batch, tokens)
         return tokens
-    # --8<-- [end:forward]
 
     # ----------------------------------------------------------------------- bookkeeping
     def __repr__(self) -> str:
@@ -317,7 +303,6 @@ class Engine:
                 f"{self.attn_backend.name} attention)")
 
 
-# --8<-- [start:free_memory]
 def free_device_memory(device: torch.device) -> int:
     """Bytes free on a CUDA device, after returning PyTorch's cached blocks to it.
 
@@ -330,4 +315,3 @@ def free_device_memory(device: torch.device) -> int:
     torch.cuda.empty_cache()
     free, _total = torch.cuda.mem_get_info(device)
     return free
-# --8<-- [end:free_memory]

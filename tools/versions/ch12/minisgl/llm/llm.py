@@ -56,7 +56,6 @@ class LLM:
         tokenizer: the checkpoint's tokenizer (a ``transformers`` tokenizer).
     """
 
-    # --8<-- [start:llm_init]
     def __init__(self, model: str | os.PathLike[str], device: str = "auto", dtype: str = "auto",
                  **engine_options: Any) -> None:
         _check_engine_options(engine_options)
@@ -65,13 +64,11 @@ class LLM:
                                                           **engine_options))
         self.tokenizer = _load_tokenizer(path)
         self._next_uid = 0  # uids stay unique across generate() calls
-    # --8<-- [end:llm_init]
 
     @property
     def engine(self):  # the Engine: for its device, dtype and KV budget
         return self.scheduler.engine
 
-    # --8<-- [start:generate]
     def generate(self, prompts: Prompt | Sequence[Prompt],
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  *, progress: bool | None = None) -> list[Completion]:
@@ -120,9 +117,7 @@ class LLM:
         finally:  # an error or Ctrl-C: drop what is left, so that no page stays taken
             for uid in pending:
                 self.scheduler.abort(uid)
-    # --8<-- [end:generate]
 
-    # --8<-- [start:completion]
     def _completion(self, req: Req) -> Completion:
         assert req.finish_reason is not None, req
         text_ids = req.output_ids
@@ -130,7 +125,6 @@ class LLM:
             text_ids = text_ids[:-1]
         return {"text": self.tokenizer.decode(text_ids), "token_ids": list(req.output_ids),
                 "finish_reason": req.finish_reason}
-    # --8<-- [end:completion]
 
     def _encode(self, index: int, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

@@ -25,7 +25,6 @@ class BackendMessage(Message, family=True):
     """Everything the scheduler receives."""
 
 
-# --8<-- [start:message_types_backend]
 @dataclass(frozen=True)
 class UserRequest(BackendMessage):
     """A new request for the scheduler: tokenizer -> scheduler.
@@ -39,4 +38,3 @@ class UserRequest(BackendMessage):
     uid: int
     input_ids: list[int]
     sampling_params: SamplingParams
-# --8<-- [end:message_types_backend]

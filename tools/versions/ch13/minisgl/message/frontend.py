@@ -20,7 +20,6 @@ class FrontendMessage(Message, family=True):
     """Everything the API server (the frontend) receives."""
 
 
-# --8<-- [start:message_types_frontend]
 @register_wire_type
 @dataclass(frozen=True)
 class TokenUsage:
@@ -62,4 +61,3 @@ class UserReply(FrontendMessage):
     def finished(self) -> bool:
         """Whether this is the request's last reply."""
         return self.finish_reason is not None
-# --8<-- [end:message_types_frontend]

@@ -33,7 +33,6 @@ class DetokenizerMessage(Message, family=True):
     """Everything the detokenizer worker receives (from the scheduler)."""
 
 
-# --8<-- [start:message_types]
 @dataclass(frozen=True)
 class TokenizeRequest(TokenizerMessage):
     """A new request as the API server received it: API server -> tokenizer.
@@ -101,4 +100,3 @@ class DetokenizeRequest(DetokenizerMessage):
     def finished(self) -> bool:
         """Whether this is the request's last token."""
         return self.finish_reason is not None
-# --8<-- [end:message_types]

@@ -20,7 +20,6 @@ logger = get_logger(__name__)
 
 
 # ---------------------------------------------------------------------------------- processes
-# --8<-- [start:spawn]
 # Every worker starts in a fresh interpreter ("spawn"), never as a copy of its parent ("fork").
 # fork copies the parent's memory but only the thread that called it: the CUDA driver cannot
 # run in a forked child once the parent has initialised it, and a lock that another thread
@@ -66,4 +65,3 @@ def stop_process(process: BaseProcess, timeout_s: float = 5.0) -> int | None:
         process.kill()
         process.join()
     return process.exitcode
-# --8<-- [end:spawn]

@@ -71,7 +71,6 @@ def _private_ipc_dir() -> str:
     return _ipc_dir
 
 
-# --8<-- [start:open_socket]
 def _open_socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
     if not isinstance(address, str) or not address.startswith(_SCHEMES):
         raise ValueError(f"a queue address must start with one of {_SCHEMES}, got {address!r}")
@@ -86,7 +85,6 @@ def _open_socket(context: zmq.Context, kind: int, address: str, bind: bool) -> z
         verb = "bind" if bind else "connect"
         raise OSError(f"cannot {verb} a queue to {address}: {exc}") from exc
     return socket
-# --8<-- [end:open_socket]
 
 
 def _check_type(message: Any, message_type: type, address: str) -> None:
@@ -128,14 +126,12 @@ class _Queue:
     def closed(self) -> bool:
         return self._socket.closed
 
-    # --8<-- [start:queue_close]
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket. Outgoing messages not yet handed to the peer are kept for at most
         ``linger_s`` seconds: 0 (the default) at shutdown, when the peer may be gone; a second
         or two for a sender that exits right after its last ``put``."""
         if not self._socket.closed:
             self._socket.close(linger=int(linger_s * 1000))
-    # --8<-- [end:queue_close]
 
     def __enter__(self):
         return self
@@ -152,7 +148,6 @@ class _Queue:
         return f"{type(self).__name__}[{self.message_type.__name__}]({self.address})"
 
 
-# --8<-- [start:push_pull]
 class ZmqPushQueue(_Queue, Generic[T]):
     """The sending end of a queue of ``message_type`` messages.
 
@@ -214,10 +209,8 @@ class ZmqPullQueue(_Queue, Generic[T]):
 
     def _receive(self, frame: bytes) -> None:
         self._ready.extend(_unframe(frame, self.message_type, self.address))
-# --8<-- [end:push_pull]
 
 
-# --8<-- [start:async_queue]
 class ZmqAsyncPushQueue(_Queue, Generic[T]):
     """:class:`ZmqPushQueue` for an asyncio event loop: ``await queue.put(message)``."""
 
@@ -263,4 +256,3 @@ class ZmqAsyncPullQueue(_Queue, Generic[T]):
                                        ) from None
             self._ready.extend(_unframe(frame, self.message_type, self.address))
         return self._ready.popleft()
-# --8<-- [end:async_queue]

@@ -35,7 +35,6 @@ class DetokenizerMessage(Message, family=True):
     """Everything the detokenizer worker receives (from the scheduler)."""
 
 
-# --8<-- [start:message_types]
 @dataclass(frozen=True)
 class TokenizeRequest(TokenizerMessage):
     """A new request as the API server received it: API server -> tokenizer.
@@ -106,15 +105,12 @@ class DetokenizeRequest(DetokenizerMessage):
     next_token: int
     finish_reason: FinishReason | None = None
     usage: TokenUsage | None = None
-    # --8<-- [start:first_token_fields]
     # Chapter 14. Set on a request's first token only: a field at its default is not sent, so
     # every later token costs exactly what it did.
     stop: tuple[str, ...] = ()
     prompt_tokens: int = 0
-    # --8<-- [end:first_token_fields]
 
     @property
     def finished(self) -> bool:
         """Whether this is the request's last token."""
         return self.finish_reason is not None
-# --8<-- [end:message_types]

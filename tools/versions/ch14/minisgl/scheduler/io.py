@@ -43,7 +43,6 @@ from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue
 
 logger = get_logger(__name__)
 
-# --8<-- [start:counters]
 # What the scheduler publishes after each step. running / waiting / kv_pages_in_use are the
 # state now; prompt_tokens and generation_tokens are totals since start-up.
 SCHEDULER_COUNTERS = ("running", "waiting", "kv_pages_in_use", "prompt_tokens",
@@ -53,7 +52,6 @@ SCHEDULER_COUNTERS = ("running", "waiting", "kv_pages_in_use", "prompt_tokens",
 def scheduler_counters() -> SharedCounters:
     """Counters for :func:`run_scheduler`'s ``stats`` argument."""
     return SharedCounters(SCHEDULER_COUNTERS)
-# --8<-- [end:counters]
 
 
 class SchedulerIO:
@@ -78,7 +76,6 @@ class SchedulerIO:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    # --8<-- [start:receive]
     def receive(self, messages: list[BackendMessage]) -> list[DetokenizerMessage]:
         """Add and abort requests, in the order the messages came.
 
@@ -110,9 +107,7 @@ class SchedulerIO:
             return
         self.live[req.uid] = req
         self._sent[req.uid] = 0
-    # --8<-- [end:receive]
 
-    # --8<-- [start:step]
     def step(self) -> list[DetokenizerMessage]:
         """Run one scheduler step; one message per token it produced.
 
@@ -155,7 +150,6 @@ class SchedulerIO:
         if finished:
             del self.live[req.uid], self._sent[req.uid]
         return messages
-    # --8<-- [end:step]
 
     def _publish(self) -> None:
         if self.stats is None:
@@ -169,7 +163,6 @@ class SchedulerIO:
         )
 
 
-# --8<-- [start:run_scheduler]
 def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
                   ready: multiprocessing.Queue | None = None,
                   stats: SharedCounters | None = None) -> None:
@@ -207,4 +200,3 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
                 queue.close()  # linger 0: frames not handed over yet are dropped
         zmq.Context.instance().term()
     logger.info("scheduler stopped")
-# --8<-- [end:run_scheduler]

@@ -45,7 +45,6 @@ Decode = Callable[[Sequence[int]], str]  # token ids -> text, e.g. a tokenizer's
 REPLACEMENT_CHAR = "\ufffd"
 
 
-# --8<-- [start:decode_stream]
 @dataclass
 class DecodeStream:
     """The text of one request's tokens, a piece at a time, never a broken character.
@@ -81,10 +80,8 @@ class DecodeStream:
         new_text = self.decode(self.token_ids[self.prefix_offset:])
         self.prefix_offset = self.read_offset = len(self.token_ids)
         return new_text[len(prefix_text):]
-# --8<-- [end:decode_stream]
 
 
-# --8<-- [start:stop_matcher]
 @dataclass
 class StopMatcher:
     """Cuts a stream of text at the first of its stop strings.
@@ -127,10 +124,8 @@ class StopMatcher:
                     longest = n
                     break
         return longest
-# --8<-- [end:stop_matcher]
 
 
-# --8<-- [start:request_text]
 @dataclass
 class RequestText:
     """What the detokenizer keeps for one request.
@@ -150,7 +145,6 @@ class RequestText:
     prompt_tokens: int = 0
     num_tokens: int = 0
     stopped: bool = False
-# --8<-- [end:request_text]
 
 
 class DetokenizeManager:
@@ -174,7 +168,6 @@ class DetokenizeManager:
         """Requests whose state is kept (the ``live_states`` counter)."""
         return len(self.states)
 
-    # --8<-- [start:detokenize]
     def detokenize(self, message: DetokenizeRequest) -> UserReply | None:
         """The reply for one token of a request, or None when the token is to be dropped.
 
@@ -209,13 +202,11 @@ class DetokenizeManager:
             return UserReply(message.uid, text + state.stop.flush(), message.finish_reason,
                              message.usage)
         return UserReply(message.uid, text)
-    # --8<-- [end:detokenize]
 
     def abort(self, uid: int) -> None:
         """Forget request ``uid``: the scheduler dropped it, and will send nothing more."""
         self.states.pop(uid, None)
 
-    # --8<-- [start:process]
     def process(self, messages: list[DetokenizerMessage]
                 ) -> tuple[list[UserReply], list[AbortRequest]]:
         """Handle what the scheduler sent, in order.
@@ -237,4 +228,3 @@ class DetokenizeManager:
             if reply.finished and not message.finished:
                 aborts.append(AbortRequest(message.uid))
         return replies, aborts
-    # --8<-- [end:process]

@@ -58,7 +58,6 @@ def _close(*queues: ZmqPullQueue | ZmqPushQueue | None) -> None:
     zmq.Context.instance().term()
 
 
-# --8<-- [start:run_tokenizer]
 def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
                   ready: multiprocessing.Queue | None = None,
                   name: str = "tokenizer-0") -> None:
@@ -96,10 +95,8 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
     finally:
         _close(receive, send)
     logger.info("%s stopped", name)
-# --8<-- [end:run_tokenizer]
 
 
-# --8<-- [start:run_detokenizer]
 def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
                     ready: multiprocessing.Queue | None = None,
                     stats: SharedCounters | None = None,
@@ -139,4 +136,3 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
     finally:
         _close(receive, send, abort)
     logger.info("detokenizer stopped")
-# --8<-- [end:run_detokenizer]

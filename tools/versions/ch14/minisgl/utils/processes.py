@@ -36,7 +36,6 @@ T = TypeVar("T")
 
 
 # ---------------------------------------------------------------------------------- processes
-# --8<-- [start:spawn]
 # Every worker starts in a fresh interpreter ("spawn"), never as a copy of its parent ("fork").
 # fork copies the parent's memory but only the thread that called it: the CUDA driver cannot
 # run in a forked child once the parent has initialised it, and a lock that another thread
@@ -82,11 +81,9 @@ def stop_process(process: BaseProcess, timeout_s: float = 5.0) -> int | None:
         process.kill()
         process.join()
     return process.exitcode
-# --8<-- [end:spawn]
 
 
 # ---------------------------------------------------------------------------------- readiness
-# --8<-- [start:readiness]
 READY = "ready"
 FAILED = "failed"
 
@@ -161,11 +158,9 @@ def wait_ready(queue: multiprocessing.Queue, processes: Sequence[BaseProcess],
         if status == FAILED:
             raise RuntimeError(f"worker {name} (pid {pid}) failed to start:\n{text.rstrip()}")
         logger.debug("worker %s (pid %d) is ready", name, pid)
-# --8<-- [end:readiness]
 
 
 # ---------------------------------------------------------------------------------- shutdown
-# --8<-- [start:shutdown]
 class ShutdownRequested(BaseException):
     """Raised in a worker that got SIGTERM or SIGINT while it was waiting (or starting).
 
@@ -243,4 +238,3 @@ def stop_processes(processes: Iterable[BaseProcess], timeout_s: float = 5.0) -> 
             process.terminate()
     for process in processes:
         stop_process(process, timeout_s)
-# --8<-- [end:shutdown]

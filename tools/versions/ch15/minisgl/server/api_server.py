@@ -38,7 +38,6 @@ from minisgl.server.responses import (
 )
 
 
-# --8<-- [start:abort_on_disconnect]
 async def abort_on_disconnect(frontend: RequestRouter, uid: int,
                               chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
     """Pass ``chunks`` through; if the stream stops before they end, abort request ``uid``.
@@ -58,7 +57,6 @@ async def abort_on_disconnect(frontend: RequestRouter, uid: int,
     finally:
         if not finished:
             frontend.abort(uid)
-# --8<-- [end:abort_on_disconnect]
 
 
 def sse_response(frontend: RequestRouter, uid: int,
@@ -81,7 +79,6 @@ def _meta(request: Request, prefix: str, uid: int) -> ResponseMeta:
     return ResponseMeta(f"{prefix}-{uid}", int(time.time()), request.app.state.model_name)
 
 
-# --8<-- [start:chat_endpoint]
 @router.post("/v1/chat/completions")
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """A chat turn: the tokenizer applies the model's chat template to ``messages``."""
@@ -96,7 +93,6 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
         return sse_response(frontend, uid, chunks)
     text, last = await frontend.collect(uid)
     return chat_body(meta, text, last)
-# --8<-- [end:chat_endpoint]
 
 
 @router.post("/v1/completions")
@@ -146,7 +142,6 @@ async def metrics(request: Request):
 
 
 # =========================================================================== /metrics
-# --8<-- [start:metrics]
 # Worker counter name -> (metric, Prometheus type, help).
 WORKER_METRICS: dict[str, tuple[str, str, str]] = {
     "running": ("minisgl_running_requests", "gauge", "Requests in the running batch."),
@@ -178,11 +173,9 @@ def metrics_text(worker_counters: Mapping[str, int], frontend: RequestRouter) ->
     for name, kind, help_text, value in rows:
         lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
     return "\n".join(lines) + "\n"
-# --8<-- [end:metrics]
 
 
 # =========================================================================== the app
-# --8<-- [start:create_app]
 def create_app(frontend_factory: Callable[[], RequestRouter], model_name: str, *,
                model_root: str | None = None,
                metrics: Callable[[], Mapping[str, int]] | None = None,
@@ -225,4 +218,3 @@ def create_app(frontend_factory: Callable[[], RequestRouter], model_name: str, *
         return validation_error(exc.errors()).response()
 
     return app
-# --8<-- [end:create_app]

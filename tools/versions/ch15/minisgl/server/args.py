@@ -127,7 +127,6 @@ class ServerArgs:
         return SchedulerConfig(model_path, device=self.device, dtype=self.dtype, **options)
 
 
-# --8<-- [start:build_parser]
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m minisgl`` (the Reference page shows its ``--help``)."""
     parser = argparse.ArgumentParser(
@@ -165,7 +164,6 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help_text in ENGINE_OPTIONS.items():
         _add_engine_option(engine, name, help_text)
     return parser
-# --8<-- [end:build_parser]
 
 
 def _add_engine_option(group: argparse._ArgumentGroup, name: str, help_text: str) -> None:
@@ -195,7 +193,6 @@ def _mem_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-# --8<-- [start:parse_args]
 def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     """``argv`` (default: ``sys.argv[1:]``) as checked :class:`ServerArgs`.
 
@@ -212,7 +209,6 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     return args
-# --8<-- [end:parse_args]
 
 
 def _check_int(flag: str, value: object, minimum: int, maximum: int | None = None) -> None:

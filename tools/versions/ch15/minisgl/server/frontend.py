@@ -42,7 +42,6 @@ class _Inbox(Protocol):
     async def get(self) -> FrontendMessage: ...
 
 
-# --8<-- [start:frontend_state]
 @dataclass
 class _Pending:
     """A request the frontend is waiting on: replies not read yet, and a flag to wake it."""
@@ -88,7 +87,6 @@ class RequestRouter:
         self._listener: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()  # abort sends still in flight
         self.stats = FrontendStats()
-    # --8<-- [end:frontend_state]
 
     @classmethod
     def connect(cls, tokenizer_addrs: Sequence[str], inbox_addr: str) -> RequestRouter:
@@ -113,7 +111,6 @@ class RequestRouter:
             self._listener.add_done_callback(_report_listener_exit)
 
     # ----------------------------------------------------------------- requests out
-    # --8<-- [start:frontend_submit]
     async def submit(self, params: SamplingParams, *, text: str | None = None,
                      input_ids: list[int] | None = None,
                      messages: list[dict[str, Any]] | None = None) -> int:
@@ -151,10 +148,8 @@ class RequestRouter:
 
     def _tokenizer_of(self, uid: int) -> _Outbox:
         return self._tokenizers[uid % len(self._tokenizers)]
-    # --8<-- [end:frontend_submit]
 
     # ----------------------------------------------------------------- replies in
-    # --8<-- [start:frontend_dispatch]
     async def _listen(self) -> None:
         """The one reader of the inbox: hand each reply to its request's buffer."""
         while True:
@@ -200,7 +195,6 @@ class RequestRouter:
             last = reply
         assert last is not None and last.finished, f"request {uid} ended without a last reply"
         return "".join(parts), last
-    # --8<-- [end:frontend_dispatch]
 
     async def close(self) -> None:
         """Stop the listener, let the abort sends finish, close the queues."""

@@ -95,7 +95,6 @@ class Workers:
         logger.info("stopped %d worker process(es)", len(self.processes))
 
 
-# --8<-- [start:start_workers]
 def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
     """Start the scheduler, the detokenizer and the tokenizers; return once all are ready.
 
@@ -133,10 +132,8 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
         workers.stop()
         raise
     return workers
-# --8<-- [end:start_workers]
 
 
-# --8<-- [start:launch]
 def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
     """Run the server (or, with ``--shell``, ``shell``) described by ``args``; returns the exit
     status."""
@@ -178,7 +175,6 @@ def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
                     workers.stop()
                 if listener is not None:
                     listener.close()
-# --8<-- [end:launch]
 
 
 def main(argv: Sequence[str] | None = None, shell: ShellRunner | None = None) -> int:

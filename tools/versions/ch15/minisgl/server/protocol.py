@@ -65,7 +65,6 @@ def validation_error(errors: Sequence[Mapping[str, Any]]) -> APIError:
 TokenId = Annotated[int, Field(ge=0)]
 
 
-# --8<-- [start:request_models]
 class TextPart(BaseModel):
     """One part of a message's content given as a list (OpenAI's multi-part form)."""
 
@@ -165,4 +164,3 @@ class CompletionRequest(_GenerationBody):
     """The body of ``POST /v1/completions``: a prompt as text or as token ids."""
 
     prompt: str | list[TokenId]
-# --8<-- [end:request_models]

@@ -72,7 +72,6 @@ def completion_chunk(meta: ResponseMeta, text: str,
                          "finish_reason": finish_reason}]}
 
 
-# --8<-- [start:sse]
 SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
 
 
@@ -100,7 +99,6 @@ async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
                 yield sse_event({**chat_chunk(meta, {}), "choices": [],
                                  "usage": usage_dict(reply.usage)})
     yield SSE_DONE
-# --8<-- [end:sse]
 
 
 async def stream_completion(replies: AsyncIterator[UserReply], meta: ResponseMeta,

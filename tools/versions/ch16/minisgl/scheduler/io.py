@@ -51,7 +51,6 @@ from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)
 
-# --8<-- [start:counters]
 # What the scheduler publishes after each step. running / waiting / kv_pages_in_use are the
 # state now; prompt_tokens and generation_tokens are totals since start-up.
 SCHEDULER_COUNTERS = ("running", "waiting", "kv_pages_in_use", "prompt_tokens",
@@ -61,7 +60,6 @@ SCHEDULER_COUNTERS = ("running", "waiting", "kv_pages_in_use", "prompt_tokens",
 def scheduler_counters() -> SharedCounters:
     """Counters for :func:`run_scheduler`'s ``stats`` argument."""
     return SharedCounters(SCHEDULER_COUNTERS)
-# --8<-- [end:counters]
 
 # Chapter 16: a step that raises fails the requests it was serving, and the scheduler goes on;
 # this many failed steps in a row mean it cannot recover, and the process exits (the API server
@@ -92,7 +90,6 @@ class SchedulerIO:
     def has_work(self) -> bool:
         return self.scheduler.has_work
 
-    # --8<-- [start:receive]
     def receive(self, messages: list[BackendMessage]) -> list[DetokenizerMessage]:
         """Add and abort requests, in the order the messages came.
 
@@ -122,9 +119,7 @@ class SchedulerIO:
             else:  # the queue only lets BackendMessage through; a new kind needs code here
                 logger.error("the scheduler cannot handle a %s; dropped", type(message).__name__)
         return forward
-    # --8<-- [end:receive]
 
-    # --8<-- [start:add]
     def _add(self, message: UserRequest) -> RequestError | None:
         """Queue a request; the error to answer it with if it cannot be served."""
         limit = self.scheduler.max_seq_len  # the model's context, or what the KV pool holds
@@ -156,9 +151,7 @@ class SchedulerIO:
         self.live[req.uid] = req
         self._sent[req.uid] = 0
         return None
-    # --8<-- [end:add]
 
-    # --8<-- [start:step]
     def step(self) -> list[DetokenizerMessage]:
         """Run one scheduler step; one message per token it produced.
 
@@ -206,9 +199,7 @@ class SchedulerIO:
         if finished:
             del self.live[req.uid], self._sent[req.uid]
         return messages
-    # --8<-- [end:step]
 
-    # --8<-- [start:fail]
     def _fail(self, uids: list[int], exc: Exception) -> list[DetokenizerMessage]:
         """A step raised: end every request that was live before it with an error.
 
@@ -235,7 +226,6 @@ class SchedulerIO:
         self._last_uids = ()
         self._publish()
         return [AbortRequest(uid, error=error) for uid in uids]
-    # --8<-- [end:fail]
 
     def _publish(self) -> None:
         if self.stats is None:
@@ -249,7 +239,6 @@ class SchedulerIO:
         )
 
 
-# --8<-- [start:run_scheduler]
 def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
                   ready: multiprocessing.Queue | None = None,
                   stats: SharedCounters | None = None) -> None:
@@ -286,4 +275,3 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
     finally:
         close_queues(receive, send)
     logger.info("scheduler stopped")
-# --8<-- [end:run_scheduler]

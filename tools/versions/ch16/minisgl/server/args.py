@@ -149,7 +149,6 @@ class ServerArgs:
         return SchedulerConfig(model_path, device=self.device, dtype=self.dtype, **options)
 
 
-# --8<-- [start:build_parser]
 def build_parser() -> argparse.ArgumentParser:
     """The parser of ``python -m minisgl`` (the Reference page shows its ``--help``)."""
     parser = argparse.ArgumentParser(
@@ -183,7 +182,6 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
                         metavar="SECONDS", dest="startup_timeout_s",
                         help="how long to wait for the workers to start (default: %(default)s)")
-    # --8<-- [start:lifecycle_options]
     lifecycle = parser.add_argument_group(
         "request lifecycle", "limits that keep one client from holding the server's memory "
         "or its shutdown")
@@ -199,14 +197,12 @@ def build_parser() -> argparse.ArgumentParser:
                            default=DEFAULT_SHUTDOWN_TIMEOUT_S, dest="shutdown_timeout_s",
                            help="on SIGINT/SIGTERM, how long requests in flight may take to "
                            "finish before they are ended with an error (default: %(default)s)")
-    # --8<-- [end:lifecycle_options]
 
     engine = parser.add_argument_group(
         "engine options", "left out, each keeps the engine's default (shown in brackets)")
     for name, help_text in ENGINE_OPTIONS.items():
         _add_engine_option(engine, name, help_text)
     return parser
-# --8<-- [end:build_parser]
 
 
 def _add_engine_option(group: argparse._ArgumentGroup, name: str, help_text: str) -> None:
@@ -236,7 +232,6 @@ def _mem_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-# --8<-- [start:parse_args]
 def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     """``argv`` (default: ``sys.argv[1:]``) as checked :class:`ServerArgs`.
 
@@ -254,7 +249,6 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     except (TypeError, ValueError) as exc:
         parser.error(str(exc))
     return args
-# --8<-- [end:parse_args]
 
 
 def _check_seconds(flag: str, value: object, minimum: float, inclusive: bool) -> None:

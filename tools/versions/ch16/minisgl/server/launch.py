@@ -112,7 +112,6 @@ class Workers:
         logger.info("stopped %d worker process(es)", len(self.processes))
 
 
-# --8<-- [start:start_workers]
 def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
     """Start the scheduler, the detokenizer and the tokenizers; return once all are ready.
 
@@ -154,10 +153,8 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
         workers.stop()
         raise
     return workers
-# --8<-- [end:start_workers]
 
 
-# --8<-- [start:launch]
 def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
     """Run the server (or, with ``--shell``, ``shell``) described by ``args``; returns the exit
     status."""
@@ -209,7 +206,6 @@ def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
                     workers.stop()
                 if listener is not None:
                     listener.close()
-# --8<-- [end:launch]
 
 
 def main(argv: Sequence[str] | None = None, shell: ShellRunner | None = None) -> int:
@@ -253,7 +249,6 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-# --8<-- [start:serve_http]
 def serve_http(app: Any, sock: socket.socket, shutdown_timeout_s: float = 5.0) -> None:
     """Run uvicorn on ``sock`` until SIGINT or SIGTERM.
 
@@ -317,7 +312,6 @@ class OrderlyServer(uvicorn.Server):
         super().handle_exit(sig, frame)
         if self.force_exit and self._loop is not None:  # a second Ctrl-C: no more waiting
             self._loop.call_soon_threadsafe(self._end_requests)
-# --8<-- [end:serve_http]
 
 
 # --------------------------------------------------------------------------- signals
