@@ -102,6 +102,7 @@ class GraphBuffers:
     host_qo_indptr: torch.Tensor  # [max_batch_size + 1] int32, 0 .. max_batch_size (host)
 
 
+# --8<-- [start:host_page_rows]
 class HostPageRows:
     """The page table's rows as one numpy array on the host, kept in step by appends.
 
@@ -145,6 +146,7 @@ class HostPageRows:
         flat = np.repeat(rows * self._width - starts, counts) + np.arange(total)
         np.take(self.ids.reshape(-1), flat, out=out[:total])
         return total
+# --8<-- [end:host_page_rows]
 
 
 class FlashInferBackend(BaseAttnBackend):

@@ -33,7 +33,7 @@ except ImportError:  # pragma: no cover - exercised on machines without Triton
 
 
 if triton is not None:
-
+    # --8<-- [start:qk_prologue_kernel]
     @triton.jit
     def _norm_rope(x1, x2, w_ptr, out_ptr, cos, sin, eps, half_offsets, D: tl.constexpr,
                    HAS_NORM: tl.constexpr):
@@ -89,6 +89,7 @@ if triton is not None:
             full = tl.arange(0, D)
             value = tl.load(row + (HQ + HKV + kv_head) * D + full)
             tl.store(v_dst_ptr + slot * dst_row_stride + kv_head * D + full, value.to(cache_ty))
+    # --8<-- [end:qk_prologue_kernel]
 
 
 def qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, num_qo_heads: int,
