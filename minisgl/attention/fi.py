@@ -83,9 +83,9 @@ class GraphBuffers:
 
     A CUDA graph records the addresses its kernels read. Replaying it for a new batch means
     writing the new batch's arrays *into these same tensors*: every one of them is made here,
-    once, and a replay only copies into it. The host builds a batch's arrays in the ``host_*``
-    mirrors; one copy per array, which the host does not wait for, moves them to the device,
-    and nothing is allocated on the device per step.
+    once, and a replay only copies into it. The host builds a batch's arrays in the pinned
+    ``host_*`` mirrors; one asynchronous copy per array moves them to the device, and nothing
+    is allocated on the device per step.
     """
 
     max_batch_size: int
@@ -95,7 +95,7 @@ class GraphBuffers:
     last_page_lens: torch.Tensor  # [max_batch_size] int32 (plan copies into it)
     token_fields: torch.Tensor  # [2, max_batch_size] int64: positions, then out_loc
     last_indices: torch.Tensor  # [max_batch_size] int64, 0 .. max_batch_size - 1
-    host_page_indptr: torch.Tensor  # host mirrors of the arrays above
+    host_page_indptr: torch.Tensor  # pinned host mirrors of the arrays above
     host_page_indices: torch.Tensor
     host_last_page_lens: torch.Tensor
     host_token_fields: torch.Tensor
@@ -263,10 +263,10 @@ class FlashInferBackend(BaseAttnBackend):
         max_pages = max_batch_size * self.page_table.max_pages_per_req
 
         def device_and_host(*shape: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-            # Ordinary (pageable) host memory: the copy from it reads it before returning, so
-            # the next step may rewrite it at once; Python writes to pinned memory were slower.
+            # Pinned host memory: a copy from it is truly asynchronous (from pageable memory
+            # the driver may first wait for the stream).
             return (torch.zeros(shape, dtype=dtype, device=self.device),
-                    torch.zeros(shape, dtype=dtype))
+                    torch.zeros(shape, dtype=dtype, pin_memory=True))
 
         indptr, host_indptr = device_and_host(max_batch_size + 1, dtype=torch.int32)
         indices, host_indices = device_and_host(max_pages, dtype=torch.int32)
@@ -337,6 +337,9 @@ class FlashInferBackend(BaseAttnBackend):
 
     def _prepare_graph_batch(self, layout: BatchLayout | None, batch_size: int) -> FIMetadata:
         meta = self._graph_metadata(batch_size)
+        # The staging may still be the source of the previous step's copies: the event that
+        # guards plan()'s own pinned staging guards it too.
+        self._plan_copied.synchronize()
         self._stage_graph_batch(layout.spans if layout is not None else (), batch_size)
         meta.layout = layout
         self._run_plan(meta)  # copies page_indptr and last_page_lens into the fixed buffers
