@@ -673,21 +673,26 @@ def test_fused_rope_equals_the_pytorch_path_in_place(cuda_bf16: None, case: str)
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", FUSED_TOKENS)
 @pytest.mark.parametrize("into_pool", [False, True])
-def test_qk_prologue_equals_norm_rope_and_store(cuda_bf16: None, tokens: int,
-                                                into_pool: bool) -> None:
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_prologue_equals_norm_rope_and_store(cuda_bf16: None, tokens: int, into_pool: bool,
+                                                qk_norm: bool) -> None:
     """One Triton kernel against the qk-norm, RoPE and K/V scatter it replaces: FlashInfer's
-    norm and rotation (each checked against the PyTorch code above), then an index store."""
+    norm and rotation (each checked against the PyTorch code above), then an index store.
+    Without qk-norm (Llama, Qwen2) it only rotates and stores."""
     q_norm, k_norm = random_norm(BIG_HEAD_DIM), random_norm(BIG_HEAD_DIM)
     rope = get_rope(BIG_HEAD_DIM, BIG_HEAD_DIM, MAX_POSITION, THETA)
     qkv = torch.randn(tokens, (BIG_QO_HEADS + 2 * BIG_KV_HEADS) * BIG_HEAD_DIM) * 3
     positions = torch.randint(0, MAX_POSITION, (tokens,))
     q, k = split_qkv(qkv, BIG_QO_HEADS, BIG_KV_HEADS, BIG_HEAD_DIM)
-    assert fused.can_rmsnorm(q, q_norm.weight) and fused.can_rmsnorm(k, k_norm.weight)
-    normed_q, normed_k = q_norm(q), k_norm(k)
-    assert fused.can_rope(positions, normed_q, normed_k, rope.cos_sin_cache, BIG_HEAD_DIM)
-    ref_q, ref_k = rope(positions, normed_q, normed_k)
+    if qk_norm:
+        assert fused.can_rmsnorm(q, q_norm.weight) and fused.can_rmsnorm(k, k_norm.weight)
+        q, k = q_norm(q), k_norm(k)
+    else:
+        q, k = q.contiguous(), k.contiguous()  # the rotation works in place on a copy
+    assert fused.can_rope(positions, q, k, rope.cos_sin_cache, BIG_HEAD_DIM)
+    ref_q, ref_k = rope(positions, q, k)
     ref_v = qkv[:, (BIG_QO_HEADS + BIG_KV_HEADS) * BIG_HEAD_DIM:].view(tokens, BIG_KV_HEADS, -1)
-    weights = (q_norm.weight, k_norm.weight)
+    weights = (q_norm.weight, k_norm.weight) if qk_norm else None
     assert fused.can_qk_prologue(qkv, positions, rope.cos_sin_cache, BIG_HEAD_DIM, weights)
     qkv_before = qkv.clone()
     if into_pool:  # the tokens' slots are scattered over a larger cache, as in a KV pool

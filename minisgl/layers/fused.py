@@ -339,7 +339,8 @@ def _trial_qk_prologue(device: torch.device, dtype: torch.dtype) -> None:
     positions = torch.zeros(2, dtype=torch.int64, device=device)
     weight = torch.ones(64, dtype=dtype, device=device)
     k, v = torch.empty(2, 2, 1, 64, dtype=dtype, device=device).unbind(0)
-    launch(qkv, positions, 1, 1, 64, cache, weight, weight, 1e-6, k, v, None)
+    for norm_weight in (weight, None):  # with qk-norm (Qwen3) and without (Llama, Qwen2)
+        launch(qkv, positions, 1, 1, 64, cache, norm_weight, norm_weight, 1e-6, k, v, None)
 
 
 _TRIALS: dict[str, Callable[[torch.device, torch.dtype], None]] = {
