@@ -3,9 +3,9 @@
 For each batch size of ``--batch-sizes`` (default 1 and 128) the script prefills that many
 requests with ``--context-len``-token prompts of random ids, then times whole decode steps
 (pages, metadata, forward, sampling, tokens back on the host): replayed from a CUDA graph where
-the engine captured one, and run eagerly. ``torch.profiler`` then records a few eager steps:
-every kernel on the device, by name, with its time per step, and beside it the host's work
-(PyTorch operators and kernel launches). The step is read against its *HBM floor*: the bytes
+the engine captured one, and run eagerly. ``torch.profiler`` then records a few steps as the
+engine runs them (replayed where it can): every kernel on the device, by name and by family,
+with its time per step, and beside it the host's work (PyTorch operators and kernel launches). The step is read against its *HBM floor*: the bytes
 a decode step cannot avoid reading (every weight once, and the KV of every request's context)
 divided by the device's measured copy bandwidth.
 
@@ -88,18 +88,36 @@ def _device_us(event: Any) -> float:
     return 0.0
 
 
-def profile_steps(engine: Any, reqs: list[Any], steps: int) -> dict[str, Any]:
-    """Eager decode steps under ``torch.profiler``: the device's kernels by name and the
-    host's own time by operator, both per step."""
+# Kernel families, by a piece of their names: what each share of a step is spent on.
+KERNEL_FAMILIES = (
+    ("attention", ("BatchDecode", "BatchPrefill", "MergeStates")),
+    ("GEMMs", ("nvjet", "gemm", "Gemm", "splitK", "gemv")),
+    ("qk-norm + RoPE + K/V store", ("qk_prologue",)),
+    ("norms", ("RMSNorm", "rmsnorm")),
+    ("SiLU and multiply", ("act_and_mul",)),
+    ("copies and indexing", ("index", "copy", "Memcpy", "Memset", "fill")),
+)
+
+
+def kernel_family(name: str) -> str:
+    for family, pieces in KERNEL_FAMILIES:
+        if any(piece in name for piece in pieces):
+            return family
+    return "other"
+
+
+def profile_steps(engine: Any, reqs: list[Any], steps: int, use_graph: bool) -> dict[str, Any]:
+    """Decode steps under ``torch.profiler``: the device's kernels by name and by family and
+    the host's own time by operator, all per step. Replayed graphs show their kernels too."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU]
     if engine.device.type == "cuda":
         activities.append(ProfilerActivity.CUDA)
     for _ in range(WARMUP_STEPS):
-        decode_step(engine, reqs, use_graph=False)
+        decode_step(engine, reqs, use_graph)
     with profile(activities=activities) as prof:
-        wall = sum(decode_step(engine, reqs, use_graph=False) for _ in range(steps))
+        wall = sum(decode_step(engine, reqs, use_graph) for _ in range(steps))
     kernels: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
     host: dict[str, float] = defaultdict(float)
     for event in prof.key_averages():
@@ -110,10 +128,16 @@ def profile_steps(engine: Any, reqs: list[Any], steps: int) -> dict[str, Any]:
         elif event.self_cpu_time_total > 0:
             host[event.key] += event.self_cpu_time_total / steps
     busy_us = sum(us for _, us in kernels.values())
+    families: dict[str, list[float]] = defaultdict(lambda: [0, 0.0])
+    for name, (calls, us) in kernels.items():
+        families[kernel_family(name)][0] += calls
+        families[kernel_family(name)][1] += us
     ranked = sorted(kernels.items(), key=lambda kv: -kv[1][1])
     return {
-        "step_ms": 1e3 * wall / steps, "device_busy_ms": busy_us / 1e3,
+        "graph": use_graph, "step_ms": 1e3 * wall / steps, "device_busy_ms": busy_us / 1e3,
         "kernels_per_step": sum(n for n, _ in kernels.values()),
+        "families": [{"name": name, "calls": calls, "us": us, "share": us / busy_us}
+                     for name, (calls, us) in sorted(families.items(), key=lambda kv: -kv[1][1])],
         "kernels": [{"name": name, "calls": calls, "us": us, "share": us / busy_us}
                     for name, (calls, us) in ranked[:TOP_KERNELS]],
         "host_ops": [{"name": name, "us": us} for name, us in
@@ -135,7 +159,7 @@ def profile_batch(engine: Any, batch_size: int, args: argparse.Namespace,
     reqs = start_requests(engine, batch_size, args.context_len, budget, args.seed)
     eager_ms = median_step_ms(engine, reqs, args.steps, use_graph=False)
     graph_ms = median_step_ms(engine, reqs, args.steps, use_graph=True) if graph_ok else None
-    profiled = profile_steps(engine, reqs, args.profile_steps)
+    profiled = profile_steps(engine, reqs, args.profile_steps, use_graph=graph_ok)
     context = sum(r.num_tokens for r in reqs)
     kv_bytes = engine.model_config.kv_bytes_per_token(engine.dtype)
     out = {"batch_size": batch_size, "context_tokens": context, "eager_step_ms": eager_ms,
@@ -153,6 +177,7 @@ def describe(result: dict[str, Any]) -> str:
     graph = result["graph_step_ms"]
     floor = result.get("hbm_floor_ms")
     best = graph if graph is not None else result["eager_step_ms"]
+    mode = "graph" if p["graph"] else "eager"
     lines = [
         f"batch {result['batch_size']} ({result['context_tokens']} context tokens): step "
         f"{'graph ' + format(graph, '.2f') + ' ms, ' if graph is not None else ''}eager "
@@ -160,9 +185,13 @@ def describe(result: dict[str, Any]) -> str:
         + (f"; HBM floor {floor:.3f} ms (weights {result['weight_bytes'] / 2**20:.0f} MiB + "
            f"KV {result['kv_bytes'] / 2**20:.0f} MiB) = {100 * floor / best:.0f}% of the "
            "best step" if floor is not None else ""),
-        f"  profiled eager step: {p['step_ms']:.2f} ms on the host clock, device busy "
-        f"{p['device_busy_ms']:.2f} ms in {p['kernels_per_step']:.0f} kernels"]
+        f"  profiled {mode} step: {p['step_ms']:.2f} ms on the host clock, device busy "
+        f"{p['device_busy_ms']:.3f} ms in {p['kernels_per_step']:.0f} kernels"]
     if p["kernels"]:
+        lines.append(f"  {'kernel family (device)':<60} {'calls':>5} {'us/step':>8} {'share':>6}")
+        for k in p["families"]:
+            lines.append(f"  {k['name'][:60]:<60} {k['calls']:>5.0f} {k['us']:>8.1f} "
+                         f"{100 * k['share']:>5.1f}%")
         lines.append(f"  {'kernel (device)':<60} {'calls':>5} {'us/step':>8} {'share':>6}")
         for k in p["kernels"]:
             lines.append(f"  {k['name'][:60]:<60} {k['calls']:>5.0f} {k['us']:>8.1f} "

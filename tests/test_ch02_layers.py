@@ -574,6 +574,9 @@ def test_fused_kernels_are_on_for_bfloat16_cuda_tensors(cuda_bf16: None) -> None
     assert fused.can_rmsnorm(x, norm.weight, x.clone()), fused.kernel_status()
     assert fused.can_rope(positions, q, k, rope.cos_sin_cache, BIG_HEAD_DIM), fused.kernel_status()
     assert fused.can_silu_and_mul(torch.randn(4, 2 * BIG_INTERMEDIATE)), fused.kernel_status()
+    qkv = torch.randn(4, (BIG_QO_HEADS + 2 * BIG_KV_HEADS) * BIG_HEAD_DIM)
+    assert fused.can_qk_prologue(qkv, positions, rope.cos_sin_cache, BIG_HEAD_DIM,
+                                 (norm.weight[:BIG_HEAD_DIM],) * 2), fused.kernel_status()
     assert set(fused.kernel_status().values()) == {"on"}, fused.kernel_status()
     assert not fused.available(x.float()), "float32 has no FlashInfer kernel: PyTorch code"
     with fused.use_fused(False):
@@ -660,6 +663,68 @@ def test_fused_rope_equals_the_pytorch_path_in_place(cuda_bf16: None, case: str)
     assert q_out.shape == (8, 2 * head_dim) and q_out is q_flat
     assert_close_bf16(q_out, q_ref, f"{case}: flat q")
     assert_close_bf16(k_out, k_ref, f"{case}: flat k")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", FUSED_TOKENS)
+@pytest.mark.parametrize("into_pool", [False, True])
+@pytest.mark.parametrize("qk_norm", [True, False])
+def test_qk_prologue_equals_norm_rope_and_store(cuda_bf16: None, tokens: int, into_pool: bool,
+                                                qk_norm: bool) -> None:
+    """One Triton kernel against the qk-norm, RoPE and K/V scatter it replaces: FlashInfer's
+    norm and rotation (each checked against the PyTorch code above), then an index store.
+    Without qk-norm (Llama, Qwen2) it only rotates and stores."""
+    q_norm, k_norm = random_norm(BIG_HEAD_DIM), random_norm(BIG_HEAD_DIM)
+    rope = get_rope(BIG_HEAD_DIM, BIG_HEAD_DIM, MAX_POSITION, THETA)
+    qkv = torch.randn(tokens, (BIG_QO_HEADS + 2 * BIG_KV_HEADS) * BIG_HEAD_DIM) * 3
+    positions = torch.randint(0, MAX_POSITION, (tokens,))
+    q, k = split_qkv(qkv, BIG_QO_HEADS, BIG_KV_HEADS, BIG_HEAD_DIM)
+    if qk_norm:
+        assert fused.can_rmsnorm(q, q_norm.weight) and fused.can_rmsnorm(k, k_norm.weight)
+        q, k = q_norm(q), k_norm(k)
+    else:
+        q, k = q.contiguous(), k.contiguous()  # the rotation works in place on a copy
+    assert fused.can_rope(positions, q, k, rope.cos_sin_cache, BIG_HEAD_DIM)
+    ref_q, ref_k = rope(positions, q, k)
+    ref_v = qkv[:, (BIG_QO_HEADS + BIG_KV_HEADS) * BIG_HEAD_DIM:].view(tokens, BIG_KV_HEADS, -1)
+    weights = (q_norm.weight, k_norm.weight) if qk_norm else None
+    assert fused.can_qk_prologue(qkv, positions, rope.cos_sin_cache, BIG_HEAD_DIM, weights)
+    qkv_before = qkv.clone()
+    if into_pool:  # the tokens' slots are scattered over a larger cache, as in a KV pool
+        num_slots = 4 * tokens + 7
+        k_cache = torch.zeros(num_slots, BIG_KV_HEADS, BIG_HEAD_DIM)
+        v_cache = torch.zeros_like(k_cache)
+        loc = torch.randperm(num_slots)[:tokens]
+        assert fused.can_store_into(k_cache, v_cache, BIG_HEAD_DIM)
+        out_q, none_k, none_v = fused.qk_prologue(
+            qkv, positions, BIG_QO_HEADS, BIG_KV_HEADS, BIG_HEAD_DIM, rope.cos_sin_cache,
+            weights, EPS, (k_cache, v_cache, loc))
+        assert none_k is None and none_v is None
+        out_k, out_v = k_cache[loc], v_cache[loc]
+        untouched = torch.ones(num_slots, dtype=torch.bool)
+        untouched[loc] = False
+        assert not k_cache[untouched].any() and not v_cache[untouched].any()
+    else:
+        out_q, out_k, out_v = fused.qk_prologue(
+            qkv, positions, BIG_QO_HEADS, BIG_KV_HEADS, BIG_HEAD_DIM, rope.cos_sin_cache,
+            weights, EPS, None)
+    assert torch.equal(qkv, qkv_before), "the qkv output is read, not written"
+    assert_close_per_head(out_q, ref_q.view(tokens, BIG_QO_HEADS, -1), f"q, {tokens} tokens")
+    assert_close_per_head(out_k, ref_k.view(tokens, BIG_KV_HEADS, -1), f"k, {tokens} tokens")
+    assert torch.equal(out_v, ref_v), "values are copied as they are"
+
+
+def assert_close_per_head(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
+    """bf16 agreement of rotated heads. The norm rounds before the rotation, and a last-bit
+    difference in its float32 sum can round one entry the other way: the rotation then moves
+    that step of a large entry into a small one. So the bound scales with the head's largest
+    entry, not with each entry (a wrong pairing, position or scale is off by far more)."""
+    assert ours.shape == ref.shape, f"{what}: shape {tuple(ours.shape)} != {tuple(ref.shape)}"
+    diff = (ours.float() - ref.float()).abs()
+    scale = ref.float().abs().amax(dim=-1, keepdim=True)
+    excess = diff - (1e-2 + 2e-2 * scale)
+    assert excess.max().item() <= 0, (f"{what}: max |diff| {diff.max().item():.3e} above "
+                                      "1e-2 + 2e-2 |largest entry of the head|")
 
 
 @pytest.mark.gpu

@@ -11,8 +11,10 @@ model and on the Qwen3-0.6B-shaped model if ``models/qwen3-0.6b-like`` exists.
 from __future__ import annotations
 
 import logging
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -166,6 +168,43 @@ def test_the_flag_turns_graphs_off_and_says_so(tiny_model_dir: Path,
     assert "CUDA graphs: off (turned off by the cuda_graph setting)" in caplog.text
 
 
+def test_host_page_rows_follow_the_page_table_through_appends_and_reused_rows() -> None:
+    """The host copy the graph replay reads page ids from: after every change of the table
+    (rows growing, freed, handed to a new request), a gather equals the device table's."""
+    from minisgl.attention.fi import HostPageRows
+    from minisgl.attention.utils import gather_page_ids
+
+    table = PageTable(6, 20, page_size=4)
+    host_rows = HostPageRows(table)
+    rng = random.Random(0)
+    next_page = 0
+    held: list[int] = []
+    for _ in range(200):
+        if held and rng.random() < 0.2:  # a request finishes; its row goes to the next one
+            table.free_row(held.pop(rng.randrange(len(held))))
+        if len(held) < 6 and rng.random() < 0.5:
+            held.append(table.alloc_row())
+        for row in held:
+            grow = rng.choice([0, 0, 1, 3])
+            grow = min(grow, 20 - table.num_pages(row))
+            table.append_pages(row, list(range(next_page, next_page + grow)))
+            next_page += grow
+        rows = [row for row in held if table.num_pages(row)]
+        if not rows:
+            continue
+        for row in rows:
+            host_rows.sync(row)
+        counts = [rng.randint(1, table.num_pages(row)) for row in rows]
+        out = np.zeros(sum(counts) + 3, dtype=np.int32)
+        total = host_rows.gather(np.array(rows), np.array(counts), out=out)
+        assert total == sum(counts)
+        assert out[:total].tolist() == gather_page_ids(table, rows, counts).tolist()
+    row = held[0] if held else table.alloc_row()
+    host_rows.sync(row)
+    with pytest.raises(ValueError, match="reserve them first"):
+        host_rows.check_holds(np.array([row]), np.array([table.num_pages(row) + 1]))
+
+
 # --------------------------------------------------------------------------------------------
 # On a GPU: replay against eager
 # --------------------------------------------------------------------------------------------
@@ -286,5 +325,41 @@ def test_batches_the_graphs_cannot_serve_run_eagerly(tiny_model_dir: Path) -> No
     ctx = engine.prepare(Batch(reqs, "decode"))
     assert not runner.can_replay(ctx), "3 requests exceed the largest graph (2)"
     assert engine.forward(Batch(reqs, "decode")).shape == (3,)
+    for req in reqs:
+        engine.pages.release(req)
+
+
+def allocations() -> int:
+    """CUDA allocations the caching allocator has made so far (a counter that only grows)."""
+    return torch.cuda.memory_stats()["allocation.all.allocated"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("num_reqs", [1, 3])  # 3 replays the graph of 4: a padded batch
+def test_a_replayed_decode_step_allocates_nothing(tiny_model_dir: Path, num_reqs: int) -> None:
+    """Around the replay path (the batch written into the fixed buffers, the plan, the graph),
+    40 decode steps allocate no CUDA memory, across page boundaries (page size 16)."""
+    engine = graph_engine(tiny_model_dir, page_size=16)
+    runner = engine.graph_runner
+    reqs = decode_batch(engine, ragged_prompts(num_reqs, engine.model_config.vocab_size, seed=3),
+                        max_tokens=50)
+    before = allocations()
+    torch.empty(1, device="cuda")
+    assert allocations() == before + 1, "the counter must see an allocation"
+    new_allocations = []
+    for step in range(45):
+        for req in reqs:
+            engine.pages.reserve(req)
+        batch = Batch(reqs, "decode")
+        ctx = engine.prepare(batch)
+        assert runner.can_replay(ctx)
+        before = allocations()
+        logits = runner.replay(ctx)
+        if step >= 5:  # after a warm-up
+            new_allocations.append(allocations() - before)
+        for req, token in zip(reqs, engine.sample(batch, logits).tolist()):
+            req.cached_len = req.num_tokens
+            req.append_token(token)
+    assert new_allocations == [0] * 40, new_allocations
     for req in reqs:
         engine.pages.release(req)

@@ -327,3 +327,18 @@ def test_the_offline_benchmark_runs_tensor_parallel_ranks_and_stops_them(
     (result,) = json.loads(out.read_text())["results"]
     assert result["output_lens_ok"] and result["output_tokens"] == result["computed_tokens"]
     assert ranks() == [], "rank 1 outlived the benchmark"
+
+
+def test_decode_latency_subtracts_the_prefill_run(repo_script: Callable[[str], ModuleType]) -> None:
+    """A fake LLM whose request costs 30 ms plus 4 ms per token: 4 ms per decode step."""
+    import time
+
+    latency = repo_script("benchmark/decode_latency.py")
+
+    class FakeLLM:
+        def generate(self, prompts: list[list[int]], params: object) -> None:
+            time.sleep(0.030 + 0.004 * params.max_tokens)
+
+    steps = latency.decode_step_ms(FakeLLM(), [1, 2, 3], max_tokens=11, repeats=2)
+    assert len(steps) == 2
+    assert all(3.5 < ms < 6.0 for ms in steps), steps

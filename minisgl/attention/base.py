@@ -218,14 +218,31 @@ class BaseAttnBackend(ABC):
         Returns:
             ``[T, num_qo_heads, head_dim]`` in the dtype of ``q``.
         """
-        meta = self.metadata
-        if q.shape[0] != meta.num_tokens:
-            raise ValueError(f"the model passed {q.shape[0]} tokens but the prepared batch has "
-                             f"{meta.num_tokens}; call prepare() for each batch")
+        meta = self._metadata_for(q.shape[0])
         # Store first: a new token attends to itself and to the new tokens before it, so its
         # own key must already be in the pool when the kernel reads the request's keys.
         self.kv_pool.store_kv(k, v, meta.out_loc, layer_id)
         return self._attend(q, layer_id, meta)
+
+    def _metadata_for(self, num_tokens: int) -> AttnMetadata:
+        meta = self.metadata
+        if num_tokens != meta.num_tokens:
+            raise ValueError(f"the model passed {num_tokens} tokens but the prepared batch has "
+                             f"{meta.num_tokens}; call prepare() for each batch")
+        return meta
+
+    # The split form of forward, for a layer whose fused kernel stores the keys and values
+    # itself on the way from the qkv projection (chapter 2's qk_prologue): it asks where they
+    # go, writes them there, and then only asks for attention.
+    def kv_destination(self, layer_id: int, num_tokens: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Layer ``layer_id``'s key and value caches and the slots of the batch's new tokens."""
+        meta = self._metadata_for(num_tokens)
+        return self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id), meta.out_loc
+
+    def attend_stored(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """:meth:`forward` after the new K/V were written to :meth:`kv_destination`."""
+        return self._attend(q, layer_id, self._metadata_for(q.shape[0]))
 
     @abstractmethod
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:

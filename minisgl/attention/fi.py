@@ -17,7 +17,7 @@ backend interface has a ``prepare`` per batch and a ``forward`` per layer.
 Two wrappers serve two kinds of batch: ``BatchPrefillWithPagedKVCacheWrapper`` for batches with
 several new tokens per request (causal mask aligned to the end of each sequence, so a cached
 prefix comes for free), and ``BatchDecodeWithPagedKVCacheWrapper`` for one new token per
-request. Decode can run inside a CUDA graph when its wrapper is built with
+request. Decode can run inside a CUDA graph (chapter 8) when its wrapper is built with
 ``use_cuda_graph=True`` over buffers that never move; :meth:`FlashInferBackend.init_graph_buffers`
 allocates them.
 
@@ -27,13 +27,15 @@ imports on machines without it.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import numpy as np
 import torch
 
-from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout
+from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout, ReqSpan
 from minisgl.attention.utils import (
     gather_page_ids,
     indptr_tensor,
@@ -77,19 +79,72 @@ class FIMetadata(AttnMetadata):
 
 @dataclass
 class GraphBuffers:
-    """The fixed device memory that captured decode graphs read.
+    """The fixed memory that captured decode graphs read, and its host staging (chapter 8).
 
     A CUDA graph records the addresses its kernels read. Replaying it for a new batch means
-    writing the new batch's arrays *into these same tensors*; the wrappers built with
-    ``use_cuda_graph=True`` do that in ``plan``, and ``out_loc`` is filled here.
+    writing the new batch's arrays *into these same tensors*: every one of them is made here,
+    once, and a replay only copies into it. The host builds a batch's arrays in the pinned
+    ``host_*`` mirrors; one asynchronous copy per array moves them to the device, and nothing
+    is allocated on the device per step.
     """
 
     max_batch_size: int
     pad_page: int  # a page no request owns: padding entries write and read it
-    page_indptr: torch.Tensor  # [max_batch_size + 1] int32
+    page_indptr: torch.Tensor  # [max_batch_size + 1] int32 (the wrappers' plan copies into it)
     page_indices: torch.Tensor  # [max_batch_size * max_pages_per_req] int32
-    last_page_lens: torch.Tensor  # [max_batch_size] int32
-    out_loc: torch.Tensor  # [max_batch_size] int64
+    last_page_lens: torch.Tensor  # [max_batch_size] int32 (plan copies into it)
+    token_fields: torch.Tensor  # [2, max_batch_size] int64: positions, then out_loc
+    last_indices: torch.Tensor  # [max_batch_size] int64, 0 .. max_batch_size - 1
+    host_page_indptr: torch.Tensor  # pinned host mirrors of the arrays above
+    host_page_indices: torch.Tensor
+    host_last_page_lens: torch.Tensor
+    host_token_fields: torch.Tensor
+    host_qo_indptr: torch.Tensor  # [max_batch_size + 1] int32, 0 .. max_batch_size (host)
+
+
+class HostPageRows:
+    """The page table's rows as one numpy array on the host, kept in step by appends.
+
+    :meth:`PageTable.host_pages` gives a row's page ids as a list that only grows while a
+    request holds the row; a freed row starts a new list. So a row is in step when its list
+    is the one last copied and no longer than what was copied; otherwise the new tail (or the
+    whole new list) is copied. A decoding request adds a page every ``page_size`` steps, and
+    the page ids of a whole batch are then one vectorised gather, however many there are.
+    """
+
+    def __init__(self, page_table: PageTable) -> None:
+        self._table = page_table
+        self._width = page_table.max_pages_per_req
+        self.ids = np.zeros((page_table.max_reqs, self._width), dtype=np.int32)
+        self._copied = np.zeros(page_table.max_reqs, dtype=np.int64)  # entries in step
+        self._source: list[list[int] | None] = [None] * page_table.max_reqs
+
+    def sync(self, row: int) -> None:
+        """Bring ``row`` in step with the page table."""
+        pages = self._table.host_pages(row)
+        if pages is not self._source[row]:  # a new request on this row
+            self._source[row], self._copied[row] = pages, 0
+        done = int(self._copied[row])
+        if len(pages) > done:
+            self.ids[row, done: len(pages)] = pages[done:]
+            self._copied[row] = len(pages)
+
+    def check_holds(self, rows: np.ndarray, counts: np.ndarray) -> None:
+        """Raise unless each (synced) row ``rows[i]`` holds ``counts[i]`` pages."""
+        short = np.flatnonzero(self._copied[rows] < counts)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"page-table row {rows[i]} holds {self._copied[rows[i]]} pages, "
+                             f"too few for {counts[i]}: reserve them first")
+
+    def gather(self, rows: np.ndarray, counts: np.ndarray, out: np.ndarray) -> int:
+        """The first ``counts[i]`` page ids of row ``rows[i]``, requests concatenated, into
+        ``out``; returns how many were written."""
+        total = int(counts.sum())
+        starts = np.cumsum(counts) - counts  # where each request's pages begin in ``out``
+        flat = np.repeat(rows * self._width - starts, counts) + np.arange(total)
+        np.take(self.ids.reshape(-1), flat, out=out[:total])
+        return total
 
 
 class FlashInferBackend(BaseAttnBackend):
@@ -121,7 +176,9 @@ class FlashInferBackend(BaseAttnBackend):
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, kv_layout="NHD", use_tensor_cores=self.use_tensor_cores)
         self._graph: GraphBuffers | None = None
-        self._graph_wrappers: dict[int, Any] = {}  # captured batch size -> its decode wrapper
+        # captured batch size -> its metadata, whose wrapper reads the fixed buffers
+        self._graph_metadata_by_size: dict[int, FIMetadata] = {}
+        self._host_rows: HostPageRows | None = None  # made with the graph buffers
         # plan() stages its arrays in pinned host memory and copies them to the GPU
         # asynchronously. Planning again before that copy ran would overwrite the staging
         # memory under it, so each plan waits for the previous one's copy (see _run_plan).
@@ -197,30 +254,54 @@ class FlashInferBackend(BaseAttnBackend):
             raise ValueError(f"max_batch_size {max_batch_size} must be between 1 and the page "
                              f"table's {self.page_table.max_reqs} rows")
         max_pages = max_batch_size * self.page_table.max_pages_per_req
-        self._graph = GraphBuffers(
-            max_batch_size=max_batch_size, pad_page=pad_page,
-            page_indptr=torch.zeros(max_batch_size + 1, dtype=torch.int32, device=self.device),
-            page_indices=torch.zeros(max_pages, dtype=torch.int32, device=self.device),
-            last_page_lens=torch.zeros(max_batch_size, dtype=torch.int32, device=self.device),
-            out_loc=torch.zeros(max_batch_size, dtype=torch.int64, device=self.device),
-        )
 
-    def _graph_wrapper(self, batch_size: int) -> Any:
-        """The decode wrapper of one captured batch size, over slices of the fixed buffers."""
+        def device_and_host(*shape: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            # Pinned host memory: a copy from it is truly asynchronous (from pageable memory
+            # the driver may first wait for the stream).
+            return (torch.zeros(shape, dtype=dtype, device=self.device),
+                    torch.zeros(shape, dtype=dtype, pin_memory=True))
+
+        indptr, host_indptr = device_and_host(max_batch_size + 1, dtype=torch.int32)
+        indices, host_indices = device_and_host(max_pages, dtype=torch.int32)
+        last, host_last = device_and_host(max_batch_size, dtype=torch.int32)
+        fields, host_fields = device_and_host(2, max_batch_size, dtype=torch.int64)
+        self._host_rows = HostPageRows(self.page_table)
+        self._graph = GraphBuffers(
+            max_batch_size=max_batch_size, pad_page=pad_page, page_indptr=indptr,
+            page_indices=indices, last_page_lens=last, token_fields=fields,
+            last_indices=torch.arange(max_batch_size, device=self.device),
+            host_page_indptr=host_indptr, host_page_indices=host_indices,
+            host_last_page_lens=host_last, host_token_fields=host_fields,
+            host_qo_indptr=torch.arange(max_batch_size + 1, dtype=torch.int32))
+
+    def _graph_metadata(self, batch_size: int) -> FIMetadata:
+        """The metadata of one captured batch size: views of the fixed buffers, made once.
+
+        The decode wrapper of that size is built over slices of the same buffers. Its plan is
+        given no page indices to copy (an empty view): :meth:`_stage_graph_batch` copies them.
+        """
         graph = self._graph
         if graph is None:
             raise RuntimeError("call init_graph_buffers() before capturing CUDA graphs")
         if not 1 <= batch_size <= graph.max_batch_size:
             raise ValueError(f"batch_size {batch_size} must be between 1 and the "
                              f"max_batch_size {graph.max_batch_size} given to init_graph_buffers")
-        if batch_size not in self._graph_wrappers:
-            self._graph_wrappers[batch_size] = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        if batch_size not in self._graph_metadata_by_size:
+            wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, kv_layout="NHD", use_cuda_graph=True,
                 use_tensor_cores=self.use_tensor_cores,
                 paged_kv_indptr_buffer=graph.page_indptr[: batch_size + 1],
                 paged_kv_indices_buffer=graph.page_indices,
                 paged_kv_last_page_len_buffer=graph.last_page_lens[:batch_size])
-        return self._graph_wrappers[batch_size]
+            self._graph_metadata_by_size[batch_size] = FIMetadata(
+                layout=None, out_loc=graph.token_fields[1, :batch_size],
+                positions=graph.token_fields[0, :batch_size],
+                last_indices=graph.last_indices[:batch_size],
+                page_indptr=graph.host_page_indptr[: batch_size + 1],
+                page_indices=graph.page_indices[:0],
+                last_page_lens=graph.host_last_page_lens[:batch_size],
+                qo_indptr=graph.host_qo_indptr[: batch_size + 1], wrapper=wrapper)
+        return self._graph_metadata_by_size[batch_size]
 
     def prepare_for_capture(self, batch_size: int) -> FIMetadata:
         """Make a decode batch of ``batch_size`` padding entries current, to capture its graph.
@@ -228,70 +309,70 @@ class FlashInferBackend(BaseAttnBackend):
         The model's forward pass is then run inside ``torch.cuda.graph``; it records reads of
         the fixed buffers, whatever values they hold now.
         """
-        wrapper = self._graph_wrapper(batch_size)
-        pads = self._padding(0, batch_size)
-        meta = FIMetadata(layout=None, out_loc=self._graph.out_loc[:batch_size],
-                          positions=torch.zeros(batch_size, dtype=torch.int64, device=self.device),
-                          last_indices=torch.arange(batch_size, device=self.device),
-                          wrapper=wrapper, **pads)
-        self._graph.out_loc[:batch_size].fill_(self._pad_slot)
-        self._run_plan(meta)
-        self._metadata = meta
-        return meta
+        return self._prepare_graph_batch(None, batch_size)
 
     def prepare_for_replay(self, layout: BatchLayout, batch_size: int) -> FIMetadata:
         """Point the graph captured for ``batch_size`` at the decode batch ``layout``.
 
-        Computes the batch's metadata, pads it with ``batch_size - layout.num_reqs`` padding
-        entries, writes the new-token slots into the fixed ``out_loc`` and plans the graph's
-        wrapper (which copies the page arrays into its fixed buffers). The returned metadata
-        describes the padded batch; its ``positions`` are padded with zeros.
+        Writes the batch, padded with ``batch_size - layout.num_reqs`` padding entries, into
+        the graph's fixed buffers and plans its wrapper; allocates no device memory. The
+        returned metadata (the same object at every replay of this size) describes the padded
+        batch; its ``positions`` are padded with zeros.
         """
         if not layout.is_decode:
             raise ValueError("only decode batches are replayed as CUDA graphs")
         if layout.num_reqs > batch_size:
             raise ValueError(f"a batch of {layout.num_reqs} requests does not fit the graph "
                              f"captured for {batch_size}")
-        wrapper = self._graph_wrapper(batch_size)
-        fields = self._new_token_fields(layout)
-        real = self._page_arrays(layout)
-        pads = self._padding(layout.num_reqs, batch_size)
-        num_real = layout.num_reqs
-        out_loc = self._graph.out_loc[:batch_size]
-        out_loc[:num_real].copy_(fields["out_loc"])
-        out_loc[num_real:].fill_(self._pad_slot)
-        padded = torch.zeros(batch_size - num_real, dtype=torch.int64, device=self.device)
-        meta = FIMetadata(
-            layout=layout, out_loc=out_loc,
-            positions=torch.cat([fields["positions"], padded]),
-            last_indices=torch.arange(batch_size, device=self.device),
-            page_indptr=torch.cat([real["page_indptr"],
-                                   real["page_indptr"][-1] + pads["page_indptr"][1:]]),
-            page_indices=torch.cat([real["page_indices"], pads["page_indices"]]),
-            last_page_lens=torch.cat([real["last_page_lens"], pads["last_page_lens"]]),
-            qo_indptr=torch.arange(batch_size + 1, dtype=torch.int32),
-            wrapper=wrapper,
-        )
-        self._run_plan(meta)
+        return self._prepare_graph_batch(layout, batch_size)
+
+    def _prepare_graph_batch(self, layout: BatchLayout | None, batch_size: int) -> FIMetadata:
+        meta = self._graph_metadata(batch_size)
+        # The staging may still be the source of the previous step's copies: the event that
+        # guards plan()'s own pinned staging guards it too.
+        self._plan_copied.synchronize()
+        self._stage_graph_batch(layout.spans if layout is not None else (), batch_size)
+        meta.layout = layout
+        self._run_plan(meta)  # copies page_indptr and last_page_lens into the fixed buffers
         self._metadata = meta
         return meta
+
+    def _stage_graph_batch(self, spans: Sequence[ReqSpan], batch_size: int) -> None:
+        """Write the padded batch's arrays to the host staging; start their device copies.
+
+        Numpy over a host copy of the page table's rows (:class:`HostPageRows`): a few
+        vectorised operations however many requests and pages, nothing allocated on the
+        device, and the device never waited for.
+        """
+        graph, host_rows = self._graph, self._host_rows
+        assert graph is not None and host_rows is not None
+        size, num_real = self.page_size, len(spans)
+        rows = np.fromiter((span.row for span in spans), dtype=np.int64, count=num_real)
+        cached = np.fromiter((span.cached_len for span in spans), dtype=np.int64, count=num_real)
+        for row in rows.tolist():
+            host_rows.sync(row)
+        counts = np.ones(batch_size, dtype=np.int64)  # a padding entry: one page, one token
+        counts[:num_real] = cached // size + 1  # the new token is at position cached_len
+        host_rows.check_holds(rows, counts[:num_real])
+        fields = graph.host_token_fields.numpy()
+        fields[0, :num_real], fields[0, num_real:batch_size] = cached, 0
+        fields[1, :num_real] = host_rows.ids[rows, cached // size] * size + cached % size
+        fields[1, num_real:batch_size] = self._pad_slot
+        indptr = graph.host_page_indptr.numpy()
+        np.cumsum(counts, out=indptr[1: batch_size + 1])
+        last_lens = graph.host_last_page_lens.numpy()
+        last_lens[:num_real], last_lens[num_real:batch_size] = cached % size + 1, 1
+        indices = graph.host_page_indices.numpy()
+        total = host_rows.gather(rows, counts[:num_real], out=indices)
+        indices[total: total + batch_size - num_real] = graph.pad_page
+        total += batch_size - num_real
+        graph.token_fields.copy_(graph.host_token_fields, non_blocking=True)
+        graph.page_indices[:total].copy_(graph.host_page_indices[:total], non_blocking=True)
 
     @property
     def _pad_slot(self) -> int:
         assert self._graph is not None
         return self._graph.pad_page * self.page_size
-
-    def _padding(self, num_real: int, batch_size: int) -> dict[str, torch.Tensor]:
-        """Page arrays for ``batch_size - num_real`` padding entries: one token in the pad page."""
-        assert self._graph is not None
-        count = batch_size - num_real
-        return {
-            "page_indptr": torch.arange(count + 1, dtype=torch.int32),
-            "page_indices": torch.full((count,), self._graph.pad_page, dtype=torch.int32,
-                                       device=self.device),
-            "last_page_lens": torch.ones(count, dtype=torch.int32),
-            "qo_indptr": torch.arange(count + 1, dtype=torch.int32),
-        }
 
 
 def check_flashinfer_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:

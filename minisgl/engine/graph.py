@@ -11,8 +11,9 @@ instead of run, with their arguments, including the addresses of every tensor th
 write. *Replaying* the graph launches the whole recording with one call. The price: a graph
 knows nothing but those addresses and those shapes. So
 
-* the inputs live in **static buffers** (``input_ids``, ``positions``, the attention backend's
-  page arrays); a replay copies the new batch into them first;
+* the inputs live in **static buffers** (``input_ids``, and the attention backend's positions,
+  slots and page arrays), all made at capture; a replay copies the new batch into them first
+  and allocates nothing;
 * each graph has one **batch size**. We capture a list of sizes and **pad** a batch up to the
   next captured size with dummy requests that read and write a spare KV page nobody owns;
 * only **decode** batches qualify: their shape depends on the number of requests alone, while a
@@ -118,11 +119,11 @@ class GraphRunner:
         self.device = attn_backend.device
         max_bs = self.max_batch_size
         attn_backend.init_graph_buffers(max_bs, pad_page)
-        # The graphs read their inputs from, and write their logits to, these tensors and no
-        # others: a replay changes their contents, never their addresses. The padding rows
-        # keep token 0 at position 0; their results are never read.
+        # The graphs read their inputs from, and write their logits to, these tensors (and the
+        # backend's buffers, positions among them) and no others: a replay changes their
+        # contents, never their addresses. The padding rows keep token 0; their results are
+        # never read.
         self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
-        self.positions = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
         self.logits = torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=self.device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
@@ -189,10 +190,11 @@ class GraphRunner:
 
     def _forward_padded(self, bs: int) -> None:
         """The step a graph records: the model over the first ``bs`` rows of the buffers."""
+        positions = self.attn_backend.metadata.positions  # a view of the backend's buffer
         with use_attention_backend(self.attn_backend):
             # Every row is a request's one new token, so every row is scored: no logits
             # indices needed.
-            self.logits[:bs] = self.model.forward(self.input_ids[:bs], self.positions[:bs])
+            self.logits[:bs] = self.model.forward(self.input_ids[:bs], positions)
 
     def can_replay(self, ctx: Context) -> bool:
         """A decode batch no larger than the largest captured size."""
@@ -229,12 +231,11 @@ class GraphRunner:
         num_reqs = ctx.batch.size
         bs = padded_batch_size(num_reqs, self.batch_sizes)
         assert bs is not None  # can_replay checked the size
-        # The backend writes the real entries' pages and slots into its fixed buffers and
-        # points the padding entries at the spare page; positions come back padded with 0.
-        meta = self.attn_backend.prepare_for_replay(ctx.layout, bs)
+        # The backend writes the real entries' positions, slots and pages into its fixed
+        # buffers and points the padding entries at the spare page; nothing is allocated.
+        self.attn_backend.prepare_for_replay(ctx.layout, bs)
         self.input_ids[:num_reqs].copy_(ctx.input_ids)
         self.input_ids[num_reqs:bs].zero_()
-        self.positions[:bs].copy_(meta.positions)
         return bs
 
     def __repr__(self) -> str:

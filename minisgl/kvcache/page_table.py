@@ -171,6 +171,15 @@ class PageTable:
         """Tokens ``row`` can map with the pages it holds (the last page may be part empty)."""
         return self.num_pages(row) * self.page_size
 
+    def host_pages(self, row: int) -> list[int]:
+        """The page ids ``row`` holds, from the host copy (read it, do not change it).
+
+        Reading it neither waits for the device nor writes pending pages to the device table:
+        what chapter 8's graph replay builds its page arrays from, allocation-free.
+        """
+        self._check_row(row)
+        return self._rows[row]
+
     def row_pages(self, row: int) -> torch.Tensor:
         """The page ids ``row`` holds, in token order (a view into the device table)."""
         return self.page_ids[row, : self.num_pages(row)]

@@ -1,15 +1,14 @@
 """Attention: the layer every model uses, and the backend seam that computes it.
 
-The attention *layer* is the same whatever computes it: split the fused qkv projection into
+The attention *layer* is the same in every chapter: split the fused qkv projection into
 queries, keys and values, normalise them (Qwen3's qk-norm), rotate them (RoPE), and hand them
-to the attention *backend*, of which there are three kinds:
+to the attention *backend*. What the backend does with them changes as the book goes on:
 
-* :class:`DenseCausalAttention`, here, treats the whole input as one sequence and keeps
-  nothing: the model computes logits for a prompt, which is all we need to compare against
-  transformers;
-* a contiguous KV cache (``minisgl.engine.simple_loop``) lets one sequence's generation skip
-  recomputing the past;
-* the paged backends (``minisgl.attention``) serve many sequences at once.
+* here (chapter 3) :class:`DenseCausalAttention` treats the whole input as one sequence and
+  keeps nothing: the model computes logits for a prompt, which is all we need to compare
+  against transformers;
+* chapter 4 adds a contiguous KV cache so generation does not recompute the past;
+* chapter 6 adds paged backends that serve many sequences at once.
 
 All of them implement :class:`AttentionBackend`, and :func:`use_attention_backend` selects the
 one in effect, so the model code never changes when the backend does.
@@ -26,6 +25,7 @@ from torch import nn
 
 from minisgl.distributed import get_tp_info
 
+from . import fused
 from .base import divide, local_kv_heads
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
@@ -69,7 +69,7 @@ class DenseCausalAttention:
 
 
 # The backend in effect. A plain module variable rather than a thread-local: the model may run
-# on a worker thread (overlap scheduling) and must see the backend the engine installed.
+# on a worker thread (chapter 12) and must see the backend the engine installed.
 _current_backend: AttentionBackend = DenseCausalAttention()
 
 
@@ -123,6 +123,9 @@ class AttentionLayer(nn.Module):
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``qkv`` [T, (Hq + 2*Hkv) * D] and ``positions`` [T] -> attention output [T, Hq * D]."""
+        fused_out = self._fused_forward(qkv, positions)
+        if fused_out is not None:
+            return fused_out
         num_tokens = qkv.shape[0]
         q_size, kv_size = self.num_qo_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -136,3 +139,33 @@ class AttentionLayer(nn.Module):
         q, k = self.rope(positions, q, k)
         out = get_attention_backend().forward(q, k, v, self.layer_id)
         return out.reshape(num_tokens, q_size)
+
+    def _fused_forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The same steps with one kernel before attention (CUDA, 16-bit); None elsewhere.
+
+        A backend with a KV pool offers ``kv_destination(layer_id, num_tokens)`` (its caches of
+        this layer and the new tokens' slots): the kernel then writes the keys and values there itself,
+        and the backend only attends (``attend_stored``).
+        """
+        has_norm = self.q_norm is not None and self.k_norm is not None
+        if has_norm != (self.q_norm is not None or self.k_norm is not None):
+            return None  # a norm on q or k alone: the kernel normalises both or neither
+        if has_norm and self.q_norm.eps != self.k_norm.eps:
+            return None
+        weights = (self.q_norm.weight, self.k_norm.weight) if has_norm else None
+        cos_sin = self.rope.cos_sin_cache
+        if not fused.can_qk_prologue(qkv, positions, cos_sin, self.head_dim, weights):
+            return None
+        backend = get_attention_backend()
+        destination = getattr(backend, "kv_destination", None)
+        kv_dst = destination(self.layer_id, qkv.shape[0]) if destination is not None else None
+        if kv_dst is not None and not fused.can_store_into(kv_dst[0], kv_dst[1], self.head_dim):
+            kv_dst = None  # the backend stores them itself, from k and v
+        eps = self.q_norm.eps if has_norm else 0.0
+        q, k, v = fused.qk_prologue(qkv, positions, self.num_qo_heads, self.num_kv_heads,
+                                    self.head_dim, cos_sin, weights, eps, kv_dst)
+        if kv_dst is not None:
+            out = backend.attend_stored(q, self.layer_id)
+        else:
+            out = backend.forward(q, k, v, self.layer_id)
+        return out.reshape(qkv.shape[0], self.num_qo_heads * self.head_dim)

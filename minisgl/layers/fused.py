@@ -44,7 +44,7 @@ logger = get_logger(__name__)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # what the kernels are instantiated for
 ROPE_HEAD_DIMS = (64, 128, 256, 512)  # head sizes the rotary kernel is specialised for
 ALIGN_BYTES = 16  # the kernels move 16 bytes per load and store
-OPS = ("rmsnorm", "fused_add_rmsnorm", "rope", "silu_and_mul")
+OPS = ("rmsnorm", "fused_add_rmsnorm", "rope", "silu_and_mul", "qk_prologue")
 
 _enabled = True
 _kernels: SimpleNamespace | None = None
@@ -232,6 +232,67 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _kernels.silu_and_mul(x)
 
 
+# ------------------------------------------------- qk-norm, RoPE and the K/V store together
+
+def can_qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
+                    head_dim: int, norm_weights: tuple[torch.Tensor, torch.Tensor] | None
+                    ) -> bool:
+    """Whether :func:`qk_prologue` can take an attention layer's call.
+
+    The Triton kernel of :mod:`minisgl.layers.qk_prologue` rotates whole heads of a
+    power-of-two size (``cos_sin_cache`` [max_position, head_dim], float32) and reads each qkv
+    row with unit stride.
+    """
+    if not (_enabled and qkv.is_cuda and qkv.dtype in SUPPORTED_DTYPES) or qkv.shape[0] == 0:
+        return False
+    if head_dim & (head_dim - 1) or head_dim < 32 or qkv.dim() != 2 or qkv.stride(1) != 1:
+        return False
+    if (cos_sin_cache.shape[1] != head_dim or cos_sin_cache.dtype != torch.float32
+            or not cos_sin_cache.is_contiguous() or cos_sin_cache.device != qkv.device):
+        return False
+    if (positions.dim() != 1 or positions.shape[0] != qkv.shape[0]
+            or not positions.is_contiguous() or positions.device != qkv.device):
+        return False
+    if norm_weights is not None and any(not _same_place(w, qkv) or w.shape != (head_dim,)
+                                        or not w.is_contiguous() for w in norm_weights):
+        return False
+    return _ready("qk_prologue", qkv)
+
+
+def can_store_into(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
+    """Whether :func:`qk_prologue` can write into these caches: ``[slots, heads, head_dim]``,
+    unit-stride heads, the same slot stride for keys and values."""
+    return all(t.is_cuda and t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == head_dim
+               and t.stride(0) == k_cache.stride(0) for t in (k_cache, v_cache))
+
+
+def qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, num_qo_heads: int,
+                num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor,
+                norm_weights: tuple[torch.Tensor, torch.Tensor] | None, eps: float,
+                kv_dst: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+                ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Split ``qkv``, normalise and rotate q and k, and put k and v where they go: one kernel.
+
+    With ``kv_dst`` (the layer's key cache, value cache and the new tokens' slots) the keys
+    and values are written into the pool and ``(q, None, None)`` is returned; without it they
+    come back as new ``[T, num_kv_heads, head_dim]`` tensors.
+    """
+    from minisgl.layers.qk_prologue import qk_prologue as launch
+
+    q_weight, k_weight = norm_weights if norm_weights is not None else (None, None)
+    if kv_dst is not None:
+        k_cache, v_cache, loc = kv_dst
+        q = launch(qkv, positions, num_qo_heads, num_kv_heads, head_dim, cos_sin_cache,
+                   q_weight, k_weight, eps, k_cache, v_cache, loc)
+        return q, None, None
+    shape = (qkv.shape[0], num_kv_heads, head_dim)
+    k = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
+    v = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
+    q = launch(qkv, positions, num_qo_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight,
+               k_weight, eps, k, v, None)
+    return q, k, v
+
+
 # ---------------------------------------------------------------------- trials and switches
 
 def _trial_rmsnorm(device: torch.device, dtype: torch.dtype) -> None:
@@ -262,11 +323,24 @@ def _trial_silu_and_mul(device: torch.device, dtype: torch.dtype) -> None:
     _kernels.silu_and_mul(torch.zeros(2, 128, dtype=dtype, device=device))
 
 
+def _trial_qk_prologue(device: torch.device, dtype: torch.dtype) -> None:
+    from minisgl.layers.qk_prologue import qk_prologue as launch
+
+    qkv = torch.zeros(2, 3 * 64, dtype=dtype, device=device)
+    cache = torch.zeros(4, 64, dtype=torch.float32, device=device)
+    positions = torch.zeros(2, dtype=torch.int64, device=device)
+    weight = torch.ones(64, dtype=dtype, device=device)
+    k, v = torch.empty(2, 2, 1, 64, dtype=dtype, device=device).unbind(0)
+    for norm_weight in (weight, None):  # with qk-norm (Qwen3) and without (Llama, Qwen2)
+        launch(qkv, positions, 1, 1, 64, cache, norm_weight, norm_weight, 1e-6, k, v, None)
+
+
 _TRIALS: dict[str, Callable[[torch.device, torch.dtype], None]] = {
     "rmsnorm": _trial_rmsnorm,
     "fused_add_rmsnorm": _trial_fused_add_rmsnorm,
     "rope": _trial_rope,
     "silu_and_mul": _trial_silu_and_mul,
+    "qk_prologue": _trial_qk_prologue,
 }
 
 

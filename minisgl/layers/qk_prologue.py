@@ -1,0 +1,120 @@
+"""The attention prologue of one layer as one Triton kernel: qk-norm, RoPE and the K/V store.
+
+Between the qkv projection and the attention kernel a Qwen3 layer does four small things to
+every head of every new token: normalise the query and key heads (qk-norm), rotate them
+(RoPE), and write the key and value into the KV pool at the token's slot. Done one operation
+at a time that is five kernels per layer (two norms, one rotation, two scatters), each
+reading and writing a few kilobytes: in a batch-1 decode step their launches, not their
+bytes, set the time. Here one program per (token, head) reads the head's slice of the qkv
+row once and writes it once, to where it is going:
+
+* a query head: normalised, rotated, into the query tensor the attention kernel reads;
+* a key head: normalised, rotated, into slot ``loc[t]`` of the key cache; its value head,
+  copied as it is, into the same slot of the value cache.
+
+The arithmetic is that of the kernels it replaces (the norm in float32, rounded once to the
+model's dtype; the rotation in float32, rounded once), so it agrees with the PyTorch path to
+the rounding of the model's dtype. The kernel handles the full rotation (``rotary_dim ==
+head_dim``) of a power-of-two head size; :func:`minisgl.layers.fused.can_qk_prologue` sends
+any other call to the PyTorch path. Triton is imported only here, and only on machines that
+have it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+try:  # Triton ships with CUDA builds of torch; CPU machines do without this module
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised on machines without Triton
+    triton = None
+    tl = None
+
+
+if triton is not None:
+    @triton.jit
+    def _norm_rope(x1, x2, w_ptr, out_ptr, cos, sin, eps, half_offsets, D: tl.constexpr,
+                   HAS_NORM: tl.constexpr):
+        """One head, split in its two halves ``x1``, ``x2`` (float32): normalise, rotate.
+
+        The normalised head is rounded to ``out_ptr``'s dtype before the rotation."""
+        HALF: tl.constexpr = D // 2
+        OUT_TY = out_ptr.dtype.element_ty
+        if HAS_NORM:
+            inv_rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / D + eps)
+            w1 = tl.load(w_ptr + half_offsets).to(tl.float32)
+            w2 = tl.load(w_ptr + HALF + half_offsets).to(tl.float32)
+            # Scaled in float32 and rounded once to the model's dtype, as the fused norm
+            # kernel this one replaces did; the rotation then reads the rounded values.
+            x1 = (x1 * inv_rms * w1).to(OUT_TY).to(tl.float32)
+            x2 = (x2 * inv_rms * w2).to(OUT_TY).to(tl.float32)
+        return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+    @triton.jit
+    def _qk_prologue_kernel(qkv_ptr, qkv_row_stride, q_out_ptr, k_dst_ptr, v_dst_ptr,
+                            dst_row_stride, loc_ptr, pos_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr,
+                            eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
+                            HAS_NORM: tl.constexpr, HAS_LOC: tl.constexpr):
+        t = tl.program_id(0)
+        head = tl.program_id(1)  # 0 .. HQ - 1: query heads; HQ .. HQ + HKV - 1: key heads
+        HALF: tl.constexpr = D // 2
+        half = tl.arange(0, HALF)
+        out_ty = q_out_ptr.dtype.element_ty
+        row = qkv_ptr + t.to(tl.int64) * qkv_row_stride
+        # The qkv row is [q heads | k heads | v heads], D features each, so head h (query or
+        # key) starts at column h * D.
+        x1 = tl.load(row + head * D + half).to(tl.float32)
+        x2 = tl.load(row + head * D + HALF + half).to(tl.float32)
+        pos = tl.load(pos_ptr + t).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + pos * D + half)  # the table's row: cos | sin, float32
+        sin = tl.load(cos_sin_ptr + pos * D + HALF + half)
+        if head < HQ:
+            y1, y2 = _norm_rope(x1, x2, q_w_ptr, q_out_ptr, cos, sin, eps, half, D, HAS_NORM)
+            dst = q_out_ptr + (t.to(tl.int64) * HQ + head) * D
+            tl.store(dst + half, y1.to(out_ty))
+            tl.store(dst + HALF + half, y2.to(out_ty))
+        else:
+            kv_head = head - HQ
+            y1, y2 = _norm_rope(x1, x2, k_w_ptr, q_out_ptr, cos, sin, eps, half, D, HAS_NORM)
+            if HAS_LOC:
+                slot = tl.load(loc_ptr + t).to(tl.int64)
+            else:
+                slot = t.to(tl.int64)
+            cache_ty = k_dst_ptr.dtype.element_ty
+            k_dst = k_dst_ptr + slot * dst_row_stride + kv_head * D
+            tl.store(k_dst + half, y1.to(cache_ty))
+            tl.store(k_dst + HALF + half, y2.to(cache_ty))
+            full = tl.arange(0, D)
+            value = tl.load(row + (HQ + HKV + kv_head) * D + full)
+            tl.store(v_dst_ptr + slot * dst_row_stride + kv_head * D + full, value.to(cache_ty))
+
+
+def qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, num_qo_heads: int,
+                num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor,
+                q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
+                k_dst: torch.Tensor, v_dst: torch.Tensor,
+                loc: torch.Tensor | None) -> torch.Tensor:
+    """Launch the kernel; returns the queries ``[T, num_qo_heads, head_dim]``.
+
+    Args:
+        qkv: ``[T, (Hq + 2 * Hkv) * head_dim]``, rows of unit stride.
+        positions: ``[T]`` integer positions (rows of ``cos_sin_cache``).
+        cos_sin_cache: ``[max_position, head_dim]`` float32, cos then sin in each row.
+        q_weight, k_weight: the qk-norm scales ``[head_dim]``, or both None (no qk-norm).
+        k_dst, v_dst: ``[N, Hkv, head_dim]`` where keys and values go: the pool's caches of
+            this layer, or new ``[T, Hkv, head_dim]`` tensors.
+        loc: ``[T]`` int64, the row of ``k_dst``/``v_dst`` of each token; None for row ``t``.
+    """
+    assert triton is not None, "call minisgl.layers.fused.can_qk_prologue() first"
+    num_tokens = qkv.shape[0]
+    q = torch.empty(num_tokens, num_qo_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    has_norm = q_weight is not None
+    grid = (num_tokens, num_qo_heads + num_kv_heads)
+    _qk_prologue_kernel[grid](
+        qkv, qkv.stride(0), q, k_dst, v_dst, k_dst.stride(0),
+        loc if loc is not None else positions, positions,
+        q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos_sin_cache, eps,
+        HQ=num_qo_heads, HKV=num_kv_heads, D=head_dim, HAS_NORM=has_norm,
+        HAS_LOC=loc is not None, num_warps=1)
+    return q
