@@ -683,7 +683,9 @@ def test_qk_prologue_equals_norm_rope_and_store(cuda_bf16: None, tokens: int, in
         assert fused.can_rmsnorm(q, q_norm.weight) and fused.can_rmsnorm(k, k_norm.weight)
         q, k = q_norm(q), k_norm(k)
     else:
-        q, k = q.contiguous(), k.contiguous()  # the rotation works in place on a copy
+        # The rotation works in place: on copies (with one token the q and k views of the
+        # single qkv row are contiguous already, so .contiguous() would not copy them).
+        q, k = q.clone(), k.clone()
     assert fused.can_rope(positions, q, k, rope.cos_sin_cache, BIG_HEAD_DIM)
     ref_q, ref_k = rope(positions, q, k)
     ref_v = qkv[:, (BIG_QO_HEADS + BIG_KV_HEADS) * BIG_HEAD_DIM:].view(tokens, BIG_KV_HEADS, -1)

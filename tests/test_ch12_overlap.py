@@ -312,6 +312,9 @@ def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
     scheduler = make_scheduler(tiny_model_dir, overlap=True)
     engine, pool = scheduler.engine, scheduler.engine.token_pool
     holding_tokens = {pool.ids.untyped_storage().data_ptr()}  # storages of token values
+    # The tensors themselves are kept, so that no freed address is reused by another tensor
+    # (which would then count as holding token values).
+    kept: list[torch.Tensor] = []
     events: list[str] = []
     launching = False
 
@@ -331,6 +334,7 @@ def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
         def call(*args: object) -> torch.Tensor:
             tokens = function(*args)
             holding_tokens.add(tokens.untyped_storage().data_ptr())
+            kept.append(tokens)
             return tokens
         return call
 

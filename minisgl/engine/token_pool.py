@@ -88,6 +88,8 @@ class TokenPool:
             return
         lists = torch.tensor(dst + picks, dtype=torch.int64).to(self.ids.device,
                                                                  non_blocking=True)
+        # On the pool's device already, unless a caller sampled from logits it moved to the host.
+        tokens = tokens.to(self.ids.device, non_blocking=True)
         self._flat[lists[:len(dst)]] = tokens[lists[len(dst):]]
 
     def _row_start(self, req: Req) -> int:
