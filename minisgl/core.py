@@ -1,16 +1,16 @@
 """The engine's core data types.
 
-- :class:`SamplingParams` (chapter 4): the per-request knobs that decide how the next token is
-  chosen from the model's logits and when generation stops.
-- :class:`Req` (chapter 7): one request as the engine sees it: its tokens, how many of them
-  already have keys and values in the KV pool, its page-table row, its random generator and
-  whether it has finished.
-- :class:`Batch` (chapter 7): the requests of one forward pass, all in the prefill phase or all
-  in the decode phase.
+- :class:`SamplingParams`: the per-request knobs that decide how the next token is chosen from
+  the model's logits and when generation stops.
+- :class:`Req`: one request as the engine sees it: its tokens, how many of them already have
+  keys and values in the KV pool, its page-table row, its random generator and whether it has
+  finished.
+- :class:`Batch`: the requests of one forward pass, all in the prefill phase or all in the
+  decode phase.
 
 These are plain data: nothing here allocates memory, runs a model or decides which request runs
-next. The engine (``minisgl.engine.engine``) runs batches and the scheduler (chapter 9) builds
-them.
+next. The engine (``minisgl.engine.engine``) runs batches and the scheduler
+(``minisgl.scheduler``) builds them.
 """
 
 from __future__ import annotations
@@ -54,7 +54,7 @@ class SamplingParams:
             but applied even when ``ignore_eos`` is set.
         seed: Seed for this request's own random generator, so that its samples are
             reproducible whatever else shares the batch; ``None`` uses the global generator.
-        stop: Text that ends generation (chapter 14): when the output text contains one of
+        stop: Text that ends generation: when the output text contains one of
             these strings, the answer is the text before it. The engine works on tokens and
             ignores them; the server's detokenizer applies them. A single string is one stop
             string.
@@ -68,7 +68,7 @@ class SamplingParams:
     max_tokens: int = 16
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
-    stop: tuple[str, ...] = ()  # chapter 14: stop strings, applied by the detokenizer
+    stop: tuple[str, ...] = ()  # applied by the server's detokenizer, on text
 
     def __post_init__(self) -> None:
         self._validate()
@@ -131,7 +131,7 @@ class SamplingParams:
             if not 0 <= self.seed <= _MAX_SEED:
                 _invalid("seed", self.seed, f"None or an integer in [0, {_MAX_SEED}]")
 
-        # Chapter 14. An empty stop string would match at once, before any text: a bug.
+        # An empty stop string would match at once, before any text: a bug.
         stop = (self.stop,) if isinstance(self.stop, str) else self.stop
         if isinstance(stop, bytes) or not isinstance(stop, Iterable):
             raise TypeError(f"stop must be a string or a sequence of strings, got {self.stop!r}")
@@ -152,7 +152,7 @@ def _invalid(field: str, value: object, allowed: str) -> None:
 
 
 # --------------------------------------------------------------------------------------------
-# Chapter 7: requests, batches and the context of a forward pass
+# Requests and batches
 # --------------------------------------------------------------------------------------------
 
 FinishReason = Literal["stop", "length"]
@@ -170,7 +170,7 @@ class Req:
     token (the last sampled one, whose K/V nobody has computed yet), so every later pass is a
     one-token decode step.
 
-    Chapter 12: a sampled token is *in flight* from the moment the engine writes it into its
+    A sampled token is *in flight* from the moment the engine writes it into its
     token pool on the device until the host reads it and appends it to ``output_ids``. It
     counts in the request's length (the next step feeds it) but not in ``output_ids``.
 
@@ -186,7 +186,7 @@ class Req:
             engine on the engine's device), else None.
         finish_reason: None while running; "stop" (EOS or a stop token) or "length"
             (``max_tokens`` reached) once finished.
-        in_flight: tokens sampled on the device that the host has not read yet (chapter 12).
+        in_flight: tokens sampled on the device that the host has not read yet.
     """
 
     uid: int
@@ -231,8 +231,8 @@ class Req:
         return self.num_tokens - self.cached_len
 
     def new_token_ids(self) -> list[int]:
-        """The token ids the next forward pass feeds to the model for this request (those the
-        host has: from chapter 12 the engine reads them from its token pool instead)."""
+        """The token ids the next forward pass feeds to the model for this request, as the
+        host has them (the engine itself reads them from its token pool)."""
         return self.token_range(self.cached_len, self.num_tokens)
 
     def token_range(self, start: int, end: int) -> list[int]:
@@ -257,11 +257,11 @@ class Req:
                      eos_token_ids: Sequence[int] = ()) -> FinishReason | None:
         """Record a sampled token and decide whether the request is done.
 
-        The rule is chapter 4's: a stop token always ends the request, an end-of-sequence
-        token ends it unless ``ignore_eos``, and reaching ``max_tokens`` ends it. The stopping
-        token is kept in ``output_ids``. Returns the finish reason, or None to keep going.
+        A stop token always ends the request, an end-of-sequence token ends it unless
+        ``ignore_eos``, and reaching ``max_tokens`` ends it. The stopping token is kept in
+        ``output_ids``. Returns the finish reason, or None to keep going.
 
-        Chapter 12: when a token is in flight, this is that token reaching the host: it moves
+        When a token is in flight, this is that token reaching the host: it moves
         from ``in_flight`` to ``output_ids``, and the length does not change.
         """
         if self.is_finished:
@@ -290,12 +290,12 @@ class Batch:
     ``"prefill"``: each request brings one or more new tokens (a whole prompt, or what is left
     of it after a cached prefix). ``"decode"``: each request brings exactly the one token it
     sampled last, after a cached past. The phase decides which attention kernel runs, and only
-    decode batches can be replayed as CUDA graphs (chapter 8), because their shape depends on
-    the number of requests alone.
+    decode batches can be replayed as CUDA graphs, because their shape depends on the number of
+    requests alone.
 
     ``chunk_lens`` lets a pass compute only the first ``chunk_lens[i]`` of request ``i``'s
-    uncomputed tokens instead of all of them (chapter 10 splits long prompts this way); None
-    means all of them.
+    uncomputed tokens instead of all of them (chunked prefill splits long prompts this way);
+    None means all of them.
     """
 
     reqs: list[Req]

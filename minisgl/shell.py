@@ -9,7 +9,7 @@ Commands: ``/reset`` forgets the conversation, ``/exit`` (or Ctrl-D) leaves, ``/
 them. The checkpoint's ``generation_config.json`` decides how to sample, as it does for
 ``transformers``' ``generate``: greedy unless it says ``do_sample``.
 
-Chapter 16: Ctrl-C while a reply is being written stops that reply (the request is aborted,
+Ctrl-C while a reply is being written stops that reply (the request is aborted,
 the conversation keeps what was written) and the shell asks for the next line; Ctrl-C at the
 prompt leaves. A request that fails prints its error instead of a reply.
 """
@@ -67,7 +67,7 @@ class Shell:
     params: SamplingParams
     out: TextIO = field(default_factory=lambda: sys.stdout)
     history: list[dict[str, str]] = field(default_factory=list)
-    # Chapter 16: what Ctrl-C interrupts, and whether it did.
+    # What Ctrl-C interrupts, and whether it did.
     _reading: asyncio.Future[str] | None = field(default=None, init=False, repr=False)
     _answering: asyncio.Future[str] | None = field(default=None, init=False, repr=False)
     _stopping_answer: bool = field(default=False, init=False, repr=False)
@@ -107,7 +107,7 @@ class Shell:
                 self._answering, self._stopping_answer = None, False
 
     def interrupt(self) -> None:
-        """Ctrl-C (chapter 16): stop the reply being written, or, at the prompt, leave.
+        """Ctrl-C: stop the reply being written, or, at the prompt, leave.
 
         Stopping a reply cancels the task writing it; the generator of its replies is closed
         on the way out, which aborts the request, so the scheduler stops generating it.
@@ -135,7 +135,7 @@ class Shell:
     async def answer(self, text: str) -> str:
         """Send ``text`` with the conversation so far; print the reply as it comes.
 
-        Chapter 16: a reply stopped by Ctrl-C stays in the conversation as far as it got; a
+        A reply stopped by Ctrl-C stays in the conversation as far as it got; a
         request that fails prints its error and leaves the conversation as it was.
         """
         turn = {"role": "user", "content": text}
@@ -219,7 +219,7 @@ def run_shell(frontend_factory: Callable[[], RequestRouter], params: SamplingPar
         frontend.start()
         shell = Shell(frontend, params)
         loop = asyncio.get_running_loop()
-        # Chapter 16: Ctrl-C is the shell's to interpret (the workers, in process groups of
+        # Ctrl-C is the shell's to interpret (the workers, in process groups of
         # their own, do not receive it).
         handled = threading.current_thread() is threading.main_thread()
         if handled:

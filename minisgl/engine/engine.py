@@ -1,8 +1,8 @@
 """The engine: one batched forward step over the paged KV cache, and nothing more.
 
-Chapters 2 to 6 built the parts: a model that takes a flat sequence of tokens with their
-positions, a sampler, a KV pool split into pages, a page table, attention backends that read
-the pages. The :class:`Engine` puts them together and owns them:
+The parts: a model that takes a flat sequence of tokens with their positions, a sampler, a KV
+pool split into pages, a page table, attention backends that read the pages. The
+:class:`Engine` puts them together and owns them:
 
 1. **start-up**: load the model, size the KV pool from what memory is left (free GPU memory
    times ``memory_fraction``, or a fixed budget on a CPU), build the pool, the owner of its
@@ -11,23 +11,23 @@ the pages. The :class:`Engine` puts them together and owns them:
 2. **pages for requests**: not the engine's business beyond building their owner:
    ``engine.pages.reserve(req)`` gives a request a row and the pages its next forward pass
    writes to, ``engine.pages.release(req)`` takes them back. Whoever decides which requests
-   run (an example's loop, chapter 9's scheduler) asks ``engine.pages``; the engine only
+   run (an example's loop, the scheduler) asks ``engine.pages``; the engine only
    checks that every request of a batch has its pages;
 3. **a step**: :meth:`Engine.forward` packs a :class:`~minisgl.core.Batch` of requests into one
    flat input, lets the attention backend prepare the batch's metadata (slots, positions, the
    rows to score), runs the model once and samples one token per request, each with its own
    sampling parameters.
 
-Chapter 12: the input ids are no longer packed from the host's lists. The engine keeps every
+The input ids are not packed from the host's lists: the engine keeps every
 running request's tokens on the device, in a :class:`~minisgl.engine.token_pool.TokenPool`,
 writes each step's samples there and gathers the next step's input from it, so a step can be
 launched before the host has read the tokens it feeds.
 
 The engine decides nothing about *which* requests run together or when: that is the
-scheduler's job (chapter 9), which calls these methods. Examples and tests of this chapter call
-them by hand.
+scheduler's job, which calls these methods; the engine's own examples and tests call them by
+hand.
 
-Chapter 17: under tensor parallelism every rank runs an engine of its own, on its own device,
+Under tensor parallelism every rank runs an engine of its own, on its own device,
 holding its share of the heads in its pool; the ranks agree on the pool's size, and rank 0's
 sampled tokens are everyone's.
 """
@@ -125,7 +125,7 @@ def plan_kv_budget(budget_bytes: int, source: str, model_config: ModelConfig,
 
 
 class DecodeGraphs(Protocol):
-    """What the engine asks of a CUDA-graph runner (chapter 8 provides one)."""
+    """What the engine asks of a CUDA-graph runner (``graph.GraphRunner`` is one)."""
 
     def can_replay(self, ctx: Context) -> bool:
         """Whether ``ctx`` is a decode batch small enough for a captured graph."""
@@ -143,16 +143,16 @@ class Engine:
     Attributes:
         model: the loaded model, in eval mode.
         kv_budget: how the KV pool was sized.
-        kv_pool: the paged KV cache (chapter 5).
+        kv_pool: the paged KV cache.
         pages: the one owner of the pool's pages and the page table's rows.
-        attn_backend: the paged attention backend (chapter 6).
+        attn_backend: the paged attention backend.
         max_seq_len: the longest sequence one request may reach.
-        graph_runner: the CUDA-graph runner for decode steps (chapter 8).
+        graph_runner: the CUDA-graph runner for decode steps.
     """
 
     def __init__(self, config: EngineConfig) -> None:
         self.config = config
-        # Chapter 17: under tensor parallelism this process is one rank (GPU r for rank r).
+        # Under tensor parallelism this process is one rank (GPU r for rank r).
         self.tp = get_tp_info()
         self.device = device_for_rank(resolve_device(config.device), self.tp.rank, self.tp.size)
         self.dtype = resolve_dtype(config.dtype, self.device)
@@ -182,7 +182,7 @@ class Engine:
                                   device=self.device)
         self.attn_backend = create_attention_backend(
             config.attention_backend, self.kv_pool, self.pages.table, self.rank_config.num_qo_heads)
-        # Chapter 12: the token ids of every row, on the device, so that a step can be launched
+        # The token ids of every row, on the device, so that a step can be launched
         # before the host has read the tokens the step before sampled.
         self.token_pool = TokenPool(config.max_running_reqs, self.max_seq_len, self.device)
         self._log_kv_budget()
@@ -197,7 +197,7 @@ class Engine:
         return limit if wanted is None else wanted
 
     def _plan_kv_budget(self, max_pages_per_req: int) -> KVBudget:
-        """This rank's budget, lowered to the smallest any rank can hold (chapter 17): every
+        """This rank's budget, lowered to the smallest any rank can hold: every
         rank makes the same paging decisions, so every rank must have the same pages."""
         budget = self._plan_local_kv_budget(max_pages_per_req)
         agreed = min_over_ranks(budget.num_pages)
@@ -211,7 +211,7 @@ class Engine:
         """Decide the pool's memory: a fixed page count, free GPU memory, or the CPU setting."""
         config = self.config
         # More pages than every row of the page table can map would never be used (+1: the
-        # spare page chapter 8's CUDA graphs pad their batches with).
+        # spare page the CUDA graphs pad their batches with).
         max_useful = config.max_running_reqs * max_pages_per_req + 1
         bytes_per_page = self.rank_config.kv_bytes_per_token(self.dtype) * config.page_size
         if config.num_pages is not None:
@@ -238,7 +238,7 @@ class Engine:
                     self.max_seq_len)
 
     def _make_graph_runner(self) -> GraphRunner:
-        """Capture decode steps as CUDA graphs, or say why not (chapter 8).
+        """Capture decode steps as CUDA graphs, or say why not.
 
         The runner is built in either case; a disabled one replays nothing, so every batch
         runs eagerly, and its ``disabled_reason`` says why.
@@ -259,12 +259,11 @@ class Engine:
 
         Afterwards the K/V of every token fed in this step are in the pool, so each request's
         ``cached_len`` moves past them. The sampled token of a request that computed all it had
-        left is *in flight* (chapter 12): written into the token pool, where the request's next
-        step reads it, and counted in ``req.in_flight`` until the caller appends it
+        left is *in flight*: written into the token pool, where the request's next step reads
+        it, and counted in ``req.in_flight`` until the caller appends it
         (:meth:`Req.append_token`) once it has the value on the host. A request that computed
         only a chunk of its prompt sampled nothing meaningful and gains no token.
-        ``use_graph=False`` runs a decode step eagerly even where a CUDA graph could serve it
-        (chapter 8).
+        ``use_graph=False`` runs a decode step eagerly even where a CUDA graph could serve it.
 
         Returns:
             ``[B]`` int64 next-token ids, one per request, in batch order, on the device.
@@ -300,7 +299,7 @@ class Engine:
     def run(self, ctx: Context, use_graph: bool = True) -> torch.Tensor:
         """The model's logits for the last new token of each request: ``[B, vocab]`` float32.
 
-        A decode batch that a captured CUDA graph can serve is replayed (chapter 8) unless
+        A decode batch that a captured CUDA graph can serve is replayed unless
         ``use_graph`` is False; every other batch runs eagerly: the backend plans the batch
         (:meth:`~minisgl.attention.BaseAttnBackend.prepare`), and the model scores only the
         rows ``last_indices`` points at.
@@ -313,9 +312,9 @@ class Engine:
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
         """One token per row of ``logits``, each with its request's parameters and generator,
-        written into the token pool after each request's fed tokens (chapter 12).
+        written into the token pool after each request's fed tokens.
 
-        Chapter 17: with several ranks, rank 0 samples and the others receive its tokens, so
+        With several tensor-parallel ranks, rank 0 samples and the others receive its tokens, so
         every rank's requests continue with the same token whatever their logits' last bits.
         """
         if self.tp.is_primary:

@@ -1,10 +1,10 @@
 """The token pool: every running request's token ids, kept on the engine's device.
 
-A forward pass needs the ids of the tokens it feeds. Chapters 7 to 11 copied them from the
-host's lists (``prompt_ids + output_ids``) on every step, which means the host had to *know*
-every token before it could launch the step that feeds it. Chapter 12 launches a step before
-the host has read the token the step before sampled, so the ids must come from somewhere the
-device writes itself.
+A forward pass needs the ids of the tokens it feeds. Copying them from the host's lists
+(``prompt_ids + output_ids``) on every step means the host has to *know* every token before it
+can launch the step that feeds it. Overlap scheduling (``scheduler/overlap.py``) launches a step
+before the host has read the token the step before sampled, so the ids must come from somewhere
+the device writes itself.
 
 :class:`TokenPool` is that place: one ``[max_running_reqs, max_seq_len + 1]`` integer tensor on
 the device, indexed like the KV cache's page table, by a request's row and a token's position.
@@ -76,7 +76,8 @@ class TokenPool:
         """Write ``tokens`` (``[B]``, on the device) after each request's fed tokens.
 
         Call it before the requests' lengths move on. A request that feeds only part of what it
-        has left (a cut prompt, chapter 10) sampled nothing meaningful: its token is skipped.
+        has left (a prompt cut by chunked prefill) sampled nothing meaningful: its token is
+        skipped.
         """
         dst: list[int] = []
         picks: list[int] = []

@@ -6,7 +6,7 @@
 - ``allocator``: :class:`PageAllocator`, the free list of page ids.
 - ``page_table``: :class:`PageTable`, which pages hold which request's tokens. It is KV-cache
   state, read by the attention backends and the engine, so it lives here, below both.
-- ``request_pages`` (chapter 7): :class:`RequestPages`, the one owner of the allocator and the
+- ``request_pages``: :class:`RequestPages`, the one owner of the allocator and the
   page table together: the only code that gives a request pages and a row, or takes them back.
 """
 

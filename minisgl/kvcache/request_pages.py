@@ -1,6 +1,6 @@
 """The one owner of KV pages and page-table rows: every page a request gets or gives back.
 
-Chapter 5 built two pieces of bookkeeping: the :class:`~minisgl.kvcache.allocator.PageAllocator`
+The KV cache has two pieces of bookkeeping: the :class:`~minisgl.kvcache.allocator.PageAllocator`
 knows which pages are free, the :class:`~minisgl.kvcache.page_table.PageTable` which pages each
 row maps. A page moves in both at once, or the two disagree: a page allocated and never
 appended leaks, a row freed without its pages going somewhere leaks them all. So one object
@@ -15,7 +15,7 @@ What it answers, for a :class:`~minisgl.core.Req`:
 - :meth:`RequestPages.release`: its row and every page back to the free list;
 - :meth:`RequestPages.open_row` and :meth:`RequestPages.close_row`: a row that starts with a
   cached prefix's pages, and a row taken back with its pages handed to the caller, for a prefix
-  cache (chapters 9 and 11) to keep some of them; :meth:`RequestPages.free_pages` returns the
+  cache to keep some of them; :meth:`RequestPages.free_pages` returns the
   rest, and whatever the cache evicts later.
 
 It decides nothing about *which* pages to keep or evict: that is the prefix cache's policy.
@@ -138,8 +138,8 @@ class RequestPages:
     def set_aside_page(self) -> int:
         """Take one page out of circulation for good; returns its id.
 
-        Chapter 8's CUDA graphs pad a batch with entries that write somewhere harmless: this
-        page, which no request will ever own.
+        CUDA graphs (``engine/graph.py``) pad a batch with entries that write somewhere
+        harmless: this page, which no request will ever own.
         """
         return self._allocator.alloc(1)[0]
 

@@ -6,7 +6,7 @@
     llm = LLM("models/tiny-qwen3", device="cpu")
     outputs = llm.generate(["Hello", "The sky is"], SamplingParams(max_tokens=8))
 
-:class:`LLM` runs the chapter-9 scheduler in the calling process: no server, no other process.
+:class:`LLM` runs the scheduler in the calling process: no server, no other process.
 """
 
 from __future__ import annotations

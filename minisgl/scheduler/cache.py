@@ -10,11 +10,11 @@ page it hands out or takes back, so that the scheduler only ever says *what* hap
 request (it is admitted, it needs pages for its next step, it is done) and never *how* pages
 move.
 
-Chapter 9 runs it with :class:`~minisgl.kvcache.naive_cache.NaivePrefixCache`, which keeps
-nothing; chapter 11 plugs in a radix tree. The bookkeeping below is already the general one: a
-request may start with pages it borrowed from the cache, and when it finishes the cache may keep
-some of its pages. With the naive cache both are empty, and every page goes back to the
-allocator.
+It runs with :class:`~minisgl.kvcache.naive_cache.NaivePrefixCache`, which keeps nothing, or
+with :class:`~minisgl.kvcache.radix_cache.RadixCache`, a radix tree. The bookkeeping below is
+the general one: a request may start with pages it borrowed from the cache, and when it
+finishes the cache may keep some of its pages. With the naive cache both are empty, and every
+page goes back to the allocator.
 """
 
 from __future__ import annotations
@@ -31,10 +31,10 @@ if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
 
 # The prefix caches a scheduler can run with, by the name ``SchedulerConfig.prefix_cache`` takes.
-# Each entry builds one from the page size. Chapter 11 adds "radix".
+# Each entry builds one from the page size.
 PREFIX_CACHES: dict[str, Callable[[int], BasePrefixCache]] = {
     "naive": NaivePrefixCache,
-    "radix": RadixCache,  # chapter 11: share the pages of common prefixes
+    "radix": RadixCache,  # share the pages of common prefixes
 }
 
 
@@ -96,7 +96,7 @@ class CacheManager:
     def admit(self, req: Req, match: PrefixMatch) -> None:
         """Give ``req`` a page-table row that starts with the pages of its cached prefix.
 
-        The prefix must be locked already (:meth:`lock`, chapter 11), so that no eviction takes
+        The prefix must be locked already (:meth:`lock`), so that no eviction takes
         its pages while ``req`` reads them; ``req.cached_len`` jumps past it: the prefill
         computes only the rest. The pages for the rest are allocated by :meth:`reserve`, step by
         step.
@@ -157,7 +157,7 @@ class CacheManager:
         - ``[kept, end)``: what the cache did not keep (and a last, partly filled page): freed.
 
         With the naive cache ``prefix``, ``already`` and ``kept`` are all 0: every page is freed.
-        This is the only moment the prefix cache learns of a request's pages (chapter 11): a
+        This is the only moment the prefix cache learns of a request's pages: a
         request that arrives while another with the same prefix still runs computes it again.
         """
         handle = self._handles.pop(req, None)

@@ -1,9 +1,9 @@
 """Chunked prefill: a prompt longer than what a step has room for is computed over several steps.
 
-Chapter 9's token budget bends: the first request of a prefill batch is taken whatever its
-length, so one 10,000-token prompt makes one 10,000-token step, and every request already
-decoding waits for it. With chunked prefill (``SchedulerConfig.chunked_prefill``) the budget is
-a hard limit instead:
+The plain token budget (``prefill.PrefillBudget``) bends: the first request of a prefill batch
+is taken whatever its length, so one 10,000-token prompt makes one 10,000-token step, and every
+request already decoding waits for it. With chunked prefill
+(``SchedulerConfig.chunked_prefill``) the budget is a hard limit instead:
 
 - a prefill batch takes waiting requests first come, first served, while tokens are left, and
   the one that does not fit whole is **cut**: it computes the head of its prompt that fits, the
@@ -37,9 +37,9 @@ from minisgl.scheduler.prefill import PrefillBudget
 class ChunkedPrefillBudget(PrefillBudget):
     """A prefill budget whose token limit is hard: a prompt that does not fit is cut to fit.
 
-    Rows and pages are checked as in chapter 9, for the whole request: a request cut after its
-    first chunk must be able to finish, so it is promised the pages of its whole prompt and
-    answer at once. Only the *tokens* of this step are cut.
+    Rows and pages are checked as by the plain budget, for the whole request: a request cut
+    after its first chunk must be able to finish, so it is promised the pages of its whole
+    prompt and answer at once. Only the *tokens* of this step are cut.
     """
 
     def admits(self, new_tokens: int, pages: int, is_first: bool) -> bool:

@@ -1,15 +1,15 @@
 """Overlap scheduling: the host plans step N+1 while the device still runs step N.
 
-In chapter 9's :meth:`~minisgl.scheduler.scheduler.Scheduler.step` the host and the device take
+In :meth:`~minisgl.scheduler.scheduler.Scheduler.step` the host and the device take
 turns: the host schedules a batch, reserves its pages and launches it; the device runs it; the
 host waits for the sampled tokens (``tolist()`` blocks), appends them and retires the finished
 requests; only then does it start planning the next step. On a GPU the host's share is pure idle
 time for the device.
 
 :class:`OverlapScheduler` runs the same step, and changes only *when* the host reads a batch's
-tokens: one step late. A step schedules, prepares and launches batch N+1 exactly as chapter 9
-does (``Engine.forward``), and only then reads batch N's tokens, while the device is busy with
-N+1. Batch N's results are consumed one step late.
+tokens: one step late. A step schedules, prepares and launches batch N+1 exactly as the
+synchronous step does (``Engine.forward``), and only then reads batch N's tokens, while the
+device is busy with N+1. Batch N's results are consumed one step late.
 
 A step can be launched before the host has read the tokens it feeds because the host does not
 need them: the engine gathers every step's input ids on the device from its token pool, into
@@ -32,7 +32,7 @@ Either way a request keeps its pages for at most one step longer than without ov
 tokens are the same: each request's tokens depend only on its own earlier tokens.
 
 The switch is the config's ``overlap`` field: ``SchedulerConfig(..., overlap=False)`` runs
-chapter 9's synchronous step, for ablation (``LLM(path, overlap=False)`` passes it through).
+the synchronous step, for ablation (``LLM(path, overlap=False)`` passes it through).
 Left at None, overlap is on unless the environment variable ``MINISGL_DISABLE_OVERLAP`` is set.
 It is on for CPU as well: nothing runs asynchronously there, but the same code path runs,
 results one step late, so the CPU tests exercise it.
@@ -66,7 +66,7 @@ class InFlight:
     Attributes:
         batch: the batch.
         sampled: for each request of the batch, whether it sampled a real token (False for a
-            chunk of a prompt that goes on, chapter 10).
+            chunk of a prompt that goes on).
         host_tokens: the ``[B]`` sampled ids being copied to the host (on CUDA, a view of one
             of the scheduler's two pinned buffers).
         ready: on CUDA, an event recorded after that copy; None on a CPU.
@@ -89,7 +89,7 @@ class OverlapScheduler(Scheduler):
 
     Args:
         config: as for :class:`Scheduler`; its ``overlap`` field switches overlap on (True,
-            the default unless ``MINISGL_DISABLE_OVERLAP`` is set) or off (False: chapter 9's
+            the default unless ``MINISGL_DISABLE_OVERLAP`` is set) or off (False: the
             synchronous step).
 
     Attributes:
@@ -157,14 +157,14 @@ class OverlapScheduler(Scheduler):
     def process_batch(self, batch: Batch, next_tokens: torch.Tensor) -> list[Req]:
         """Start bringing ``batch``'s tokens to the host; read those of the batch before it.
 
-        Called, as in chapter 9's step, right after ``batch`` was launched: the device now
+        Called, as in the synchronous step, right after ``batch`` was launched: the device now
         runs it, and the host reads the previous batch's tokens meanwhile.
         """
         if not self.overlap:
             return super().process_batch(batch, next_tokens)
         sampled = [not is_mid_prefill(req) for req in batch.reqs]
         for req, real in zip(batch.reqs, sampled):
-            if not real:  # only a chunk of its prompt ran (chapter 10)
+            if not real:  # only a chunk of its prompt ran
                 continue
             if len(req.output_ids) + req.in_flight >= req.params.max_tokens:
                 # Its last token is in flight: it finishes whatever it samples. It must not run

@@ -1,6 +1,6 @@
 """The scheduler: which requests run in the next forward pass, step after step.
 
-The engine (chapter 7) runs one batch it is handed. The :class:`Scheduler` decides the batches:
+The engine runs one batch it is handed. The :class:`Scheduler` decides the batches:
 
 - requests arrive at any time (:meth:`Scheduler.add`) and wait in a queue;
 - each :meth:`Scheduler.step` runs one forward pass: a **prefill** batch of waiting requests
@@ -16,13 +16,13 @@ The parts are small and each has its module: ``prefill`` (the queue and admissio
 (the running set), ``cache`` (every page a request holds, through a prefix cache) and ``utils``
 (a request's worst case, a step's report).
 
-A step has four stages, each its own method so that later chapters can change one of them:
-:meth:`~Scheduler.schedule_next_batch` picks the requests (chapter 10 cuts prompts into chunks
-there), :meth:`~Scheduler.prepare_batch` gives them pages, :meth:`~Scheduler.forward_batch` runs
-the engine, and :meth:`~Scheduler.process_batch` appends the sampled tokens and retires finished
-requests (chapter 12 overlaps this with the next step's forward pass).
+A step has four stages, each its own method so that a variant can change one of them:
+:meth:`~Scheduler.schedule_next_batch` picks the requests (and cuts prompts into chunks),
+:meth:`~Scheduler.prepare_batch` gives them pages, :meth:`~Scheduler.forward_batch` runs the
+engine, and :meth:`~Scheduler.process_batch` appends the sampled tokens and retires finished
+requests (the overlap scheduler, ``overlap.py``, does this during the next step's forward pass).
 
-With ``chunked_prefill`` on (chapter 10, ``chunking.py``), no prefill step computes more than
+With ``chunked_prefill`` on (``chunking.py``), no prefill step computes more than
 ``max_prefill_tokens`` tokens: a longer prompt is computed a chunk per prefill step, and the
 running requests decode between two of its chunks.
 """
@@ -77,7 +77,7 @@ class Scheduler:
                                self.cache.num_pages * config.page_size)
         self.num_steps = 0
         self._live_uids: set[int] = set()  # waiting or running
-        # Chapter 10: the last prefill batch cut a prompt, so the running requests go next.
+        # The last prefill batch cut a prompt, so the running requests go next.
         self._decode_owed = False
 
     # ------------------------------------------------------------------ requests in and out
@@ -122,7 +122,7 @@ class Scheduler:
             req = self.decode.remove(uid)
         if req is None:
             return None
-        if req.table_row is not None:  # running (or, from chapter 10, partly prefilled)
+        if req.table_row is not None:  # running (or partly prefilled)
             self.cache.release(req)
         self._live_uids.discard(uid)
         logger.debug("request %d aborted after %d output token(s)", uid, len(req.output_ids))
@@ -138,7 +138,8 @@ class Scheduler:
 
     @property
     def num_live(self) -> int:
-        """Requests that still own their uid: waiting or running (chapter 12 adds retiring)."""
+        """Requests that still own their uid: waiting or running (the overlap scheduler adds
+        retiring)."""
         return self.num_waiting + self.num_running
 
     @property
@@ -156,7 +157,7 @@ class Scheduler:
         if batch is None:
             return self.idle_step()
         num_tokens = batch.num_tokens  # read before the forward pass moves cached_len
-        new_lens = tuple(batch.new_lens)  # likewise (chapter 10 reports each request's chunk)
+        new_lens = tuple(batch.new_lens)  # likewise (each request's chunk)
         new_pages = self.prepare_batch(batch)
         next_tokens = self.forward_batch(batch)
         finished = self.process_batch(batch, next_tokens)
@@ -177,9 +178,9 @@ class Scheduler:
         Waiting requests that fit start now, and the running ones skip this step. New requests
         get their first token as soon as possible and join the decode batch, which makes every
         later decode step serve more requests at once; the price is a pause in the running
-        requests' output while a prompt is computed (chapter 10 bounds that pause).
+        requests' output while a prompt is computed (chunked prefill bounds that pause).
         """
-        # Chapter 10: after a prefill batch that cut a prompt, the running requests decode before
+        # After a prefill batch that cut a prompt, the running requests decode before
         # its next chunk, so that however long the prompt, they wait one step at a time.
         owed, self._decode_owed = self._decode_owed, False
         if owed and self.decode.runnable:
@@ -199,15 +200,15 @@ class Scheduler:
         """
         promised = sum(lifetime_pages(req, self.config.page_size) - self.cache.pages_held(req)
                        for req in self.admitted_reqs())
-        # Chapter 10: with chunked prefill the token budget is hard, and cuts prompts to fit.
+        # With chunked prefill the token budget is hard, and cuts prompts to fit.
         budget_class = ChunkedPrefillBudget if self.config.chunked_prefill else PrefillBudget
         return budget_class(tokens=self.config.max_prefill_tokens,
                             pages=self.cache.available_pages - promised,
                             rows=self.engine.pages.num_free_rows)
 
     def admitted_reqs(self) -> list[Req]:
-        """Requests holding a row and a promise of pages: the running ones (and, from chapter
-        10, a request whose prompt is being prefilled in chunks, which still waits in line)."""
+        """Requests holding a row and a promise of pages: the running ones (and a request
+        whose prompt is being prefilled in chunks, which still waits in line)."""
         return self.decode.running + [req for req in self.prefill.waiting
                                       if req.table_row is not None]
 
@@ -229,7 +230,7 @@ class Scheduler:
         """
         finished: list[Req] = []
         for req, token in zip(batch.reqs, next_tokens.tolist(), strict=True):
-            if is_mid_prefill(req):  # only a chunk of its prompt ran (chapter 10): no new token
+            if is_mid_prefill(req):  # only a chunk of its prompt ran: no new token
                 continue
             if req.append_token(token, self.eos_token_ids) is not None:
                 self._retire(req)
@@ -278,7 +279,7 @@ class Scheduler:
         if len(self._live_uids) != self.num_live:
             raise RuntimeError(f"{len(self._live_uids)} live uids for {self.num_live} live "
                                f"requests ({self.num_waiting} waiting, {self.num_running} running)")
-        # Chapter 10: only the request at the head of the queue may be between two chunks.
+        # Only the request at the head of the queue may be between two chunks.
         partial = [req.uid for req in self.prefill.waiting if is_mid_prefill(req)]
         if partial and (len(partial) > 1 or partial[0] != self.prefill.waiting[0].uid):
             raise RuntimeError(f"requests {partial} are partly prefilled; only the head of the "

@@ -9,7 +9,7 @@ with a Server-Sent Events stream of it. The routes: ``POST /v1/chat/completions`
 A streaming client that disconnects makes Starlette cancel the stream; the cancellation turns
 into an :class:`~minisgl.message.AbortRequest`, so the scheduler stops generating for nobody.
 
-Chapter 16 makes every request end, and end cleanly, whatever happens: a client that
+Every request ends, and ends cleanly, whatever happens: a client that
 disconnects while it waits for a whole answer, a prompt the workers refuse (answered with an
 OpenAI error and its status, streamed or not), an error of any kind (answered as OpenAI's
 error object), the server shutting down. ``/metrics`` shows what the frontend still holds.
@@ -65,7 +65,7 @@ async def abort_on_disconnect(frontend: RequestRouter, uid: int,
     When the client disconnects, Starlette stops the response: it cancels the task iterating
     this generator (a ``CancelledError`` rises out of the ``await`` the stream waits in, through
     every generator below), or, when the disconnect shows as a failed write, stops iterating
-    it. Either way ``finally`` runs with the stream unfinished (chapter 16: :class:`SSEResponse`
+    it. Either way ``finally`` runs with the stream unfinished (:class:`SSEResponse`
     closes this generator explicitly, so "finally" means now, not when the garbage collector
     gets to it). :meth:`RequestRouter.abort` only schedules its send: a cancelled task may
     not wait for anything.
@@ -225,7 +225,7 @@ async def whole_answer(request: Request, frontend: RequestRouter, uid: int,
                        prompt_param: str) -> tuple[str, UserReply]:
     """Request ``uid``'s whole text and last reply, for a response that is not streamed.
 
-    Chapter 16: nothing is sent to the client until the answer is complete, so a client that
+    Nothing is sent to the client until the answer is complete, so a client that
     disconnects is not noticed by a failed write: a watcher waits for the disconnect at the
     same time, and wins the race if the client goes first. Collecting then stops, and
     :meth:`RequestRouter.replies` aborts the request. A request that failed is answered
@@ -241,7 +241,7 @@ async def first_reply_then_rest(request: Request, frontend: RequestRouter, uid: 
                                 prompt_param: str) -> AsyncIterator[UserReply]:
     """Request ``uid``'s replies for a streamed response, once its first reply has come.
 
-    Chapter 16: the response's headers (and its status, 200) go out with the first chunk,
+    The response's headers (and its status, 200) go out with the first chunk,
     so the first reply is awaited before the response starts: a request the workers refuse
     at once (its prompt is too long) is still answered with a 400 and an error body, not a
     200 stream holding an error. The client may disconnect during that wait, as it can
@@ -445,7 +445,7 @@ def _model_card(request: Request) -> dict[str, Any]:
 @router.get("/health", responses={503: {"description": "A worker has stopped, or the server "
                                                       "cannot serve"}})
 async def health(request: Request):
-    """200 while every worker process runs; 503 and the reason otherwise (chapter 16: also
+    """200 while every worker process runs; 503 and the reason otherwise (also
     while the API server cannot serve: its reply listener stopped, or it is shutting down)."""
     problem = request.app.state.health()
     unavailable = _frontend(request).lifecycle.unavailable
@@ -491,7 +491,7 @@ def metrics_text(worker_counters: Mapping[str, int], frontend: RequestRouter) ->
          "Requests answered to the end.", frontend.stats.finished),
         ("minisgl_frontend_aborted_total", "counter",
          "Requests aborted because their client went away.", frontend.stats.aborted),
-        # Chapter 16.
+        # Ending every request (``lifecycle.py``): replies held, failures, slow readers.
         ("minisgl_frontend_buffered_replies", "gauge",
          "Replies received and not yet taken by their reader.", frontend.num_buffered),
         ("minisgl_frontend_failed_total", "counter",

@@ -10,8 +10,8 @@ request it belongs to (a :class:`~minisgl.server.lifecycle.ReplyBuffer` per uid)
 
 It knows nothing of HTTP: :mod:`minisgl.server.api_server` turns its replies into responses,
 and the interactive shell (:mod:`minisgl.shell`) uses it directly. Nor does it decide when a
-request must end before its last reply (chapter 16: a reader too slow, a worker dead, the
-server shutting down): its :class:`~minisgl.server.lifecycle.LifecyclePolicy` does, and ends
+request must end before its last reply (a reader too slow, a worker dead, the server
+shutting down): its :class:`~minisgl.server.lifecycle.LifecyclePolicy` does, and ends
 the request through :meth:`RequestRouter.fail`.
 """
 
@@ -62,7 +62,7 @@ class FrontendStats:
     submitted: int = 0
     finished: int = 0
     aborted: int = 0
-    failed: int = 0  # chapter 16: ended with an error (a worker's, or the frontend's own)
+    failed: int = 0  # ended with an error (a worker's, or the frontend's own)
 
 
 class RequestRouter:
@@ -73,7 +73,7 @@ class RequestRouter:
     listener task reads the queue and pushes each reply into its uid's buffer, which wakes that
     request's reader, waiting on its own buffer only.
 
-    Chapter 16: :meth:`replies` owns a request's state, and frees it (aborting the request)
+    :meth:`replies` owns a request's state, and frees it (aborting the request)
     however its reader stops. Every other way a request ends early is decided by
     :attr:`lifecycle`, a :class:`~minisgl.server.lifecycle.LifecyclePolicy` made from the
     last three arguments: the router asks it whether a new request may come in, and what to do
@@ -168,7 +168,7 @@ class RequestRouter:
             APIError: the server cannot serve (a worker died, it is shutting down: 503), or
                 the request cannot be sent (a value too large for the wire: 400).
         """
-        buffer = self.lifecycle.admit()  # chapter 16: refused once the server cannot serve
+        buffer = self.lifecycle.admit()  # refused once the server cannot serve
         self.start()
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         request = TokenizeRequest(uid, params, text=text, input_ids=input_ids, messages=messages,
@@ -233,13 +233,13 @@ class RequestRouter:
             return
         if reply.error is not None:
             self.stats.failed += 1
-        if not buffer.push(reply, time.monotonic()):  # chapter 16: the reader is too slow
+        if not buffer.push(reply, time.monotonic()):  # the reader is too slow
             self.lifecycle.cut_off(reply.uid, buffer)
 
     async def replies(self, uid: int) -> AsyncIterator[UserReply]:
         """Request ``uid``'s replies, in order, up to and including its last one.
 
-        This generator owns the request's state (chapter 16). The state is freed as soon as
+        This generator owns the request's state. The state is freed as soon as
         the last reply is taken, *before* it is yielded: a caller that stops there (``break``
         on the finished reply) never resumes the generator, and must leave nothing behind.
         Any other way out (the caller breaks early and closes it, a cancelled task, an

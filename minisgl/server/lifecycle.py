@@ -1,4 +1,4 @@
-"""What the API server needs to end every request, whatever happens to it (chapter 16).
+"""What the API server needs to end every request, whatever happens to it.
 
 A request that goes well ends with its last reply, which the router
 (:class:`~minisgl.server.frontend.RequestRouter`) hands to its reader. This module is for the

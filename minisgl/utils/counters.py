@@ -1,4 +1,4 @@
-"""Counters a worker publishes and another process reads, with no message (chapter 14).
+"""Counters a worker publishes and another process reads, with no message.
 
 :class:`SharedCounters`: named integers in shared memory that a worker writes after each step
 and the API server reads for ``/metrics``. A queue would make the reader wait for the writer's

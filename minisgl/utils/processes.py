@@ -2,13 +2,13 @@
 
 - **Start and stop.** :func:`start_process` starts a worker with the *spawn* start method;
   :func:`stop_process` makes sure it is gone and reaped.
-- **Readiness** (chapter 14). Each worker reports once, on a queue from :func:`new_ready_queue`,
+- **Readiness.** Each worker reports once, on a queue from :func:`new_ready_queue`,
   that it is ready or why it could not start (:func:`reporting_readiness`); the parent's
   :func:`wait_ready` returns when all are ready and raises, with the worker's traceback, when one
   fails or dies first.
-- **Shutdown** (chapter 14). :class:`ShutdownSignals` turns SIGTERM and SIGINT into a clean
+- **Shutdown.** :class:`ShutdownSignals` turns SIGTERM and SIGINT into a clean
   return from a worker's loop; :func:`stop_processes` sends the signal and reaps every worker.
-  Chapter 16: a worker also returns when its parent has died, busy or not, and
+  A worker also returns when its parent has died, busy or not, and
   ``start_process(..., own_process_group=True)`` keeps a terminal's Ctrl-C for the parent.
 
 What the processes say to each other travels on :mod:`minisgl.utils.queues`; this module is
@@ -57,7 +57,7 @@ def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...
     lines show. A daemon process (the default) is terminated when its parent exits normally, so
     a crashed launcher leaves fewer orphans behind.
 
-    ``own_process_group`` (chapter 16) puts the process in a process group of its own. Ctrl-C
+    ``own_process_group`` puts the process in a process group of its own. Ctrl-C
     in a terminal sends SIGINT to every process of the foreground group: the parent and,
     without this, every worker, which would all stop at once, whatever the parent meant to do
     about it (the shell stops one answer, the server finishes its requests first). The parent
@@ -75,7 +75,7 @@ def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...
 
 
 def _run_in_own_process_group(target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
-    """Chapter 16: the child's first act, before it imports anything heavy: leave the
+    """The child's first act, before it imports anything heavy: leave the
     parent's process group (and so the terminal's Ctrl-C), then run ``target``."""
     os.setpgid(0, 0)  # a group of its own, whose id is this process's id
     return target(*args, **kwargs)
@@ -208,7 +208,7 @@ class ShutdownSignals:
 
     @property
     def requested(self) -> bool:
-        """A shutdown signal came, or (chapter 16) the parent has died.
+        """A shutdown signal came, or the parent has died.
 
         A busy worker never waits in :meth:`receive`, where an idle one notices its parent's
         death; checking here, once per turn of its loop, makes a busy worker notice too, so a
