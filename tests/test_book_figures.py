@@ -767,3 +767,21 @@ def test_ch18_moe_paths_on_the_h200() -> None:
                    f"{ms[1]['floor']:.3f}", f"{ms[1]['graph']:.3f}", f"{ms[8192]['graph']:.3f}",
                    f"{ms[8192]['grouped']:.3f}", f"{round(min(slow))} to {round(max(slow))}",
                    f"within {math.ceil(max(errors) * 1000) / 10:.1f}%")
+
+
+def test_ch19_decode_step_profile_and_latency_on_the_h200() -> None:
+    rec = recording("ch19_profile-cuda")
+    busy = [(float(m.group(1)), int(m.group(2)))
+            for m in re.finditer(r"device busy ([\d.]+) ms in (\d+) kernels", rec)]
+    family_row = r"^  ([A-Za-z][\w +/-]*?)\s{2,}\d+\s+([\d.]+)\s+[\d.]+%$"
+    one, many = ({m.group(1).strip(): float(m.group(2))
+                  for m in re.finditer(family_row, block, re.M)}
+                 for block in rec.split("batch 128"))
+    latency = float(re.search(r": ([\d.]+) ms per step",
+                              recording("ch19_decode_latency-cuda")).group(1))
+    assert_on_page("ch19", f"busy {busy[0][0]:.2f} ms of a step, in {busy[0][1]} kernels",
+                   f"| matrix products | {one['GEMMs']:.0f} |",
+                   f"| attention | {one['attention']:.0f} |",
+                   f"The matrix products take {one['GEMMs'] / 1000:.2f} ms",
+                   f"{latency:.2f} ms a step", f"lane is {busy[1][0]:.2f} ms",
+                   f"attention {many['attention'] / 1000:.2f} ms")

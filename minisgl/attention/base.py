@@ -232,7 +232,7 @@ class BaseAttnBackend(ABC):
         return meta
 
     # The split form of forward, for a layer whose fused kernel stores the keys and values
-    # itself on the way from the qkv projection (chapter 2's qk_prologue): it asks where they
+    # itself on the way from the qkv projection (:mod:`minisgl.layers.qk_prologue`): it asks where they
     # go, writes them there, and then only asks for attention.
     def kv_destination(self, layer_id: int, num_tokens: int
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

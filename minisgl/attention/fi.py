@@ -17,7 +17,7 @@ backend interface has a ``prepare`` per batch and a ``forward`` per layer.
 Two wrappers serve two kinds of batch: ``BatchPrefillWithPagedKVCacheWrapper`` for batches with
 several new tokens per request (causal mask aligned to the end of each sequence, so a cached
 prefix comes for free), and ``BatchDecodeWithPagedKVCacheWrapper`` for one new token per
-request. Decode can run inside a CUDA graph (chapter 8) when its wrapper is built with
+request. Decode can run inside a CUDA graph (:mod:`minisgl.engine.graph`) when its wrapper is built with
 ``use_cuda_graph=True`` over buffers that never move; :meth:`FlashInferBackend.init_graph_buffers`
 allocates them.
 
@@ -79,7 +79,7 @@ class FIMetadata(AttnMetadata):
 
 @dataclass
 class GraphBuffers:
-    """The fixed memory that captured decode graphs read, and its host staging (chapter 8).
+    """The fixed memory that captured decode graphs read, and its host staging.
 
     A CUDA graph records the addresses its kernels read. Replaying it for a new batch means
     writing the new batch's arrays *into these same tensors*: every one of them is made here,

@@ -175,7 +175,7 @@ class PageTable:
         """The page ids ``row`` holds, from the host copy (read it, do not change it).
 
         Reading it neither waits for the device nor writes pending pages to the device table:
-        what chapter 8's graph replay builds its page arrays from, allocation-free.
+        what the CUDA-graph replay builds its page arrays from, allocation-free.
         """
         self._check_row(row)
         return self._rows[row]

@@ -2,13 +2,13 @@
 
 The attention *layer* is the same in every chapter: split the fused qkv projection into
 queries, keys and values, normalise them (Qwen3's qk-norm), rotate them (RoPE), and hand them
-to the attention *backend*. What the backend does with them changes as the book goes on:
+to the attention *backend*, which decides where keys and values live:
 
-* here (chapter 3) :class:`DenseCausalAttention` treats the whole input as one sequence and
-  keeps nothing: the model computes logits for a prompt, which is all we need to compare
-  against transformers;
-* chapter 4 adds a contiguous KV cache so generation does not recompute the past;
-* chapter 6 adds paged backends that serve many sequences at once.
+* :class:`DenseCausalAttention` treats the whole input as one sequence and keeps nothing: the
+  model computes logits for a prompt, which is all a comparison with transformers needs;
+* a contiguous KV cache (:class:`~minisgl.engine.simple_loop.ContiguousKVCache`) lets generation
+  skip the past;
+* the paged backends of :mod:`minisgl.attention` serve many sequences at once.
 
 All of them implement :class:`AttentionBackend`, and :func:`use_attention_backend` selects the
 one in effect, so the model code never changes when the backend does.
@@ -69,7 +69,7 @@ class DenseCausalAttention:
 
 
 # The backend in effect. A plain module variable rather than a thread-local: the model may run
-# on a worker thread (chapter 12) and must see the backend the engine installed.
+# on a worker thread (the overlap scheduler's) and must see the backend the engine installed.
 _current_backend: AttentionBackend = DenseCausalAttention()
 
 
