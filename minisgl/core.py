@@ -296,11 +296,18 @@ class Batch:
     ``chunk_lens`` lets a pass compute only the first ``chunk_lens[i]`` of request ``i``'s
     uncomputed tokens instead of all of them (chunked prefill splits long prompts this way);
     None means all of them.
+
+    Both lengths a step needs are fixed when the batch is formed, because the forward pass moves
+    each request's ``cached_len`` on: ``new_lens``, what each request computes, and
+    ``completes``, whether that is everything it had left. Only a request that completes
+    samples its next token; a prompt cut by chunked prefill samples nothing meaningful.
     """
 
     reqs: list[Req]
     phase: Phase
     chunk_lens: list[int] | None = None
+    new_lens: list[int] = field(init=False, repr=False)  # tokens each request computes
+    completes: list[bool] = field(init=False, repr=False)  # it computes all it had left
 
     def __post_init__(self) -> None:
         self.reqs = list(self.reqs)
@@ -330,6 +337,9 @@ class Batch:
                 if not 1 <= n <= req.new_len:
                     raise ValueError(f"request {req.uid}: a chunk of {n} tokens must be "
                                      f"between 1 and its {req.new_len} uncomputed tokens")
+        left = [req.new_len for req in self.reqs]
+        self.new_lens = left if self.chunk_lens is None else list(self.chunk_lens)
+        self.completes = [n == m for n, m in zip(self.new_lens, left)]
 
     @property
     def size(self) -> int:
@@ -343,13 +353,6 @@ class Batch:
     @property
     def is_decode(self) -> bool:
         return self.phase == "decode"
-
-    @property
-    def new_lens(self) -> list[int]:
-        """Tokens each request computes in this pass."""
-        if self.chunk_lens is not None:
-            return list(self.chunk_lens)
-        return [req.new_len for req in self.reqs]
 
     @property
     def num_tokens(self) -> int:

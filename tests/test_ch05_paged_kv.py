@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import settings
@@ -17,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from minisgl.kvcache import MHAKVPool, OutOfPagesError, PageAllocator
 from minisgl.models.config import ModelConfig
-from minisgl.kvcache.page_table import NO_PAGE, PageTable, expand_ranges
+from minisgl.kvcache.page_table import NO_PAGE, PageTable, expand_host_ranges, expand_ranges
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -179,7 +180,42 @@ def test_expand_ranges_matches_a_loop() -> None:
     starts, counts = [5, 0, 9, 3], [3, 0, 2, 4]
     values, owner = expand_ranges(torch.tensor(starts), torch.tensor(counts), total=9)
     assert values.tolist() == [s + k for s, n in zip(starts, counts) for k in range(n)]
+    assert expand_host_ranges(np.array(starts), np.array(counts)).tolist() == values.tolist()
     assert owner.tolist() == [i for i, n in enumerate(counts) for _ in range(n)]
+
+
+def test_the_host_copy_gathers_what_the_device_table_holds() -> None:
+    """Through rows growing, freed and handed to the next request, the host copy's page ids
+    and slots equal the device table's, for random requests and counts."""
+    table = PageTable(6, 20, page_size=4)
+    rng = random.Random(0)
+    next_page = 0
+    held: list[int] = []
+    for _ in range(200):
+        if held and rng.random() < 0.2:  # a request finishes; its row goes to the next one
+            table.free_row(held.pop(rng.randrange(len(held))))
+        if len(held) < 6 and rng.random() < 0.5:
+            held.append(table.alloc_row())
+        for row in held:
+            grow = min(rng.choice([0, 0, 1, 3]), 20 - table.num_pages(row))
+            table.append_pages(row, list(range(next_page, next_page + grow)))
+            next_page += grow
+        rows = [row for row in held if table.num_pages(row)]
+        if not rows:
+            continue
+        counts = [rng.randint(1, table.num_pages(row)) for row in rows]
+        out = np.full(sum(counts) + 3, -7, dtype=np.int32)
+        total = table.gather_host_pages(np.array(rows), np.array(counts), out=out)
+        assert total == sum(counts) and out[total:].tolist() == [-7] * 3
+        device = [p for row, n in zip(rows, counts) for p in table.row_pages(row)[:n].tolist()]
+        assert out[:total].tolist() == device
+        positions = [rng.randrange(table.capacity(row)) for row in rows]
+        assert table.host_slots(np.array(rows), np.array(positions)).tolist() == \
+            table.batch_token_slots(rows, positions, [p + 1 for p in positions]).tolist()
+    row = held[0] if held else table.alloc_row()
+    with pytest.raises(ValueError, match="reserve them first"):
+        table.gather_host_pages(np.array([row]), np.array([table.num_pages(row) + 1]),
+                                out=np.zeros(64, dtype=np.int32))
 
 
 def test_append_pages_refuses_to_overflow_a_row() -> None:

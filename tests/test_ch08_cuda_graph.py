@@ -168,41 +168,53 @@ def test_the_flag_turns_graphs_off_and_says_so(tiny_model_dir: Path,
     assert "CUDA graphs: off (turned off by the cuda_graph setting)" in caplog.text
 
 
-def test_host_page_rows_follow_the_page_table_through_appends_and_reused_rows() -> None:
-    """The host copy the graph replay reads page ids from: after every change of the table
-    (rows growing, freed, handed to a new request), a gather equals the device table's."""
-    from minisgl.attention.fi import HostPageRows
-    from minisgl.attention.utils import gather_page_ids
+def test_replay_staging_writes_the_arrays_an_eager_plan_builds() -> None:
+    """The arrays a replay copies into the graph's buffers, staged on the host from the page
+    table's host copy, equal those the eager decode plan builds from the device table, with
+    each padding entry one token in the pad page; rows grow, are freed and reused between
+    steps. (The staging is numpy on the host, so this runs on a CPU; the copies and the
+    plan are checked on a GPU below.)"""
+    from minisgl.attention.base import ReqSpan
+    from minisgl.attention.fi import GraphBuffers, stage_decode_batch
+    from minisgl.attention.utils import gather_page_ids, last_page_len, pages_for
 
-    table = PageTable(6, 20, page_size=4)
-    host_rows = HostPageRows(table)
+    size, width, pad_page = 4, 12, 99
+    table = PageTable(6, width, page_size=size)
+    graph = GraphBuffers.allocate(8, width, pad_page, torch.device("cpu"))
     rng = random.Random(0)
-    next_page = 0
-    held: list[int] = []
-    for _ in range(200):
-        if held and rng.random() < 0.2:  # a request finishes; its row goes to the next one
-            table.free_row(held.pop(rng.randrange(len(held))))
-        if len(held) < 6 and rng.random() < 0.5:
-            held.append(table.alloc_row())
-        for row in held:
-            grow = rng.choice([0, 0, 1, 3])
-            grow = min(grow, 20 - table.num_pages(row))
-            table.append_pages(row, list(range(next_page, next_page + grow)))
-            next_page += grow
-        rows = [row for row in held if table.num_pages(row)]
-        if not rows:
+    next_page, lens = 0, {}  # row -> tokens whose K/V are stored
+    for _ in range(60):
+        for row in [r for r in lens if rng.random() < 0.15]:  # finished: the row is reused
+            table.free_row(row)
+            del lens[row]
+        while len(lens) < 6 and rng.random() < 0.5:
+            lens[table.alloc_row()] = rng.randrange(1, 30)
+        for row in lens:  # decode one more token: pages for positions 0 .. lens[row]
+            need = table.pages_needed(row, lens[row] + 1)
+            table.append_pages(row, list(range(next_page, next_page + need)))
+            next_page += need
+        if not lens:
             continue
+        rows = rng.sample(sorted(lens), rng.randint(1, len(lens)))
+        batch_size = rng.randint(len(rows), 8)
+        spans = [ReqSpan(row, lens[row], 1) for row in rows]
+        total = stage_decode_batch(graph, table, spans, batch_size)
+        pad = batch_size - len(rows)
+        num_pages = [pages_for(lens[row] + 1, size) for row in rows]
+        assert total == sum(num_pages) + pad
+        assert graph.host_page_indices[:total].tolist() == \
+            gather_page_ids(table, rows, num_pages).tolist() + [pad_page] * pad
+        assert graph.host_page_indptr[: batch_size + 1].tolist() == \
+            np.cumsum([0] + num_pages + [1] * pad).tolist()
+        assert graph.host_last_page_lens[:batch_size].tolist() == \
+            [last_page_len(lens[row] + 1, size) for row in rows] + [1] * pad
+        cached = [lens[row] for row in rows]
+        assert graph.host_token_fields[0, :batch_size].tolist() == cached + [0] * pad
+        assert graph.host_token_fields[1, :batch_size].tolist() == \
+            table.batch_token_slots(rows, cached, [c + 1 for c in cached]).tolist() + \
+            [pad_page * size] * pad
         for row in rows:
-            host_rows.sync(row)
-        counts = [rng.randint(1, table.num_pages(row)) for row in rows]
-        out = np.zeros(sum(counts) + 3, dtype=np.int32)
-        total = host_rows.gather(np.array(rows), np.array(counts), out=out)
-        assert total == sum(counts)
-        assert out[:total].tolist() == gather_page_ids(table, rows, counts).tolist()
-    row = held[0] if held else table.alloc_row()
-    host_rows.sync(row)
-    with pytest.raises(ValueError, match="reserve them first"):
-        host_rows.check_holds(np.array([row]), np.array([table.num_pages(row) + 1]))
+            lens[row] += 1
 
 
 # --------------------------------------------------------------------------------------------

@@ -101,50 +101,55 @@ class GraphBuffers:
     host_token_fields: torch.Tensor
     host_qo_indptr: torch.Tensor  # [max_batch_size + 1] int32, 0 .. max_batch_size (host)
 
+    @classmethod
+    def allocate(cls, max_batch_size: int, max_pages_per_req: int, pad_page: int,
+                 device: torch.device) -> GraphBuffers:
+        """Every buffer, zeroed; the host mirrors pinned when ``device`` is a GPU."""
+        pin = device.type == "cuda"
 
-class HostPageRows:
-    """The page table's rows as one numpy array on the host, kept in step by appends.
+        def device_and_host(*shape: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+            # Pinned host memory: a copy from it is truly asynchronous (from pageable memory
+            # the driver may first wait for the stream).
+            return (torch.zeros(shape, dtype=dtype, device=device),
+                    torch.zeros(shape, dtype=dtype, pin_memory=pin))
 
-    :meth:`PageTable.host_pages` gives a row's page ids as a list that only grows while a
-    request holds the row; a freed row starts a new list. So a row is in step when its list
-    is the one last copied and no longer than what was copied; otherwise the new tail (or the
-    whole new list) is copied. A decoding request adds a page every ``page_size`` steps, and
-    the page ids of a whole batch are then one vectorised gather, however many there are.
+        indptr, host_indptr = device_and_host(max_batch_size + 1, dtype=torch.int32)
+        indices, host_indices = device_and_host(max_batch_size * max_pages_per_req,
+                                                dtype=torch.int32)
+        last, host_last = device_and_host(max_batch_size, dtype=torch.int32)
+        fields, host_fields = device_and_host(2, max_batch_size, dtype=torch.int64)
+        return cls(max_batch_size=max_batch_size, pad_page=pad_page, page_indptr=indptr,
+                   page_indices=indices, last_page_lens=last, token_fields=fields,
+                   last_indices=torch.arange(max_batch_size, device=device),
+                   host_page_indptr=host_indptr, host_page_indices=host_indices,
+                   host_last_page_lens=host_last, host_token_fields=host_fields,
+                   host_qo_indptr=torch.arange(max_batch_size + 1, dtype=torch.int32))
+
+
+def stage_decode_batch(graph: GraphBuffers, page_table: PageTable, spans: Sequence[ReqSpan],
+                       batch_size: int) -> int:
+    """Write a decode batch, padded to ``batch_size``, into the host mirrors of ``graph``.
+
+    Numpy over the page table's host copy: a few vectorised operations however many requests
+    and pages, nothing allocated on the device, and the device never waited for. Each padding
+    entry is one token in the pad page. Returns how many page ids were written.
     """
-
-    def __init__(self, page_table: PageTable) -> None:
-        self._table = page_table
-        self._width = page_table.max_pages_per_req
-        self.ids = np.zeros((page_table.max_reqs, self._width), dtype=np.int32)
-        self._copied = np.zeros(page_table.max_reqs, dtype=np.int64)  # entries in step
-        self._source: list[list[int] | None] = [None] * page_table.max_reqs
-
-    def sync(self, row: int) -> None:
-        """Bring ``row`` in step with the page table."""
-        pages = self._table.host_pages(row)
-        if pages is not self._source[row]:  # a new request on this row
-            self._source[row], self._copied[row] = pages, 0
-        done = int(self._copied[row])
-        if len(pages) > done:
-            self.ids[row, done: len(pages)] = pages[done:]
-            self._copied[row] = len(pages)
-
-    def check_holds(self, rows: np.ndarray, counts: np.ndarray) -> None:
-        """Raise unless each (synced) row ``rows[i]`` holds ``counts[i]`` pages."""
-        short = np.flatnonzero(self._copied[rows] < counts)
-        if short.size:
-            i = int(short[0])
-            raise ValueError(f"page-table row {rows[i]} holds {self._copied[rows[i]]} pages, "
-                             f"too few for {counts[i]}: reserve them first")
-
-    def gather(self, rows: np.ndarray, counts: np.ndarray, out: np.ndarray) -> int:
-        """The first ``counts[i]`` page ids of row ``rows[i]``, requests concatenated, into
-        ``out``; returns how many were written."""
-        total = int(counts.sum())
-        starts = np.cumsum(counts) - counts  # where each request's pages begin in ``out``
-        flat = np.repeat(rows * self._width - starts, counts) + np.arange(total)
-        np.take(self.ids.reshape(-1), flat, out=out[:total])
-        return total
+    size, num_real = page_table.page_size, len(spans)
+    rows = np.fromiter((span.row for span in spans), dtype=np.int64, count=num_real)
+    cached = np.fromiter((span.cached_len for span in spans), dtype=np.int64, count=num_real)
+    counts = np.ones(batch_size, dtype=np.int64)  # a padding entry: one page, one token
+    counts[:num_real] = cached // size + 1  # the new token is at position cached_len
+    indices = graph.host_page_indices.numpy()
+    total = page_table.gather_host_pages(rows, counts[:num_real], out=indices)
+    indices[total: total + batch_size - num_real] = graph.pad_page
+    fields = graph.host_token_fields.numpy()
+    fields[0, :num_real], fields[0, num_real:batch_size] = cached, 0
+    fields[1, :num_real] = page_table.host_slots(rows, cached)
+    fields[1, num_real:batch_size] = graph.pad_page * size
+    np.cumsum(counts, out=graph.host_page_indptr.numpy()[1: batch_size + 1])
+    last_lens = graph.host_last_page_lens.numpy()
+    last_lens[:num_real], last_lens[num_real:batch_size] = cached % size + 1, 1
+    return total + batch_size - num_real
 
 
 class FlashInferBackend(BaseAttnBackend):
@@ -178,7 +183,6 @@ class FlashInferBackend(BaseAttnBackend):
         self._graph: GraphBuffers | None = None
         # captured batch size -> its metadata, whose wrapper reads the fixed buffers
         self._graph_metadata_by_size: dict[int, FIMetadata] = {}
-        self._host_rows: HostPageRows | None = None  # made with the graph buffers
         # plan() stages its arrays in pinned host memory and copies them to the GPU
         # asynchronously. Planning again before that copy ran would overwrite the staging
         # memory under it, so each plan waits for the previous one's copy (see _run_plan).
@@ -253,26 +257,8 @@ class FlashInferBackend(BaseAttnBackend):
         if max_batch_size < 1 or max_batch_size > self.page_table.max_reqs:
             raise ValueError(f"max_batch_size {max_batch_size} must be between 1 and the page "
                              f"table's {self.page_table.max_reqs} rows")
-        max_pages = max_batch_size * self.page_table.max_pages_per_req
-
-        def device_and_host(*shape: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-            # Pinned host memory: a copy from it is truly asynchronous (from pageable memory
-            # the driver may first wait for the stream).
-            return (torch.zeros(shape, dtype=dtype, device=self.device),
-                    torch.zeros(shape, dtype=dtype, pin_memory=True))
-
-        indptr, host_indptr = device_and_host(max_batch_size + 1, dtype=torch.int32)
-        indices, host_indices = device_and_host(max_pages, dtype=torch.int32)
-        last, host_last = device_and_host(max_batch_size, dtype=torch.int32)
-        fields, host_fields = device_and_host(2, max_batch_size, dtype=torch.int64)
-        self._host_rows = HostPageRows(self.page_table)
-        self._graph = GraphBuffers(
-            max_batch_size=max_batch_size, pad_page=pad_page, page_indptr=indptr,
-            page_indices=indices, last_page_lens=last, token_fields=fields,
-            last_indices=torch.arange(max_batch_size, device=self.device),
-            host_page_indptr=host_indptr, host_page_indices=host_indices,
-            host_last_page_lens=host_last, host_token_fields=host_fields,
-            host_qo_indptr=torch.arange(max_batch_size + 1, dtype=torch.int32))
+        self._graph = GraphBuffers.allocate(max_batch_size, self.page_table.max_pages_per_req,
+                                            pad_page, self.device)
 
     def _graph_metadata(self, batch_size: int) -> FIMetadata:
         """The metadata of one captured batch size: views of the fixed buffers, made once.
@@ -338,41 +324,13 @@ class FlashInferBackend(BaseAttnBackend):
         return meta
 
     def _stage_graph_batch(self, spans: Sequence[ReqSpan], batch_size: int) -> None:
-        """Write the padded batch's arrays to the host staging; start their device copies.
-
-        Numpy over a host copy of the page table's rows (:class:`HostPageRows`): a few
-        vectorised operations however many requests and pages, nothing allocated on the
-        device, and the device never waited for.
-        """
-        graph, host_rows = self._graph, self._host_rows
-        assert graph is not None and host_rows is not None
-        size, num_real = self.page_size, len(spans)
-        rows = np.fromiter((span.row for span in spans), dtype=np.int64, count=num_real)
-        cached = np.fromiter((span.cached_len for span in spans), dtype=np.int64, count=num_real)
-        for row in rows.tolist():
-            host_rows.sync(row)
-        counts = np.ones(batch_size, dtype=np.int64)  # a padding entry: one page, one token
-        counts[:num_real] = cached // size + 1  # the new token is at position cached_len
-        host_rows.check_holds(rows, counts[:num_real])
-        fields = graph.host_token_fields.numpy()
-        fields[0, :num_real], fields[0, num_real:batch_size] = cached, 0
-        fields[1, :num_real] = host_rows.ids[rows, cached // size] * size + cached % size
-        fields[1, num_real:batch_size] = self._pad_slot
-        indptr = graph.host_page_indptr.numpy()
-        np.cumsum(counts, out=indptr[1: batch_size + 1])
-        last_lens = graph.host_last_page_lens.numpy()
-        last_lens[:num_real], last_lens[num_real:batch_size] = cached % size + 1, 1
-        indices = graph.host_page_indices.numpy()
-        total = host_rows.gather(rows, counts[:num_real], out=indices)
-        indices[total: total + batch_size - num_real] = graph.pad_page
-        total += batch_size - num_real
+        """Write the padded batch's arrays to the host staging (:func:`stage_decode_batch`);
+        start their device copies, one per array."""
+        graph = self._graph
+        assert graph is not None
+        total = stage_decode_batch(graph, self.page_table, spans, batch_size)
         graph.token_fields.copy_(graph.host_token_fields, non_blocking=True)
         graph.page_indices[:total].copy_(graph.host_page_indices[:total], non_blocking=True)
-
-    @property
-    def _pad_slot(self) -> int:
-        assert self._graph is not None
-        return self._graph.pad_page * self.page_size
 
 
 def check_flashinfer_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:

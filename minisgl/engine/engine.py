@@ -271,11 +271,9 @@ class Engine:
         ctx = self.prepare(batch)
         logits = self.run(ctx, use_graph=use_graph)
         next_tokens = self.sample(batch, logits)
-        for req, computed in zip(batch.reqs, batch.new_lens):
-            sampled = computed == req.new_len
+        for req, computed, complete in zip(batch.reqs, batch.new_lens, batch.completes):
             req.cached_len += computed
-            if sampled:
-                req.in_flight += 1
+            req.in_flight += complete  # its sample is its next token, not read yet
         return next_tokens
 
     def prepare(self, batch: Batch) -> Context:
@@ -285,7 +283,9 @@ class Engine:
         request's run, not to its pages.
         """
         for req in batch.reqs:
-            if req.table_row is None or self.pages.pages_needed(req):
+            # Only the row: whether its pages cover every position is checked where the
+            # positions are turned into slots (the page table, or a graph's staging).
+            if req.table_row is None:
                 raise ValueError(f"request {req.uid} has no pages for its {req.num_tokens} "
                                  "tokens: call engine.pages.reserve(req) before running it")
             if req.params.seed is not None and req.generator is None:

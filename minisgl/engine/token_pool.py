@@ -81,8 +81,8 @@ class TokenPool:
         """
         dst: list[int] = []
         picks: list[int] = []
-        for i, (req, n) in enumerate(zip(batch.reqs, batch.new_lens)):
-            if n == req.new_len:
+        for i, (req, complete) in enumerate(zip(batch.reqs, batch.completes)):
+            if complete:
                 dst.append(self._row_start(req) + req.num_tokens)
                 picks.append(i)
         if not dst:

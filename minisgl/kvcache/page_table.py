@@ -12,10 +12,12 @@ indirection is the whole trick of paged attention, and :func:`slots_of` is the o
 resolves it.
 
 The table lives on the same device as the pool, because attention kernels read it there. A copy
-of every row lives on the host as well: the scheduler grows, checks and frees rows there, every
-step, and must never wait for the device to do it. Pages appended to rows reach the device table
-together, in one copy, the next time the table is read (once per forward pass), and a batch's
-slots are computed on the device from a few numbers per request, never from a list per token.
+of the whole table lives on the host as well, as one numpy array: the scheduler grows, checks
+and frees rows there, every step, and must never wait for the device to do it; a CUDA graph's
+replay reads a batch's page ids from it with a few vectorised operations. Pages appended to
+rows reach the device table together, in one copy, the next time the table is read (once per
+forward pass), and a batch's slots are computed on the device from a few numbers per request,
+never from a list per token.
 On a GPU that keeps the host's share of a step small and free of synchronisation, which is what
 lets overlap scheduling hide it under the device's work.
 """
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
 from minisgl.utils.checks import check_int
@@ -64,6 +67,13 @@ def expand_ranges(starts: torch.Tensor, counts: torch.Tensor,
     return values, owner
 
 
+def expand_host_ranges(starts: np.ndarray, counts: np.ndarray) -> np.ndarray:
+    """:func:`expand_ranges` on the host, in numpy: every integer of the ranges
+    ``starts[i] .. starts[i] + counts[i] - 1``, concatenated (int64)."""
+    first = np.cumsum(counts) - counts  # where each range begins in the output
+    return np.repeat(starts - first, counts) + np.arange(int(counts.sum()))
+
+
 class PageTable:
     """Rows of page ids, one row per running request, with the rows handed out like pages.
 
@@ -85,9 +95,12 @@ class PageTable:
         # int32 is what paged attention kernels take for page ids, and half the size of int64.
         self._page_ids = torch.full((max_reqs, max_pages_per_req), NO_PAGE, dtype=torch.int32,
                                     device=device)
-        self._rows: list[list[int]] = [[] for _ in range(max_reqs)]  # the same pages, on the host
-        # (row, first entry, page ids) appended since the device table was last written.
-        self._unwritten: list[tuple[int, int, list[int]]] = []
+        # The same table on the host, and how many pages each row holds (plain ints: read for
+        # every request of every step).
+        self._host_ids = np.full((max_reqs, max_pages_per_req), NO_PAGE, dtype=np.int32)
+        self._held = [0] * max_reqs
+        # (row, first entry, count) appended since the device table was last written.
+        self._unwritten: list[tuple[int, int, int]] = []
         self._in_use = [False] * max_reqs
         self._free_rows = list(range(max_reqs - 1, -1, -1))  # a stack; row 0 is handed out first
 
@@ -106,16 +119,11 @@ class PageTable:
         request per step. Entries are never written twice between two calls (rows only grow,
         and ``free_row`` writes first), so the scatter has no conflicting duplicates.
         """
-        width = self.max_pages_per_req
-        entries: list[int] = []
-        pages: list[int] = []
-        for row, first, ids in self._unwritten:
-            start = row * width + first
-            entries.extend(range(start, start + len(ids)))
-            pages.extend(ids)
+        rows, firsts, counts = np.array(self._unwritten, dtype=np.int64).T
         self._unwritten.clear()
-        packed = torch.tensor([entries, pages], dtype=torch.int64).to(self.device,
-                                                                       non_blocking=True)
+        entries = expand_host_ranges(rows * self.max_pages_per_req + firsts, counts)
+        packed = np.stack([entries, self._host_ids.reshape(-1)[entries]])  # int64 [2, n]
+        packed = torch.from_numpy(packed).to(self.device, non_blocking=True)
         self._page_ids.view(-1)[packed[0]] = packed[1].to(torch.int32)
 
     def alloc_row(self) -> int:
@@ -134,9 +142,11 @@ class PageTable:
         cache that keeps them) is the caller's decision.
         """
         self._check_row(row)
-        pages, self._rows[row] = self._rows[row], []
-        if pages:  # read from the host copy: the device is never waited for
-            self.page_ids[row, : len(pages)].fill_(NO_PAGE)
+        held, self._held[row] = self._held[row], 0
+        pages = self._host_ids[row, :held].tolist()  # the host copy: the device is never waited for
+        if held:
+            self._host_ids[row, :held] = NO_PAGE
+            self.page_ids[row, :held].fill_(NO_PAGE)
         self._in_use[row] = False
         self._free_rows.append(row)
         return pages
@@ -165,20 +175,39 @@ class PageTable:
     def num_pages(self, row: int) -> int:
         """Pages ``row`` holds."""
         self._check_row(row)
-        return len(self._rows[row])
+        return self._held[row]
 
     def capacity(self, row: int) -> int:
         """Tokens ``row`` can map with the pages it holds (the last page may be part empty)."""
         return self.num_pages(row) * self.page_size
 
-    def host_pages(self, row: int) -> list[int]:
-        """The page ids ``row`` holds, from the host copy (read it, do not change it).
+    def gather_host_pages(self, rows: np.ndarray, counts: np.ndarray, out: np.ndarray) -> int:
+        """The first ``counts[i]`` page ids of row ``rows[i]``, requests concatenated, written
+        into ``out`` from the host copy; returns how many were written.
 
-        Reading it neither waits for the device nor writes pending pages to the device table:
-        what the CUDA-graph replay builds its page arrays from, allocation-free.
+        The host twin of a paged kernel's ``indices`` array: it neither waits for the device
+        nor allocates device memory, which is what a CUDA graph's replay needs, and it costs a
+        few vectorised numpy operations however many requests and pages.
+
+        Raises:
+            ValueError: a row holds fewer pages than asked for.
         """
-        self._check_row(row)
-        return self._rows[row]
+        held = np.fromiter((self._held[row] for row in rows.tolist()), dtype=np.int64,
+                           count=len(rows))
+        short = np.flatnonzero(held < counts)
+        if short.size:
+            i = int(short[0])
+            raise ValueError(f"page-table row {rows[i]} holds {held[i]} pages, too few for "
+                             f"{counts[i]}: reserve them first")
+        entries = expand_host_ranges(rows * self.max_pages_per_req, counts)
+        np.take(self._host_ids.reshape(-1), entries, out=out[: entries.size])
+        return entries.size
+
+    def host_slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+        """:func:`slots_of` on the host copy: the pool slot of position ``positions[i]`` of
+        row ``rows[i]`` (every position within the pages its row holds)."""
+        pages = self._host_ids[rows, positions // self.page_size].astype(np.int64)
+        return pages * self.page_size + positions % self.page_size
 
     def row_pages(self, row: int) -> torch.Tensor:
         """The page ids ``row`` holds, in token order (a view into the device table)."""
@@ -208,8 +237,9 @@ class PageTable:
             raise ValueError(f"row {row} holds {held} pages; {len(ids)} more exceed its "
                              f"{self.max_pages_per_req} entries")
         if ids:  # the host copy now; the device table at its next read (see page_ids)
-            self._rows[row].extend(ids)
-            self._unwritten.append((row, held, ids))
+            self._host_ids[row, held: held + len(ids)] = ids
+            self._held[row] = held + len(ids)
+            self._unwritten.append((row, held, len(ids)))
 
     def token_slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """Pool slots of the tokens at positions ``start .. end - 1`` of ``row``'s request."""
@@ -229,7 +259,8 @@ class PageTable:
         for row, start, end in zip(rows, starts, ends):
             if not 0 <= start <= end <= self.capacity(row):
                 raise ValueError(f"positions {start}..{end} are outside row {row}, which maps "
-                                 f"tokens 0..{self.capacity(row)} ({self.num_pages(row)} pages)")
+                                 f"tokens 0..{self.capacity(row)} ({self.num_pages(row)} pages): "
+                                 "reserve pages for them first")
         if not rows:
             return torch.empty(0, dtype=torch.int64, device=self.device)
         # Three numbers per request cross to the device in one copy; the (row, position) of

@@ -50,7 +50,6 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Batch, Req
-from minisgl.scheduler.chunking import is_mid_prefill
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.utils import StepResult
@@ -64,16 +63,13 @@ class InFlight:
     """A launched batch whose sampled tokens the host has not read yet.
 
     Attributes:
-        batch: the batch.
-        sampled: for each request of the batch, whether it sampled a real token (False for a
-            chunk of a prompt that goes on).
+        batch: the batch (its ``completes`` says which requests sampled a real token).
         host_tokens: the ``[B]`` sampled ids being copied to the host (on CUDA, a view of one
             of the scheduler's two pinned buffers).
         ready: on CUDA, an event recorded after that copy; None on a CPU.
     """
 
     batch: Batch
-    sampled: list[bool]
     host_tokens: torch.Tensor
     ready: torch.cuda.Event | None
 
@@ -139,7 +135,7 @@ class OverlapScheduler(Scheduler):
         super().check_integrity()
         flight = self._in_flight
         unread = set() if flight is None else {
-            req for req, sampled in zip(flight.batch.reqs, flight.sampled) if sampled}
+            req for req, complete in zip(flight.batch.reqs, flight.batch.completes) if complete}
         for req in self.admitted_reqs():
             if req.in_flight != (req in unread):
                 raise RuntimeError(f"request {req.uid} counts {req.in_flight} token(s) in "
@@ -162,9 +158,8 @@ class OverlapScheduler(Scheduler):
         """
         if not self.overlap:
             return super().process_batch(batch, next_tokens)
-        sampled = [not is_mid_prefill(req) for req in batch.reqs]
-        for req, real in zip(batch.reqs, sampled):
-            if not real:  # only a chunk of its prompt ran
+        for req, complete in zip(batch.reqs, batch.completes):
+            if not complete:  # only a chunk of its prompt ran
                 continue
             if len(req.output_ids) + req.in_flight >= req.params.max_tokens:
                 # Its last token is in flight: it finishes whatever it samples. It must not run
@@ -174,7 +169,7 @@ class OverlapScheduler(Scheduler):
             elif batch.is_prefill:
                 self.decode.add([req])
         previous = self._in_flight
-        self._in_flight = InFlight(batch, sampled, *self._copy_to_host(next_tokens))
+        self._in_flight = InFlight(batch, *self._copy_to_host(next_tokens))
         return [] if previous is None else self._read(previous)
 
     def idle_step(self) -> StepResult:
@@ -208,9 +203,9 @@ class OverlapScheduler(Scheduler):
         its pages go back when that batch is read, and that batch's token for it is dropped.
         """
         finished: list[Req] = []
-        for req, real, token in zip(flight.batch.reqs, flight.sampled, flight.wait(),
-                                    strict=True):
-            if not real or req.table_row is None:  # a cut chunk, or aborted since its launch
+        for req, complete, token in zip(flight.batch.reqs, flight.batch.completes,
+                                        flight.wait(), strict=True):
+            if not complete or req.table_row is None:  # a cut chunk, or aborted since its launch
                 continue
             if req.is_finished:  # a zombie: its real last token came from the batch before
                 req.in_flight -= 1

@@ -214,7 +214,7 @@ class Scheduler:
 
     def prepare_batch(self, batch: Batch) -> int:
         """Pages for every token this batch writes; returns how many were allocated."""
-        return sum(self.cache.reserve(req) for req in batch.reqs)
+        return self.cache.reserve(batch.reqs)
 
     def forward_batch(self, batch: Batch) -> torch.Tensor:
         """Run the batch on the engine: the ``[B]`` sampled token ids, still on the device."""

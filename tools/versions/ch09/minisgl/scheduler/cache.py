@@ -19,11 +19,11 @@ allocator.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from minisgl.core import Req
-from minisgl.kvcache import BasePrefixCache, CacheHandle, PrefixMatch
+from minisgl.kvcache import BasePrefixCache, CacheHandle, OutOfPagesError, PrefixMatch
 from minisgl.kvcache.naive_cache import NaivePrefixCache
 
 if TYPE_CHECKING:
@@ -100,18 +100,20 @@ class CacheManager:
         req.cached_len = match.num_tokens
         self._handles[req] = match.handle
 
-    def reserve(self, req: Req) -> int:
-        """Pages for ``req``'s next forward pass; returns how many were allocated.
+    def reserve(self, reqs: Sequence[Req]) -> int:
+        """Pages for the next forward pass of every request in ``reqs`` (a batch); returns how
+        many were allocated.
 
         When too few pages are free, unlocked pages of the prefix cache are evicted first. The
         scheduler admits requests only while their worst case fits, so after eviction the pages
         are always there; running out here would be a bookkeeping bug, and ``engine.pages`` says
         so (``OutOfPagesError``) instead of corrupting anyone's cache.
         """
-        short = self.pages.pages_needed(req) - self.pages.num_free
-        if short > 0:
-            self.evict(short)
-        return self.pages.reserve(req)
+        try:
+            return self.pages.reserve_all(reqs)
+        except OutOfPagesError as short:  # nothing was taken: evict the difference, once
+            self.evict(short.requested - short.free)
+            return self.pages.reserve_all(reqs)
 
     def evict(self, num_pages: int) -> int:
         """Evict up to ``num_pages`` unlocked pages of the prefix cache; returns how many went

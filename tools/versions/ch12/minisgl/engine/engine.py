@@ -248,11 +248,9 @@ class Engine:
         ctx = self.prepare(batch)
         logits = self.run(ctx, use_graph=use_graph)
         next_tokens = self.sample(batch, logits)
-        for req, computed in zip(batch.reqs, batch.new_lens):
-            sampled = computed == req.new_len
+        for req, computed, complete in zip(batch.reqs, batch.new_lens, batch.completes):
             req.cached_len += computed
-            if sampled:
-                req.in_flight += 1
+            req.in_flight += complete  # its sample is its next token, not read yet
         return next_tokens
 
     def prepare(self, batch: Batch) -> Context:
