@@ -202,17 +202,38 @@ def describe(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python benchmark/profile_decode.py",
-                                     description=__doc__.splitlines()[0])
+def batch_sizes(text: str) -> list[int]:
+    """``--batch-sizes``: comma-separated positive integers, sorted, each once."""
+    try:
+        sizes = sorted({int(size) for size in text.split(",")})
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"comma-separated integers expected, got {text!r}")
+    if sizes[0] < 1:
+        raise argparse.ArgumentTypeError(f"batch sizes must be >= 1, got {text!r}")
+    return sizes
+
+
+def decode_batch_parser(script: str, doc: str, sizes: str, steps: int,
+                        steps_help: str) -> argparse.ArgumentParser:
+    """The options every decode-step benchmark shares: model, batch sizes, context, steps.
+
+    ``script`` names the benchmark's file; the first line of its ``doc`` describes it."""
+    parser = argparse.ArgumentParser(prog=f"python benchmark/{script}",
+                                     description=doc.splitlines()[0])
     parser.add_argument("--model", default="models/tiny-qwen3", help="a checkpoint directory")
-    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
-    parser.add_argument("--batch-sizes", default="1,128",
+    parser.add_argument("--batch-sizes", type=batch_sizes, default=sizes,
                         help="decode batch sizes, comma-separated (default: %(default)s)")
     parser.add_argument("--context-len", type=int, default=1024,
                         help="prompt tokens of every request (default: %(default)s)")
-    parser.add_argument("--steps", type=int, default=20,
-                        help="timed steps per mode (default: %(default)s)")
+    parser.add_argument("--steps", type=int, default=steps,
+                        help=f"{steps_help} (default: %(default)s)")
+    return parser
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = decode_batch_parser("profile_decode.py", __doc__, "1,128", 20,
+                                 "timed steps per mode")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--profile-steps", type=int, default=5,
                         help="eager steps under the profiler (default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
@@ -223,12 +244,9 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = build_parser()
     args = parser.parse_args(argv)
-    try:
-        sizes = sorted({int(s) for s in args.batch_sizes.split(",")})
-    except ValueError:
-        parser.error(f"--batch-sizes must be comma-separated integers, got {args.batch_sizes!r}")
-    if sizes[0] < 1 or args.context_len < 1 or args.steps < 1 or args.profile_steps < 1:
-        parser.error("batch sizes, --context-len, --steps and --profile-steps must be >= 1")
+    sizes = args.batch_sizes
+    if args.context_len < 1 or args.steps < 1 or args.profile_steps < 1:
+        parser.error("--context-len, --steps and --profile-steps must be >= 1")
     import torch
 
     from minisgl.engine.config import EngineConfig

@@ -317,27 +317,27 @@ class Batch:
             raise ValueError("a batch needs at least one request")
         if len({id(r) for r in self.reqs}) != len(self.reqs):
             raise ValueError("a request appears twice in one batch")
-        for req in self.reqs:
+        left = [req.new_len for req in self.reqs]  # what each has left to compute
+        for req, n in zip(self.reqs, left):
             if req.is_finished:
                 raise ValueError(f"request {req.uid} has finished ({req.finish_reason}); "
                                  "it cannot run again")
-            if req.new_len < 1:
+            if n < 1:
                 raise ValueError(f"request {req.uid} has nothing to compute "
                                  f"(cached_len {req.cached_len} = num_tokens {req.num_tokens})")
-            if self.phase == "decode" and (req.new_len != 1 or req.cached_len == 0):
+            if self.phase == "decode" and (n != 1 or req.cached_len == 0):
                 raise ValueError(f"request {req.uid} cannot decode: a decode step needs exactly "
-                                 f"one new token after a cached past, it has {req.new_len} new "
+                                 f"one new token after a cached past, it has {n} new "
                                  f"after {req.cached_len} cached (prefill it first)")
         if self.chunk_lens is not None:
             self.chunk_lens = list(self.chunk_lens)
             if len(self.chunk_lens) != len(self.reqs):
                 raise ValueError(f"chunk_lens has {len(self.chunk_lens)} entries for "
                                  f"{len(self.reqs)} requests")
-            for req, n in zip(self.reqs, self.chunk_lens):
-                if not 1 <= n <= req.new_len:
+            for req, n, most in zip(self.reqs, self.chunk_lens, left):
+                if not 1 <= n <= most:
                     raise ValueError(f"request {req.uid}: a chunk of {n} tokens must be "
-                                     f"between 1 and its {req.new_len} uncomputed tokens")
-        left = [req.new_len for req in self.reqs]
+                                     f"between 1 and its {most} uncomputed tokens")
         self.new_lens = left if self.chunk_lens is None else list(self.chunk_lens)
         self.completes = [n == m for n, m in zip(self.new_lens, left)]
 

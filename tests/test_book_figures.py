@@ -785,3 +785,13 @@ def test_ch19_decode_step_profile_and_latency_on_the_h200() -> None:
                    f"The matrix products take {one['GEMMs'] / 1000:.2f} ms",
                    f"{latency:.2f} ms a step", f"lane is {busy[1][0]:.2f} ms",
                    f"attention {many['attention'] / 1000:.2f} ms")
+
+
+def test_ch19_host_step_on_the_cpu() -> None:
+    rows = {int(m.group(1)): (float(m.group(2)), float(m.group(3))) for m in re.finditer(
+        r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", recording("ch19_host_step-cpu"), re.M)}
+    ms, per_request = rows[128]
+    lane = float(re.findall(r"device busy ([\d.]+) ms", recording("ch19_profile-cuda"))[1])
+    assert round(lane / ms) == 5, "the page calls the host's share a fifth of the lane"
+    assert_on_page("ch19", f"costs the host {ms:.2f} ms, {per_request:.1f} µs a request",
+                   f"a fifth of the device's {lane:.2f} ms")

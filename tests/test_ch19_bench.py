@@ -5,7 +5,8 @@ rate, the workloads (shared-prefix prompts share exactly their system prompt; a 
 is read as its first exchanges). With the tiny model on the CPU: the prefill tokens a radix
 cache saves on the shared-prefix workload are exactly the predicted ones, the ablations count
 every token they asked for, the online benchmark keeps its concurrency cap and computes goodput
-from its own per-request numbers, and the plots are redrawn byte for byte from the JSON.
+from its own per-request numbers, the plots are redrawn byte for byte from the JSON, and the
+host-step benchmark times whole decode batches without running the model.
 """
 
 from __future__ import annotations
@@ -345,3 +346,29 @@ def test_decode_latency_subtracts_the_prefill_run(repo_script: Callable[[str], M
     steps = latency.decode_step_ms(FakeLLM(), [1, 2, 3], max_tokens=11, repeats=2)
     assert len(steps) == 2
     assert all(3.5 < ms < 6.0 for ms in steps), steps
+
+
+def test_the_host_step_benchmark_times_whole_decode_batches_without_the_model(
+        repo_script: Callable[[str], ModuleType], tiny_model_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every timed step is a decode step of the whole batch, staged as a graph replay stages
+    it; the engine's own run (the model and attention) never runs; nothing is left behind."""
+    from minisgl.attention import fi
+    from minisgl.engine.engine import Engine
+
+    host_step = repo_script("benchmark/host_step.py")
+    staged: list[int] = []
+    real_stage = fi.stage_decode_batch
+
+    def stage(graph: object, table: object, spans: list, batch_size: int) -> int:
+        staged.append(batch_size)
+        return real_stage(graph, table, spans, batch_size)
+
+    def device_work(self: Engine, ctx: object, use_graph: bool = True) -> None:
+        raise AssertionError("the model ran")
+
+    monkeypatch.setattr(fi, "stage_decode_batch", stage)
+    monkeypatch.setattr(Engine, "run", device_work)
+    times = host_step.host_step_ms(str(tiny_model_dir), batch_size=5, context_len=20, steps=4)
+    assert len(times) == 4 and all(t > 0 for t in times)
+    assert staged == [5] * 5  # the four timed steps, and the last, where every request finishes

@@ -60,9 +60,12 @@ class RequestPages:
 
     def pages_needed(self, req: Req) -> int:
         """Pages :meth:`reserve` would take for ``req`` now (what admission control checks)."""
-        if req.table_row is None:
-            return self._pages_for(req.num_tokens)
-        return self.table.pages_needed(req.table_row, req.num_tokens)
+        return self._pages_short(req.table_row, req.num_tokens)
+
+    def _pages_short(self, row: int | None, num_tokens: int) -> int:
+        if row is None:
+            return self._pages_for(num_tokens)
+        return self.table.pages_needed(row, num_tokens)
 
     def reserve(self, req: Req) -> int:
         """Make ``req``'s next forward pass possible: a row and pages for all its tokens.
@@ -92,10 +95,11 @@ class RequestPages:
         """
         needs: list[int] = []
         for req in reqs:
-            if req.num_tokens > self.max_seq_len:
-                raise ValueError(f"request {req.uid} has {req.num_tokens} tokens; the longest "
+            num_tokens = req.num_tokens
+            if num_tokens > self.max_seq_len:
+                raise ValueError(f"request {req.uid} has {num_tokens} tokens; the longest "
                                  f"sequence this cache holds is max_seq_len={self.max_seq_len}")
-            needs.append(self.pages_needed(req))
+            needs.append(self._pages_short(req.table_row, num_tokens))
         total = sum(needs)
         if total > self._allocator.num_free:  # before taking a row: nothing to undo
             raise OutOfPagesError(requested=total, free=self._allocator.num_free)
