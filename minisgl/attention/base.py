@@ -32,6 +32,7 @@ import torch
 
 from minisgl.kvcache.mha_pool import MHAKVPool
 from minisgl.kvcache.page_table import PageTable, expand_ranges
+from minisgl.utils.torch_utils import host_to_device
 
 
 @dataclass(frozen=True)
@@ -187,7 +188,7 @@ class BaseAttnBackend(ABC):
         out_loc = self.page_table.batch_token_slots(layout.rows, layout.cached_lens,
                                                     layout.total_lens)
         lens = torch.tensor([layout.cached_lens, layout.new_lens], dtype=torch.int64)
-        lens = lens.to(self.device, non_blocking=True)
+        lens = host_to_device(lens, self.device)
         positions, _ = expand_ranges(lens[0], lens[1], total=layout.num_tokens)
         last_indices = torch.cumsum(lens[1], 0) - 1  # each request's last new token
         return {"layout": layout, "out_loc": out_loc, "positions": positions,

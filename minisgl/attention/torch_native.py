@@ -28,6 +28,7 @@ import torch
 
 from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout
 from minisgl.attention.utils import indptr_of, padded_index
+from minisgl.utils.torch_utils import host_to_device
 
 
 @dataclass
@@ -64,8 +65,8 @@ class TorchNativeBackend(BaseAttnBackend):
                                    qo_indptr=indptr_of(layout.new_lens))
         if layout.is_decode:
             index, valid = padded_index(layout.total_lens)
-            meta.slot_table = kv_slots[index.to(self.device, non_blocking=True)]
-            meta.slot_valid = valid.to(self.device, non_blocking=True)
+            meta.slot_table = kv_slots[host_to_device(index, self.device)]
+            meta.slot_valid = host_to_device(valid, self.device)
         return meta
 
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:

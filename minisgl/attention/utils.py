@@ -15,6 +15,7 @@ from collections.abc import Sequence
 import torch
 
 from minisgl.kvcache.page_table import PageTable, expand_ranges
+from minisgl.utils.torch_utils import host_to_device
 
 
 def indptr_of(lengths: Sequence[int]) -> list[int]:
@@ -59,7 +60,7 @@ def gather_page_ids(page_table: PageTable, rows: Sequence[int],
         return torch.empty(0, dtype=torch.int32, device=page_table.device)
     width = page_table.max_pages_per_req
     spans = torch.tensor([[row * width for row in rows], list(num_pages)], dtype=torch.int64)
-    spans = spans.to(page_table.device, non_blocking=True)
+    spans = host_to_device(spans, page_table.device)
     entries, _ = expand_ranges(spans[0], spans[1], total=sum(num_pages))
     return page_table.page_ids.view(-1)[entries]
 

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import SamplingParams
+from minisgl.utils.torch_utils import host_to_device
 
 
 @dataclass
@@ -50,13 +51,13 @@ class SamplingTensors:
         top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
         # One host tensor per dtype, each crossing to the device in one copy that the host
         # does not wait for.
-        floats = torch.tensor(
+        floats = host_to_device(torch.tensor(
             [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
             dtype=torch.float32,
-        ).to(device, non_blocking=True)
+        ), device)
         return cls(
             temperatures=floats[0].unsqueeze(1),
-            top_k=torch.tensor(top_k, dtype=torch.int64).to(device, non_blocking=True),
+            top_k=host_to_device(torch.tensor(top_k, dtype=torch.int64), device),
             top_p=floats[1],
             min_p=floats[2],
             needs_sort=any(k < vocab_size for k in top_k) or any(p.top_p < 1.0 for p in params),
@@ -280,7 +281,7 @@ def sample_batch(
     if not sampled:
         return tokens
 
-    rows = torch.tensor(sampled).to(logits.device, non_blocking=True)
+    rows = host_to_device(torch.tensor(sampled), logits.device)
     probs = _sampled_rows_probs(logits[rows], [params[i] for i in sampled])
     tokens[rows] = sample_from_probs(probs, [generators[i] for i in sampled])
     return tokens

@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from minisgl.core import Batch, Req
+from minisgl.utils.torch_utils import host_to_device
 
 
 class TokenPool:
@@ -67,7 +68,7 @@ class TokenPool:
                 prompt += req.prompt_ids[start:prompt_end]
         k = len(dst)
         lists = torch.tensor(dst + prompt + src, dtype=torch.int64)
-        lists = lists.to(self.ids.device, non_blocking=True)
+        lists = host_to_device(lists, self.ids.device)
         if k:
             self._flat[lists[:k]] = lists[k:2 * k]
         return self._flat[lists[2 * k:]]
@@ -87,8 +88,7 @@ class TokenPool:
                 picks.append(i)
         if not dst:
             return
-        lists = torch.tensor(dst + picks, dtype=torch.int64).to(self.ids.device,
-                                                                 non_blocking=True)
+        lists = host_to_device(torch.tensor(dst + picks, dtype=torch.int64), self.ids.device)
         # On the pool's device already, unless a caller sampled from logits it moved to the host.
         tokens = tokens.to(self.ids.device, non_blocking=True)
         self._flat[lists[:len(dst)]] = tokens[lists[len(dst):]]

@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 from minisgl.utils.checks import check_int
+from minisgl.utils.torch_utils import host_to_device
 
 # An unused entry. It makes printed tables readable; it is never used as an index, because every
 # accessor below checks positions against the row's page count first.
@@ -123,7 +124,7 @@ class PageTable:
         self._unwritten.clear()
         entries = expand_host_ranges(rows * self.max_pages_per_req + firsts, counts)
         packed = np.stack([entries, self._host_ids.reshape(-1)[entries]])  # int64 [2, n]
-        packed = torch.from_numpy(packed).to(self.device, non_blocking=True)
+        packed = host_to_device(torch.from_numpy(packed), self.device)
         self._page_ids.view(-1)[packed[0]] = packed[1].to(torch.int32)
 
     def alloc_row(self) -> int:
@@ -267,7 +268,7 @@ class PageTable:
         # every token is expanded there.
         counts = [end - start for start, end in zip(starts, ends)]
         spans = torch.tensor([list(rows), list(starts), counts], dtype=torch.int64)
-        spans = spans.to(self.device, non_blocking=True)
+        spans = host_to_device(spans, self.device)
         positions, owner = expand_ranges(spans[1], spans[2], total=sum(counts))
         return slots_of(self.page_ids, spans[0][owner], positions, self.page_size)
 

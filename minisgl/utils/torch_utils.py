@@ -101,6 +101,19 @@ def default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """``host`` on ``device``, copied without the host waiting for the device's queue.
+
+    From ordinary (pageable) memory the driver may first wait for every kernel queued before
+    the copy, which would make the host take turns with the device again. So on a GPU the
+    array is staged in pinned memory, from which the copy runs asynchronously; PyTorch keeps
+    that staging buffer until the copy has run. On a CPU the tensor is returned as it is.
+    """
+    if device.type != "cuda":
+        return host
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def count_parameters(module: torch.nn.Module) -> int:
     """Number of scalars in ``module``'s parameters, each shared tensor counted once."""
     return sum(p.numel() for p in module.parameters())
