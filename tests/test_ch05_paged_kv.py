@@ -218,6 +218,32 @@ def test_the_host_copy_gathers_what_the_device_table_holds() -> None:
                                 out=np.zeros(64, dtype=np.int32))
 
 
+def test_extend_rows_is_append_pages_row_by_row() -> None:
+    """Several rows grown in one call hold what one append per row gives them, on the host
+    and on the device; an overflowing row leaves every row as it was."""
+    one, many = PageTable(4, 6, page_size=2), PageTable(4, 6, page_size=2)
+    rows = [one.alloc_row() for _ in range(4)]
+    assert rows == [many.alloc_row() for _ in range(4)]
+    rng = random.Random(0)
+    next_page = 0
+    for _ in range(5):
+        counts = [rng.randint(0, 6 - one.num_pages(row)) for row in rows]
+        pages = list(range(next_page, next_page + sum(counts)))
+        next_page += sum(counts)
+        taken = 0
+        for row, count in zip(rows, counts):
+            one.append_pages(row, pages[taken: taken + count])
+            taken += count
+        many.extend_rows(rows, counts, pages)
+        assert many.page_ids.tolist() == one.page_ids.tolist()
+        assert [many.num_pages(r) for r in rows] == [one.num_pages(r) for r in rows]
+    full = max(rows, key=many.num_pages)
+    before = many.page_ids.tolist()
+    with pytest.raises(ValueError, match="exceed its 6 entries"):
+        many.extend_rows([r for r in rows if r != full] + [full], [0] * 3 + [7], [0] * 7)
+    assert many.page_ids.tolist() == before
+
+
 def test_append_pages_refuses_to_overflow_a_row() -> None:
     table = PageTable(max_reqs=1, max_pages_per_req=2, page_size=1)
     row = table.alloc_row()

@@ -16,7 +16,7 @@ from pathlib import Path
 PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "minisgl"
 OWNER = PACKAGE_ROOT / "kvcache" / "request_pages.py"
 # The methods of PageAllocator and PageTable that move a page or a row.
-MOVES = {"alloc", "free", "alloc_row", "free_row", "append_pages"}
+MOVES = {"alloc", "free", "alloc_row", "free_row", "append_pages", "extend_rows"}
 # Building one of these is owning one.
 OWNED_TYPES = {"PageAllocator", "PageTable"}
 
@@ -39,10 +39,12 @@ def test_the_finder_sees_every_kind_of_page_move() -> None:
     """The check below is only as good as this finder: it must flag each way to move a page."""
     source = "\n".join(["engine.allocator.alloc(3)", "self.allocator.free(pages)",
                         "table.alloc_row()", "self.page_table.free_row(row)",
-                        "t.append_pages(row, [1])", "PageAllocator(8)",
+                        "t.append_pages(row, [1])", "t.extend_rows([0], [1], [5])",
+                        "PageAllocator(8)",
                         "kv.PageTable(2, 4, page_size=1)", "alloc(3)", "pages.reserve(req)"])
     assert [name for _, name in page_moves(source)] == [
-        "alloc", "free", "alloc_row", "free_row", "append_pages", "PageAllocator", "PageTable"]
+        "alloc", "free", "alloc_row", "free_row", "append_pages", "extend_rows", "PageAllocator",
+        "PageTable"]
 
 
 def test_only_the_owner_moves_pages_and_rows() -> None:

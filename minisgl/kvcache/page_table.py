@@ -187,8 +187,8 @@ class PageTable:
         into ``out`` from the host copy; returns how many were written.
 
         The host twin of a paged kernel's ``indices`` array: it neither waits for the device
-        nor allocates device memory, which is what a CUDA graph's replay needs, and it costs a
-        few vectorised numpy operations however many requests and pages.
+        nor allocates device memory, which is what a CUDA graph's replay needs. Each request's
+        ids are one contiguous slice of its row, so the cost is one copy per request.
 
         Raises:
             ValueError: a row holds fewer pages than asked for.
@@ -200,9 +200,11 @@ class PageTable:
             i = int(short[0])
             raise ValueError(f"page-table row {rows[i]} holds {held[i]} pages, too few for "
                              f"{counts[i]}: reserve them first")
-        entries = expand_host_ranges(rows * self.max_pages_per_req, counts)
-        np.take(self._host_ids.reshape(-1), entries, out=out[: entries.size])
-        return entries.size
+        written = 0
+        for row, count in zip(rows.tolist(), counts.tolist()):  # a row's pages are contiguous
+            out[written: written + count] = self._host_ids[row, :count]
+            written += count
+        return written
 
     def host_slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """:func:`slots_of` on the host copy: the pool slot of position ``positions[i]`` of
@@ -233,14 +235,28 @@ class PageTable:
         The ids are not checked again here: the allocator hands out only ids of its pool.
         """
         ids = pages.tolist() if isinstance(pages, torch.Tensor) else list(pages)
-        held = self.num_pages(row)
-        if held + len(ids) > self.max_pages_per_req:
-            raise ValueError(f"row {row} holds {held} pages; {len(ids)} more exceed its "
-                             f"{self.max_pages_per_req} entries")
-        if ids:  # the host copy now; the device table at its next read (see page_ids)
-            self._host_ids[row, held: held + len(ids)] = ids
-            self._held[row] = held + len(ids)
-            self._unwritten.append((row, held, len(ids)))
+        self._extend([row], [len(ids)], ids)
+
+    def extend_rows(self, rows: Sequence[int], counts: Sequence[int],
+                    pages: Sequence[int]) -> None:
+        """:meth:`append_pages` for several rows at once: row ``rows[i]`` gets the next
+        ``counts[i]`` ids of ``pages``, in order. One numpy write for all of them, as a decode
+        step with one-token pages gives every request of the batch a page."""
+        self._extend(rows, counts, pages)
+
+    def _extend(self, rows: Sequence[int], counts: Sequence[int], pages: Sequence[int]) -> None:
+        held = [self.num_pages(row) for row in rows]
+        for row, first, count in zip(rows, held, counts):
+            if first + count > self.max_pages_per_req:
+                raise ValueError(f"row {row} holds {first} pages; {count} more exceed its "
+                                 f"{self.max_pages_per_req} entries")
+        for row, first, count in zip(rows, held, counts):
+            if count:  # the host copy now; the device table at its next read (see page_ids)
+                self._held[row] = first + count
+                self._unwritten.append((row, first, count))
+        starts = np.asarray(rows, dtype=np.int64) * self.max_pages_per_req + held
+        entries = expand_host_ranges(starts, np.asarray(counts, dtype=np.int64))
+        self._host_ids.reshape(-1)[entries] = pages
 
     def token_slots(self, row: int, start: int, end: int) -> torch.Tensor:
         """Pool slots of the tokens at positions ``start .. end - 1`` of ``row``'s request."""

@@ -108,15 +108,12 @@ class RequestPages:
             raise RuntimeError(f"page table rows are in use: {new_rows} request(s) need one, "
                                f"{self.table.num_free_rows} are free; a request must finish "
                                "before another can start")
-        # Most decode steps need none: a page holds page_size tokens.
-        pages = self._allocator.alloc(total) if total else []
-        taken = 0
-        for req, need in zip(reqs, needs):
+        for req in reqs:
             if req.table_row is None:
                 self.open_row(req)
-            if need:
-                self.table.append_pages(req.table_row, pages[taken: taken + need])
-                taken += need
+        if total:  # most decode steps need none, unless a page holds a single token
+            self.table.extend_rows([req.table_row for req in reqs], needs,
+                                   self._allocator.alloc(total))
         return total
 
     def release(self, req: Req) -> int:
