@@ -130,9 +130,9 @@ def stage_decode_batch(graph: GraphBuffers, page_table: PageTable, spans: Sequen
                        batch_size: int) -> int:
     """Write a decode batch, padded to ``batch_size``, into the host mirrors of ``graph``.
 
-    Numpy over the page table's host copy: a few vectorised operations however many requests
-    and pages, nothing allocated on the device, and the device never waited for. Each padding
-    entry is one token in the pad page. Returns how many page ids were written.
+    Numpy over the page table's host copy: a copy per request and a few vectorised operations,
+    nothing allocated on the device, and the device never waited for. Each padding entry is one
+    token in the pad page. Returns how many page ids were written.
     """
     size, num_real = page_table.page_size, len(spans)
     rows = np.fromiter((span.row for span in spans), dtype=np.int64, count=num_real)
