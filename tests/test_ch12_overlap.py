@@ -367,3 +367,52 @@ def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
     # step launches nothing and reads the last batch.
     assert events == ["launch"] + ["launch", "read"] * 4 + ["read"]
     assert [len(req.output_ids) for req in reqs] == [5, 5]
+
+
+class Cycle:
+    """An object that refers to itself: only the garbage collector frees it."""
+
+    def __init__(self) -> None:
+        self.me = self
+
+
+def test_a_frozen_heap_is_left_out_of_collections_until_the_block_ends() -> None:
+    import gc
+    import weakref
+
+    from minisgl.utils.heap import frozen_heap
+
+    old = Cycle()
+    old_ref = weakref.ref(old)
+    del old
+    with frozen_heap():
+        young = Cycle()
+        young_ref = weakref.ref(young)
+        del young
+        with frozen_heap():  # nested: the inner block neither freezes nor unfreezes
+            pass
+        assert gc.get_freeze_count() > 0
+        gc.collect()
+        assert young_ref() is None, "what the block allocates is collected as usual"
+        assert old_ref() is not None, "the heap alive at the start is not scanned"
+    assert gc.get_freeze_count() == 0
+    gc.collect()
+    assert old_ref() is None, "handed back at the end: an old cycle is freed afterwards"
+
+
+def test_generate_steps_with_the_start_up_heap_frozen(tiny_model_dir: Path,
+                                                      monkeypatch: pytest.MonkeyPatch) -> None:
+    import gc
+
+    frozen: list[int] = []
+    step = OverlapScheduler.step
+
+    def counting_step(self: OverlapScheduler) -> StepResult:
+        frozen.append(gc.get_freeze_count())
+        return step(self)
+
+    monkeypatch.setattr(OverlapScheduler, "step", counting_step)
+    llm = LLM(tiny_model_dir, device="cpu", num_pages=64, max_running_reqs=2)
+    llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
+    assert frozen and min(frozen) > 0
+    assert gc.get_freeze_count() == 0

@@ -34,6 +34,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import OverlapScheduler
 from minisgl.scheduler.tp import TPLaunch, TPLeaderScheduler, check_tp, run_tp_follower
 from minisgl.utils.checks import is_int
+from minisgl.utils.heap import frozen_heap
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import get_logger
 from minisgl.utils.processes import new_ready_queue, start_process, stop_processes, wait_ready
@@ -154,8 +155,9 @@ class LLM:
         try:
             for req in reqs:
                 self.scheduler.add(req)
-            with tqdm(total=len(reqs), desc="generate", unit="req",
-                      disable=not show_progress) as bar:
+            # The start-up heap is never garbage: no full collection pauses the loop over it.
+            with frozen_heap(), tqdm(total=len(reqs), desc="generate", unit="req",
+                                     disable=not show_progress) as bar:
                 while pending:
                     result = self.scheduler.step()
                     # An overlapped step may launch nothing and only read the last batch's

@@ -27,6 +27,7 @@ from tqdm import tqdm
 from minisgl.core import Req, SamplingParams
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import OverlapScheduler
+from minisgl.utils.heap import frozen_heap
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import get_logger
 
@@ -103,8 +104,9 @@ class LLM:
         try:
             for req in reqs:
                 self.scheduler.add(req)
-            with tqdm(total=len(reqs), desc="generate", unit="req",
-                      disable=not show_progress) as bar:
+            # The start-up heap is never garbage: no full collection pauses the loop over it.
+            with frozen_heap(), tqdm(total=len(reqs), desc="generate", unit="req",
+                                     disable=not show_progress) as bar:
                 while pending:
                     result = self.scheduler.step()
                     # An overlapped step may launch nothing and only read the last batch's
