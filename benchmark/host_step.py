@@ -16,8 +16,14 @@ step, so that a step's time is its own). It reports the median milliseconds per 
 request. Pages are one token each (the engine's default), so the page ids staged per step grow
 with the context.
 
+``--offline`` then times ``LLM.generate`` (overlap on, the radix cache) on the standard
+workload of ``offline.py`` (256 requests, prompts and outputs of 100 to 1,024 tokens) with the
+same stand-in: the host's whole share of that run, prefills, finishing requests and the prefix
+cache included.
+
     python benchmark/host_step.py                                  # batch 1, 32, 128, 256
     python benchmark/host_step.py --batch-sizes 1,8 --context-len 64 --steps 5
+    python benchmark/host_step.py --batch-sizes 128 --offline
 """
 
 from __future__ import annotations
@@ -101,8 +107,30 @@ def host_step_ms(model: str, batch_size: int, context_len: int, steps: int,
 def build_parser() -> argparse.ArgumentParser:
     from profile_decode import decode_batch_parser
 
-    return decode_batch_parser("host_step.py", __doc__, "1,32,128,256", 50,
-                               "decode steps timed per batch size")
+    parser = decode_batch_parser("host_step.py", __doc__, "1,32,128,256", 50,
+                                 "decode steps timed per batch size")
+    parser.add_argument("--offline", action="store_true",
+                        help="also time LLM.generate on offline.py's standard workload")
+    return parser
+
+
+def offline_host_seconds(model: str, num_requests: int = 256, min_len: int = 100,
+                         max_len: int = 1024, seed: int = 0) -> tuple[float, list[list[int]]]:
+    """Seconds of ``LLM.generate`` on ``offline.py``'s workload with the device's work
+    replaced as in :func:`host_step_ms`, and the tokens each request produced."""
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+    from offline import make_workload
+
+    llm = LLM(model, device="cpu", prefix_cache="radix", max_running_reqs=num_requests,
+              num_pages=num_requests * 2 * max_len)
+    workload = make_workload(num_requests, min_len, max_len, seed,
+                             llm.engine.model_config.vocab_size)
+    without_device_work(llm.engine)
+    params = [SamplingParams(max_tokens=n, ignore_eos=True) for n in workload.output_lens]
+    start = time.perf_counter()
+    outputs = llm.generate(workload.prompts, params, progress=False)
+    return time.perf_counter() - start, [out["token_ids"] for out in outputs]
 
 
 def main(argv: Sequence[str] | None = None) -> dict[int, float]:
@@ -124,6 +152,12 @@ def main(argv: Sequence[str] | None = None) -> dict[int, float]:
                                                        args.steps))
         print(f"{size:>5}  {medians[size]:>8.3f}  {1e3 * medians[size] / size:>10.1f}",
               flush=True)
+    if args.offline:
+        seconds, outputs = offline_host_seconds(args.model)
+        tokens = sum(len(ids) for ids in outputs)
+        print(f"offline.py's workload, {len(outputs)} requests through LLM.generate (overlap, "
+              f"radix): host {seconds:.2f} s for {tokens} output tokens, "
+              f"{1e6 * seconds / tokens:.1f} us a token")
     return medians
 
 

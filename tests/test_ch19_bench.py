@@ -372,3 +372,25 @@ def test_the_host_step_benchmark_times_whole_decode_batches_without_the_model(
     times = host_step.host_step_ms(str(tiny_model_dir), batch_size=5, context_len=20, steps=4)
     assert len(times) == 4 and all(t > 0 for t in times)
     assert staged == [5] * 5  # the four timed steps, and the last, where every request finishes
+
+
+def test_the_host_step_benchmark_runs_the_offline_workload_without_the_model(
+        repo_script: Callable[[str], ModuleType], tiny_model_dir: Path,
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every request of offline.py's workload gets exactly its drawn number of tokens, and the
+    engine's own run never happens."""
+    from minisgl.engine.engine import Engine
+
+    host_step = repo_script("benchmark/host_step.py")
+    offline = repo_script("benchmark/offline.py")
+
+    def device_work(self: Engine, ctx: object, use_graph: bool = True) -> None:
+        raise AssertionError("the model ran")
+
+    monkeypatch.setattr(Engine, "run", device_work)
+    seconds, outputs = host_step.offline_host_seconds(str(tiny_model_dir), num_requests=6,
+                                                      min_len=4, max_len=12, seed=3)
+    vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]
+    workload = offline.make_workload(6, 4, 12, 3, vocab_size=vocab)
+    assert seconds > 0
+    assert [len(ids) for ids in outputs] == workload.output_lens
