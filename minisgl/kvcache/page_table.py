@@ -193,15 +193,11 @@ class PageTable:
         Raises:
             ValueError: a row holds fewer pages than asked for.
         """
-        held = np.fromiter((self._held[row] for row in rows.tolist()), dtype=np.int64,
-                           count=len(rows))
-        short = np.flatnonzero(held < counts)
-        if short.size:
-            i = int(short[0])
-            raise ValueError(f"page-table row {rows[i]} holds {held[i]} pages, too few for "
-                             f"{counts[i]}: reserve them first")
         written = 0
         for row, count in zip(rows.tolist(), counts.tolist()):  # a row's pages are contiguous
+            if count > self._held[row]:
+                raise ValueError(f"page-table row {row} holds {self._held[row]} pages, too few "
+                                 f"for {count}: reserve them first")
             out[written: written + count] = self._host_ids[row, :count]
             written += count
         return written
