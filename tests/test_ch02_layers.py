@@ -14,6 +14,7 @@ from contextlib import contextmanager
 
 import pytest
 import torch
+import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 from transformers.activations import ACT2FN
@@ -222,6 +223,8 @@ def test_fused_kernels_are_never_used_for_cpu_tensors() -> None:
     assert not fused.available(x) and not fused.available(x.bfloat16())
     assert not fused.can_rmsnorm(x, norm.weight, x.clone())
     assert not fused.can_silu_and_mul(torch.randn(T, 2 * INTERMEDIATE))
+    assert not fused.can_gemv(x[:1], torch.randn(8, HIDDEN))
+    assert not fused.can_gemv(x[:1].bfloat16(), torch.randn(8, HIDDEN).bfloat16())
 
 
 def test_get_rope_rejects_an_unknown_type_naming_the_supported_ones() -> None:
@@ -577,6 +580,7 @@ def test_fused_kernels_are_on_for_bfloat16_cuda_tensors(cuda_bf16: None) -> None
     qkv = torch.randn(4, (BIG_QO_HEADS + 2 * BIG_KV_HEADS) * BIG_HEAD_DIM)
     assert fused.can_qk_prologue(qkv, positions, rope.cos_sin_cache, BIG_HEAD_DIM,
                                  (norm.weight[:BIG_HEAD_DIM],) * 2), fused.kernel_status()
+    assert fused.can_gemv(x[:1], torch.randn(8, BIG_HIDDEN)), fused.kernel_status()
     assert set(fused.kernel_status().values()) == {"on"}, fused.kernel_status()
     assert not fused.available(x.float()), "float32 has no FlashInfer kernel: PyTorch code"
     with fused.use_fused(False):
@@ -776,3 +780,26 @@ def test_fused_kernels_replay_in_a_cuda_graph(cuda_bf16: None) -> None:
         graph.replay()
         for replayed, eager in zip(captured, step()):
             assert torch.equal(replayed, eager), "a replay must equal the eager fused kernels"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("out_features, in_features", [
+    (4096, 1024), (1024, 2048), (6144, 1024), (1024, 3072),  # Qwen3-0.6B's four projections
+    (37, 700), (151_936, 1024),  # ragged edges in both dimensions; an LM head past 2**31 bytes
+])
+def test_one_row_matmul_kernel_equals_cublas(cuda_bf16: None, out_features: int,
+                                             in_features: int) -> None:
+    """The batch-1 projection kernel against F.linear, each output within bf16's rounding of
+    the same float32 sum; and a layer at batch 1 takes it, with or without bias."""
+    x = torch.randn(1, in_features)
+    weight = torch.randn(out_features, in_features) / in_features ** 0.5
+    assert fused.can_gemv(x, weight), fused.kernel_status()
+    assert_close_bf16(fused.gemv(x, weight), F.linear(x, weight), f"{out_features}x{in_features}")
+    for refused in (torch.randn(2, in_features), x.float(), torch.randn(in_features, 1).T):
+        assert not fused.can_gemv(refused, weight.to(refused.dtype)), tuple(refused.shape)
+    layer = ReplicatedLinear(in_features, out_features, bias=True)
+    layer.load_weight(weight)
+    layer.load_weight(torch.randn(out_features), param_name="bias")
+    with fused.use_fused(False):
+        expected = layer(x)
+    assert_close_bf16(layer(x), expected, "a layer at batch 1")

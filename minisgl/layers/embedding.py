@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from minisgl.distributed import all_reduce
 
 from .base import BaseLayer, ShardId, copy_checked, new_parameter, take_slice
+from .linear import matmul
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ class ParallelLMHead(_VocabParallelBase):
         self.tied = tie_to is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)  # [T, padded_rows]: scores for our block only
+        logits = matmul(hidden, self.weight)  # [T, padded_rows]: scores for our block only
         if self.tp_size == 1:
             return logits
         # Lay every rank's block side by side. Summing zero-padded blocks with all-reduce is an

@@ -44,7 +44,7 @@ logger = get_logger(__name__)
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # what the kernels are instantiated for
 ROPE_HEAD_DIMS = (64, 128, 256, 512)  # head sizes the rotary kernel is specialised for
 ALIGN_BYTES = 16  # the kernels move 16 bytes per load and store
-OPS = ("rmsnorm", "fused_add_rmsnorm", "rope", "silu_and_mul", "qk_prologue")
+OPS = ("rmsnorm", "fused_add_rmsnorm", "rope", "silu_and_mul", "qk_prologue", "gemv")
 
 _enabled = True
 _kernels: SimpleNamespace | None = None
@@ -293,6 +293,25 @@ def qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, num_qo_heads: int,
     return q, k, v
 
 
+def can_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+    """Whether :func:`gemv` can take ``x @ weight.T``: one row (a batch-1 decode step) on a GPU,
+    in 16 bits, both operands contiguous. Larger batches stay with cuBLAS, which is as fast or
+    faster from two rows on."""
+    if not (_enabled and x.is_cuda and x.dim() == 2 and x.shape[0] == 1):
+        return False
+    if not (_same_place(x, weight) and x.dtype in SUPPORTED_DTYPES and weight.dim() == 2
+            and x.shape[1] == weight.shape[1] and x.is_contiguous() and weight.is_contiguous()):
+        return False
+    return _ready("gemv", x)
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ weight.T`` for one row, as one Triton kernel (:mod:`minisgl.layers.gemv`)."""
+    from minisgl.layers.gemv import gemv as launch
+
+    return launch(x, weight)
+
+
 # ---------------------------------------------------------------------- trials and switches
 
 def _trial_rmsnorm(device: torch.device, dtype: torch.dtype) -> None:
@@ -335,12 +354,20 @@ def _trial_qk_prologue(device: torch.device, dtype: torch.dtype) -> None:
         launch(qkv, positions, 1, 1, 64, cache, norm_weight, norm_weight, 1e-6, k, v, None)
 
 
+def _trial_gemv(device: torch.device, dtype: torch.dtype) -> None:
+    from minisgl.layers.gemv import gemv as launch
+
+    launch(torch.zeros(1, 64, dtype=dtype, device=device),
+           torch.zeros(3, 64, dtype=dtype, device=device))
+
+
 _TRIALS: dict[str, Callable[[torch.device, torch.dtype], None]] = {
     "rmsnorm": _trial_rmsnorm,
     "fused_add_rmsnorm": _trial_fused_add_rmsnorm,
     "rope": _trial_rope,
     "silu_and_mul": _trial_silu_and_mul,
     "qk_prologue": _trial_qk_prologue,
+    "gemv": _trial_gemv,
 }
 
 

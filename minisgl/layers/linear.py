@@ -22,6 +22,7 @@ import torch.nn.functional as F
 
 from minisgl.distributed import all_reduce, get_tp_info
 
+from . import fused
 from .base import (
     BaseLayer,
     ShardId,
@@ -32,6 +33,16 @@ from .base import (
     new_parameter,
     take_slice,
 )
+
+
+def matmul(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T (+ bias)``: one Triton kernel for a single row on a GPU (a batch-1 decode
+    step, where cuBLAS reads some of these shapes far below bandwidth), ``F.linear`` otherwise."""
+    if fused.can_gemv(x, weight):
+        y = fused.gemv(x, weight)
+        return y if bias is None else y + bias
+    return F.linear(x, weight, bias)
 
 
 class _LinearBase(BaseLayer):
@@ -48,7 +59,7 @@ class _LinearBase(BaseLayer):
             self.register_parameter("bias", None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        return matmul(x, self.weight, self.bias)
 
     def extra_repr(self) -> str:
         return (f"local_in={self.local_input_size}, local_out={self.local_output_size}, "
@@ -180,8 +191,8 @@ class RowParallelLinear(_LinearBase):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
-            return F.linear(x, self.weight, self.bias)
-        y = all_reduce(F.linear(x, self.weight))
+            return matmul(x, self.weight, self.bias)
+        y = all_reduce(matmul(x, self.weight))
         # The bias is added once, after the sum; adding it on every rank would count it tp times.
         return y if self.bias is None else y + self.bias
 
