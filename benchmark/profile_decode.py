@@ -53,8 +53,7 @@ def start_requests(engine: Any, batch_size: int, context_len: int, max_tokens: i
             for i in range(batch_size)]
     for first in range(0, batch_size, PREFILL_CHUNK):
         chunk = reqs[first:first + PREFILL_CHUNK]
-        for req in chunk:
-            engine.pages.reserve(req)
+        engine.pages.reserve_all(chunk)
         for req, token in zip(chunk, engine.forward(Batch(chunk, "prefill")).tolist()):
             req.append_token(token)
     return reqs
@@ -65,8 +64,7 @@ def decode_step(engine: Any, reqs: list[Any], use_graph: bool) -> float:
     from minisgl.core import Batch
 
     start = time.perf_counter()
-    for req in reqs:
-        engine.pages.reserve(req)
+    engine.pages.reserve_all(reqs)  # as the scheduler does: one reservation for the batch
     tokens = engine.forward(Batch(reqs, "decode"), use_graph=use_graph).tolist()
     for req, token in zip(reqs, tokens):
         req.append_token(token)

@@ -795,7 +795,8 @@ def test_one_row_matmul_kernel_equals_cublas(cuda_bf16: None, out_features: int,
     weight = torch.randn(out_features, in_features) / in_features ** 0.5
     assert fused.can_gemv(x, weight), fused.kernel_status()
     assert_close_bf16(fused.gemv(x, weight), F.linear(x, weight), f"{out_features}x{in_features}")
-    for refused in (torch.randn(2, in_features), x.float(), torch.randn(in_features, 1).T):
+    strided = torch.randn(1, 2 * in_features)[:, ::2]  # one row whose elements are not adjacent
+    for refused in (torch.randn(2, in_features), x.float(), strided):
         assert not fused.can_gemv(refused, weight.to(refused.dtype)), tuple(refused.shape)
     layer = ReplicatedLinear(in_features, out_features, bias=True)
     layer.load_weight(weight)
