@@ -17,12 +17,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton ships with CUDA builds of torch; CPU machines do without this module
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on machines without Triton
-    triton = None
-    tl = None
+from minisgl.utils.triton_compat import tl, triton
 
 # Measured on the H200 for Qwen3-0.6B's projections (N 1,024 to 6,144, K 1,024 to 3,072):
 # 16 rows of 512 columns per step, four warps, was the fastest of six tilings for each.

@@ -24,12 +24,7 @@ from __future__ import annotations
 
 import torch
 
-try:  # Triton ships with CUDA builds of torch; CPU machines do without this module
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on machines without Triton
-    triton = None
-    tl = None
+from minisgl.utils.triton_compat import tl, triton
 
 
 if triton is not None:

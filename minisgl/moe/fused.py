@@ -26,13 +26,7 @@ import torch
 
 from minisgl.layers import silu_and_mul
 from minisgl.moe.router import Routing
-
-try:  # Triton ships with CUDA builds of torch; CPU machines do without this module
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - exercised on machines without Triton
-    triton = None
-    tl = None
+from minisgl.utils.triton_compat import tl, triton
 
 BLOCK_N = 64
 BLOCK_K = 64
