@@ -50,6 +50,7 @@ from minisgl.scheduler.tp import TPLaunch, TPLeaderScheduler
 from minisgl.scheduler.utils import output_room
 from minisgl.utils.logger import get_logger
 from minisgl.utils.counters import SharedCounters
+from minisgl.utils.heap import frozen_heap
 from minisgl.utils.processes import ShutdownRequested, ShutdownSignals, reporting_readiness
 from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue, close_queues
 from minisgl.utils.torch_utils import configure_cpu_threads
@@ -269,14 +270,15 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
             send = ZmqPushQueue(detokenizer_addr, DetokenizerMessage, bind=False)
             scheduler = OverlapScheduler(config) if tp is None else TPLeaderScheduler(config, tp)
             io = SchedulerIO(scheduler, stats)
-        while not signals.requested:
-            messages = []
-            if not io.has_work:  # idle: sleep until a message (or a signal) comes
-                messages.append(signals.receive(receive))
-            out = io.receive(messages + receive.drain())
-            if io.has_work:
-                out += io.step()
-            send.put_many(out)  # one frame per step
+        with frozen_heap():  # start-up's objects stay out of the collector's full passes
+            while not signals.requested:
+                messages = []
+                if not io.has_work:  # idle: sleep until a message (or a signal) comes
+                    messages.append(signals.receive(receive))
+                out = io.receive(messages + receive.drain())
+                if io.has_work:
+                    out += io.step()
+                send.put_many(out)  # one frame per step
     except ShutdownRequested:
         pass
     finally:

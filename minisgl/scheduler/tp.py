@@ -48,6 +48,7 @@ from minisgl.scheduler.overlap import OverlapScheduler
 from minisgl.scheduler.utils import StepResult
 from minisgl.utils.logger import get_logger
 from minisgl.utils.counters import SharedCounters
+from minisgl.utils.heap import frozen_heap
 from minisgl.utils.processes import ShutdownRequested, ShutdownSignals, reporting_readiness
 from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue, close_queues, ipc_address
 from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device
@@ -183,13 +184,14 @@ def run_tp_follower(config: SchedulerConfig, launch: TPLaunch, rank: int,
             inbox = ZmqPullQueue(launch.follower_addrs[rank - 1], FollowerMessage, bind=True)
             join_group(config, launch, rank)
             scheduler = OverlapScheduler(config)
-        while not signals.requested:
-            message = signals.receive(inbox)
-            if isinstance(message, RankInput):
-                apply_input(scheduler, message.message)
-            else:
-                follow_step(scheduler, message, rank)
-            publish_follower(scheduler, stats, rank)  # an abort frees pages without a step
+        with frozen_heap():  # as the leader's loop (scheduler/io.py)
+            while not signals.requested:
+                message = signals.receive(inbox)
+                if isinstance(message, RankInput):
+                    apply_input(scheduler, message.message)
+                else:
+                    follow_step(scheduler, message, rank)
+                publish_follower(scheduler, stats, rank)  # an abort frees pages without a step
     except ShutdownRequested:
         pass
     finally:
