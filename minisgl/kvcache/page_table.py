@@ -33,7 +33,8 @@ from minisgl.utils.checks import check_int
 from minisgl.utils.torch_utils import host_to_device
 
 # An unused entry. It makes printed tables readable; it is never used as an index, because every
-# accessor below checks positions against the row's page count first.
+# accessor below checks positions against the row's page count first (host_slots excepted: its
+# caller has just checked the same rows through gather_host_pages).
 NO_PAGE = -1
 
 
@@ -204,7 +205,8 @@ class PageTable:
 
     def host_slots(self, rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
         """:func:`slots_of` on the host copy: the pool slot of position ``positions[i]`` of
-        row ``rows[i]`` (every position within the pages its row holds)."""
+        row ``rows[i]``. Unchecked, for the replay's staging: every position must be within the
+        pages its row holds, as :meth:`gather_host_pages` has checked for the same rows."""
         pages = self._host_ids[rows, positions // self.page_size].astype(np.int64)
         return pages * self.page_size + positions % self.page_size
 
