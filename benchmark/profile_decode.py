@@ -233,7 +233,8 @@ def build_parser() -> argparse.ArgumentParser:
                                  "timed steps per mode")
     parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
     parser.add_argument("--profile-steps", type=int, default=5,
-                        help="eager steps under the profiler (default: %(default)s)")
+                        help="steps under the profiler, replayed where a graph is captured "
+                             "(default: %(default)s)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=None, help="write the results as JSON")
     return parser
@@ -267,7 +268,8 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     if bandwidth is not None:
         print(f"device copy bandwidth: {bandwidth / 1e9:.0f} GB/s (read + written)")
     print(f"decode steps at batch {', '.join(map(str, sizes))}, {args.context_len}-token "
-          f"prompts; median of {args.steps} steps, {args.profile_steps} eager steps profiled\n",
+          f"prompts; median of {args.steps} steps, {args.profile_steps} steps profiled "
+          "(graph replays where captured)\n",
           flush=True)
     for size in sizes:
         result = profile_batch(engine, size, args, bandwidth, weight_bytes)

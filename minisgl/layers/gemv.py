@@ -9,8 +9,8 @@ them ``BLOCK_K`` columns at a time, multiplies by the matching slice of ``x`` an
 float32, then writes its ``BLOCK_N`` outputs once. Every program reads only its own rows, so
 the whole matrix is read exactly once and nothing is reduced across programs.
 
-Triton is imported only here, and only on machines that have it; :func:`minisgl.layers.fused.
-can_gemv` decides which calls come here.
+The kernel exists only where Triton does (:mod:`minisgl.utils.triton_compat`);
+:func:`minisgl.layers.fused.can_gemv` decides which calls come here.
 """
 
 from __future__ import annotations

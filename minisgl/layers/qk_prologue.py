@@ -16,8 +16,8 @@ The arithmetic is that of the kernels it replaces (the norm in float32, rounded 
 model's dtype; the rotation in float32, rounded once), so it agrees with the PyTorch path to
 the rounding of the model's dtype. The kernel handles the full rotation (``rotary_dim ==
 head_dim``) of a power-of-two head size; :func:`minisgl.layers.fused.can_qk_prologue` sends
-any other call to the PyTorch path. Triton is imported only here, and only on machines that
-have it.
+any other call to the PyTorch path. The kernel exists only where Triton does
+(:mod:`minisgl.utils.triton_compat`).
 """
 
 from __future__ import annotations

@@ -15,7 +15,8 @@ size is fixed by ``T`` alone, and the per-expert layout is computed on the GPU:
    real end of the padded list return at once.
 
 The kernel runs twice, for gate/up and for down, with the SiLU gate in between; the top_k rows
-of each token are summed last. Triton is imported only here, and only when a GPU asks.
+of each token are summed last. The kernel exists only where Triton does
+(:mod:`minisgl.utils.triton_compat`), and runs only when a GPU asks.
 """
 
 from __future__ import annotations
