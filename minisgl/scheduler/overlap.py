@@ -178,7 +178,7 @@ class OverlapScheduler(Scheduler):
         if self._in_flight is None:
             return super().idle_step()
         previous, self._in_flight = self._in_flight, None
-        return self._report(None, self._read(previous))
+        return self._report(None, 0, self._read(previous))
 
     def _copy_to_host(self, tokens: torch.Tensor
                       ) -> tuple[torch.Tensor, torch.cuda.Event | None]:

@@ -156,10 +156,12 @@ class Scheduler:
         batch = self.schedule_next_batch()
         if batch is None:
             return self.idle_step()
+        num_tokens = batch.num_tokens  # read before the forward pass moves cached_len
+        new_lens = tuple(batch.new_lens)  # likewise (each request's chunk)
         new_pages = self.prepare_batch(batch)
         next_tokens = self.forward_batch(batch)
         finished = self.process_batch(batch, next_tokens)
-        result = self._report(batch, finished, new_pages=new_pages)
+        result = self._report(batch, num_tokens, finished, new_pages=new_pages, new_lens=new_lens)
         self.num_steps += 1
         return result
 
@@ -168,7 +170,7 @@ class Scheduler:
         if self.prefill.runnable:  # admission can always take a request into an empty pool
             raise RuntimeError(f"{self.num_waiting} request(s) wait but none can be admitted "
                                f"with nothing running: {self.prefill_budget()}")
-        return self._report(None, [])
+        return self._report(None, 0, [])
 
     def schedule_next_batch(self) -> Batch | None:
         """The next batch: prefill first, then decode.
@@ -245,22 +247,20 @@ class Scheduler:
                      len(req.output_ids))
 
     # ------------------------------------------------------------------ bookkeeping
-    def _report(self, batch: Batch | None, finished: list[Req],
-                new_pages: int = 0) -> StepResult:
-        """What a step did; ``batch``'s token counts were fixed when it was formed, so they
-        still describe the pass after it ran."""
+    def _report(self, batch: Batch | None, num_tokens: int, finished: list[Req],
+                new_pages: int = 0, new_lens: tuple[int, ...] = ()) -> StepResult:
         return StepResult(
             step=self.num_steps,
             phase=None if batch is None else batch.phase,
             uids=() if batch is None else tuple(req.uid for req in batch.reqs),
-            num_tokens=0 if batch is None else batch.num_tokens,
+            num_tokens=num_tokens,
             new_pages=new_pages,
             pages_in_use=self.cache.pages_in_use,
             num_pages=self.cache.num_pages,
             waiting=tuple(req.uid for req in self.prefill.waiting),
             running=tuple(req.uid for req in self.decode.running),
             finished=tuple(finished),
-            new_lens=() if batch is None else tuple(batch.new_lens),
+            new_lens=new_lens,
         )
 
     def check_integrity(self) -> None:
