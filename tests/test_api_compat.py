@@ -348,10 +348,11 @@ def test_the_default_model_is_built_locally_then_the_trained_one_preferred(
     assert "tiny-shakespeare" in said[-1] and "trained" in said[-1]
 
 
-def run_minisgl(*args: str, cwd: Path = ROOT) -> subprocess.CompletedProcess[str]:
-    """``python -m minisgl ARGS``, in a fresh interpreter."""
+def run_minisgl(*args: str, cwd: Path = ROOT,
+                launch: tuple[str, ...] = ("-m", "minisgl")) -> subprocess.CompletedProcess[str]:
+    """``python -m minisgl ARGS`` (or ``python LAUNCH ARGS``), in a fresh interpreter."""
     env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    return subprocess.run([sys.executable, "-m", "minisgl", *args], cwd=cwd, env=env,
+    return subprocess.run([sys.executable, *launch, *args], cwd=cwd, env=env,
                           capture_output=True, text=True, timeout=120)
 
 
@@ -389,9 +390,7 @@ def test_a_missing_local_model_says_how_to_make_it(tmp_path: Path) -> None:
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_cuda_without_a_gpu_fails_at_once_in_one_line() -> None:
-    env = dict(os.environ, PYTHONPATH=str(ROOT), HF_HUB_OFFLINE="1")
-    done = subprocess.run([sys.executable, "-c", WATCHED_LAUNCH, "--device", "cuda", "--port", "1"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    done = run_minisgl("--device", "cuda", "--port", "1", launch=("-c", WATCHED_LAUNCH))
     assert done.returncode == 1
     lines = done.stderr.strip().splitlines()
     assert len(lines) == 1 and "CUDA is not available" in lines[0], done.stderr
