@@ -356,6 +356,15 @@ def _report_marker(outbox: str) -> None:
         push.close(linger_s=5)
 
 
+def _put_close_with_linger_and_return(outbox: str, done_file: str) -> None:
+    """Put one frame for a receiver that does not exist yet, close with a linger, return."""
+    push = ZmqPushQueue(outbox, FrontendMessage, bind=False)
+    push.put(UserReply(uid=7, delta="sent before the receiver existed"))
+    push.close(linger_s=20)
+    with open(done_file, "w"):
+        pass
+
+
 def _exit_with(code: int) -> None:
     sys.exit(code)
 
@@ -382,6 +391,27 @@ def test_push_pull_across_a_spawned_process_keeps_every_message_in_order() -> No
             exit_code = stop_process(worker, timeout_s=10)
     assert [reply.uid for reply in received] == list(range(len(requests)))
     assert received[5] == UserReply(uid=5, delta="7 6 5")
+    assert exit_code == 0
+
+
+def test_a_sender_that_closes_with_a_linger_delivers_after_returning(tmp_path: Any) -> None:
+    """The child's code is over before the receiver binds: only its exit, waiting out the
+    linger, can still deliver the frame."""
+    outbox, done = ipc_address("linger"), tmp_path / "closed"
+    worker = start_process(_put_close_with_linger_and_return, "ch13-linger",
+                           args=(outbox, str(done)))
+    try:
+        deadline = time.monotonic() + 60
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert done.exists(), "the child never closed its queue"
+        time.sleep(2)  # ample time for a child that does not wait to be gone
+        assert worker.is_alive(), "the child exited with its frame undelivered"
+        with ZmqPullQueue(outbox, FrontendMessage, bind=True) as replies:
+            reply = replies.get(timeout_s=15)
+    finally:
+        exit_code = stop_process(worker, timeout_s=25)
+    assert reply == UserReply(uid=7, delta="sent before the receiver existed")
     assert exit_code == 0
 
 

@@ -107,6 +107,20 @@ def _unframe(frame: bytes, message_type: type, address: str) -> list[Any]:
     return messages
 
 
+_contexts_to_flush: set[int] = set()  # ids of the contexts whose exit waits for lingerers
+
+
+def _wait_for_lingering_frames_at_exit(context: zmq.Context) -> None:
+    """Make this process's exit destroy ``context``: a closed socket's frames are delivered
+    during its linger only while the context lives on and is then terminated, and Python's exit
+    never terminates one (the frames would die with the process)."""
+    if id(context) not in _contexts_to_flush:
+        _contexts_to_flush.add(id(context))
+        # destroy() closes the sockets still open, each with its own linger (0 for ours), then
+        # terminates the context, which waits for the lingering frames.
+        atexit.register(context.destroy)
+
+
 class _Queue:
     """What both ends and both flavours share: the socket, the type it carries, closing."""
 
@@ -120,6 +134,7 @@ class _Queue:
                             f"family), got {message_type!r}")
         self.address = address
         self.message_type = message_type
+        self._context = context
         self._socket = _open_socket(context, kind, address, bind)
 
     @property
@@ -129,9 +144,12 @@ class _Queue:
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket. Outgoing messages not yet handed to the peer are kept for at most
         ``linger_s`` seconds: 0 (the default) at shutdown, when the peer may be gone; a second
-        or two for a sender that exits right after its last ``put``."""
+        or two for a sender that exits right after its last ``put``, whose exit then waits for
+        them (at most that long)."""
         if not self._socket.closed:
             self._socket.close(linger=int(linger_s * 1000))
+            if linger_s > 0:
+                _wait_for_lingering_frames_at_exit(self._context)
 
     def __enter__(self):
         return self
