@@ -4,7 +4,7 @@ Loads the checkpoint twice, with minisgl and with transformers, runs the same pr
 both, and compares the logits and the five most likely next tokens.
 
     python examples/ch03_qwen3.py [--model models/tiny-qwen3] [--device auto|cpu|cuda]
-                                  [--dtype auto|float32|bfloat16] [--prompt TEXT]
+                                  [--dtype auto|float32|bfloat16|float16] [--prompt TEXT]
 """
 
 from __future__ import annotations

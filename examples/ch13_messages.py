@@ -153,7 +153,7 @@ def main() -> None:
         last = finished.get(request.uid)
         ending = (f"finish {last.finish_reason}, usage {last.usage.prompt_tokens}+"
                   f"{last.usage.completion_tokens}" if last and last.usage
-                  else "aborted: no reply at all (chapter 16 gives it one)")
+                  else "aborted: no reply at all (the scheduler dropped it)")
         print(f"  uid {request.uid}: prompt {request.input_ids} -> "
               f"{outputs.get(request.uid, [])}  {ending}")
     print(f"{worker.name} exited with code {exit_code}")

@@ -270,6 +270,11 @@ class _Reader:
         return values
 
 
+def _first_given(*values: Any) -> Any:
+    """The first value that is not None: ``or`` would skip a 0 that must reach its check."""
+    return next((value for value in values if value is not None), None)
+
+
 def _rope_settings(d: Mapping[str, Any], source: str) -> tuple[float, dict[str, Any] | None, float]:
     """(rope_theta, scaling or None, partial_rotary_factor) from either transformers spelling.
 
@@ -282,13 +287,16 @@ def _rope_settings(d: Mapping[str, Any], source: str) -> tuple[float, dict[str, 
         raise ConfigError(f"{source}: rope_parameters/rope_scaling must be an object, "
                           f"got {params!r}")
     params = dict(params)
-    theta = params.pop("rope_theta", None) or d.get("rope_theta")
+    theta = _first_given(params.pop("rope_theta", None), d.get("rope_theta"))
     if theta is None:
         raise ConfigError(f"{source}: missing required key 'rope_theta' "
                           "(or 'rope_theta' inside 'rope_parameters')")
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
         raise ConfigError(f"{source}: rope_theta must be a number, got {theta!r}")
-    partial = params.pop("partial_rotary_factor", None) or d.get("partial_rotary_factor") or 1.0
+    partial = _first_given(params.pop("partial_rotary_factor", None),
+                           d.get("partial_rotary_factor"), 1.0)
+    if isinstance(partial, bool) or not isinstance(partial, (int, float)):
+        raise ConfigError(f"{source}: partial_rotary_factor must be a number, got {partial!r}")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     scaling = None if rope_type == "default" else {"rope_type": rope_type, **params}

@@ -1,7 +1,8 @@
 """Finding a checkpoint (a local directory or a Hugging Face hub id) and reading its config.json.
 
-Every entry point that takes ``--model`` goes through :func:`resolve_model_path` once, at the
-edge, and from then on the engine only ever sees a local directory. The hub client is imported
+Every entry point of the engine (the server, ``LLM``, ``load_model``, the tokenizer) goes through
+:func:`resolve_model_path` once, at the edge, and from then on the engine only ever sees a local
+directory. The hub client is imported
 lazily, so a local run never imports it and a test never touches the network. A ``--model``
 that reads as a local path (``./x``, ``/a/b``, ``models/x``) is never sent to the hub: when it
 does not exist, the error says how to make the tiny model. Without ``--model``,
