@@ -18,10 +18,9 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from numbers import Real
 from typing import TYPE_CHECKING, Literal
 
-from minisgl.utils.checks import check_int, is_int
+from minisgl.utils.checks import check_int, is_int, is_number
 
 if TYPE_CHECKING:  # type names only: this module must stay importable without torch
     import torch
@@ -143,7 +142,7 @@ class SamplingParams:
 
 
 def _check_real(field: str, value: object) -> None:
-    if isinstance(value, bool) or not isinstance(value, Real):
+    if not is_number(value):
         raise TypeError(f"{field} must be a number, got {value!r} ({type(value).__name__})")
 
 

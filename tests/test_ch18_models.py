@@ -11,6 +11,7 @@ routings built to hit the edge cases.
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -258,6 +259,23 @@ def test_qwen3_moe_sparse_layer_choice_and_renormalisation(tmp_path: Path, step:
     sparse = [i for i, layer in enumerate(ours.model.layers)
               if isinstance(layer.mlp, SparseMoeBlock)]
     assert sparse == [i for i in range(4) if i not in only_mlp and (i + 1) % step == 0]
+
+
+@pytest.mark.parametrize("raw, message", [
+    ({"decoder_sparse_step": 0}, "decoder_sparse_step must be an integer >= 1, got 0"),
+    ({"decoder_sparse_step": True}, "decoder_sparse_step must be an integer >= 1, got True"),
+    ({"mlp_only_layers": [1, True]}, "mlp_only_layers must be a list of layer indices"),
+])
+def test_qwen3_moe_layer_choice_settings_are_checked(raw: dict[str, object],
+                                                     message: str) -> None:
+    import json
+
+    from minisgl.models.config import ConfigError, ModelConfig
+    from minisgl.models.qwen3_moe import sparse_layer_ids
+
+    base = json.loads((tiny_checkpoint("qwen3-moe") / "config.json").read_text())
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        sparse_layer_ids(ModelConfig.from_dict({**base, **raw}))
 
 
 def test_a_missing_expert_tensor_is_named(tmp_path: Path) -> None:

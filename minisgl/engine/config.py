@@ -16,13 +16,12 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass
-from numbers import Real
 
 import torch
 
 from minisgl.attention import ATTENTION_BACKENDS
 from minisgl.env import read_env
-from minisgl.utils.checks import check_int
+from minisgl.utils.checks import check_int, is_number
 from minisgl.utils.torch_utils import DEVICE_CHOICES, resolve_dtype
 
 # Upstream mini-sglang and SGLang capture decode graphs up to 256 requests on large GPUs:
@@ -84,8 +83,8 @@ class EngineConfig:
         resolve_dtype(self.dtype)  # raises a ValueError naming the bad dtype and the choices
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
         check_int("page_size", self.page_size, at_least=1)
-        if (isinstance(self.memory_fraction, bool) or not isinstance(self.memory_fraction, Real)
-                or not (math.isfinite(self.memory_fraction) and 0 < self.memory_fraction < 1)):
+        if not (is_number(self.memory_fraction) and math.isfinite(self.memory_fraction)
+                and 0 < self.memory_fraction < 1):
             raise ValueError(f"memory_fraction must be a number in (0, 1), the share of free "
                              f"GPU memory the KV cache takes; got {self.memory_fraction!r}")
         if self.cpu_kv_memory is None:  # the environment is read once, here, at the edge

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
 
-from minisgl.utils.checks import check_int
+from minisgl.utils.checks import check_int, is_number
 from minisgl.utils.hf import load_hf_config
 
 if TYPE_CHECKING:
@@ -291,11 +291,11 @@ def _rope_settings(d: Mapping[str, Any], source: str) -> tuple[float, dict[str, 
     if theta is None:
         raise ConfigError(f"{source}: missing required key 'rope_theta' "
                           "(or 'rope_theta' inside 'rope_parameters')")
-    if isinstance(theta, bool) or not isinstance(theta, (int, float)):
+    if not is_number(theta):
         raise ConfigError(f"{source}: rope_theta must be a number, got {theta!r}")
     partial = _first_given(params.pop("partial_rotary_factor", None),
                            d.get("partial_rotary_factor"), 1.0)
-    if isinstance(partial, bool) or not isinstance(partial, (int, float)):
+    if not is_number(partial):
         raise ConfigError(f"{source}: partial_rotary_factor must be a number, got {partial!r}")
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)

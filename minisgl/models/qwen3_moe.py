@@ -18,6 +18,7 @@ from torch import nn
 from minisgl.models.config import ConfigError, ModelConfig
 from minisgl.models.qwen3 import Qwen3ForCausalLM
 from minisgl.moe import SparseMoeBlock
+from minisgl.utils.checks import check_int, is_int
 
 # checkpoint projection -> (our stacked parameter, slot within an expert; None for down)
 _EXPERT_SLOTS: dict[str, tuple[str, int | None]] = {
@@ -31,9 +32,8 @@ def sparse_layer_ids(config: ModelConfig) -> list[int]:
     """The layers whose feed-forward block is a mixture of experts."""
     step = config.raw.get("decoder_sparse_step", 1)
     only_mlp = config.raw.get("mlp_only_layers") or []
-    if isinstance(step, bool) or not isinstance(step, int) or step < 1:
-        raise ConfigError(f"decoder_sparse_step must be a positive integer, got {step!r}")
-    if not isinstance(only_mlp, list) or not all(isinstance(i, int) for i in only_mlp):
+    step = check_int("decoder_sparse_step", step, at_least=1, error=ConfigError)
+    if not isinstance(only_mlp, list) or not all(is_int(i) for i in only_mlp):
         raise ConfigError(f"mlp_only_layers must be a list of layer indices, got {only_mlp!r}")
     return [i for i in range(config.num_layers)
             if config.is_moe and i not in only_mlp and (i + 1) % step == 0]

@@ -30,7 +30,7 @@ from typing import Any
 from minisgl.env import parse_mem_bytes
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.lifecycle import DEFAULT_REPLY_BUFFER_SIZE, DEFAULT_SLOW_READER_TIMEOUT_S
-from minisgl.utils.checks import check_int
+from minisgl.utils.checks import check_int, is_number
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: serving on every interface is a choice to make explicitly
 DEFAULT_PORT = 1919
@@ -253,8 +253,8 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
 
 
 def _check_seconds(flag: str, value: object, minimum: float, inclusive: bool) -> None:
-    ok = (isinstance(value, (int, float)) and not isinstance(value, bool)  # True is not 1 s
-          and math.isfinite(value) and (value >= minimum if inclusive else value > minimum))
+    ok = (is_number(value) and math.isfinite(value)  # is_number: True is not 1 s
+          and (value >= minimum if inclusive else value > minimum))
     if not ok:
         bound = f"{'>=' if inclusive else '>'} {minimum:g}"
         raise ValueError(f"{flag} must be a number of seconds {bound}, got {value!r}")
