@@ -162,15 +162,18 @@ def test_default_rope_type_means_no_scaling() -> None:
 
 
 @pytest.mark.parametrize("value, message", [(0, "must be in"), (0.0, "must be in"),
-                                            ("0.5", "must be a number"), (True, "must be a number")])
-def test_partial_rotary_factor_is_checked_whatever_its_spelling(value: object, message: str) -> None:
+                                            ("0.5", "must be a number"),
+                                            (True, "must be a number")])
+def test_partial_rotary_factor_is_checked_whatever_its_spelling(value: object,
+                                                                message: str) -> None:
     """A zero is a value to reject, not a missing key to default to 1."""
     for config in (with_(MINIMAL, partial_rotary_factor=value),
                    without(MINIMAL, "rope_theta") | {"rope_parameters": {
                        "rope_theta": 1e6, "rope_type": "default", "partial_rotary_factor": value}}):
         with pytest.raises(ConfigError, match=f"partial_rotary_factor.*{message}"):
             ModelConfig.from_dict(config)
-    assert ModelConfig.from_dict(with_(MINIMAL, partial_rotary_factor=None)).partial_rotary_factor == 1.0
+    unset = ModelConfig.from_dict(with_(MINIMAL, partial_rotary_factor=None))
+    assert unset.partial_rotary_factor == 1.0
 
 
 def test_eos_may_be_one_id_or_a_list() -> None:

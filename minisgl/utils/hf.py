@@ -2,11 +2,11 @@
 
 Every entry point of the engine (the server, ``LLM``, ``load_model``, the tokenizer) goes through
 :func:`resolve_model_path` once, at the edge, and from then on the engine only ever sees a local
-directory. The hub client is imported
-lazily, so a local run never imports it and a test never touches the network. A ``--model``
-that reads as a local path (``./x``, ``/a/b``, ``models/x``) is never sent to the hub: when it
-does not exist, the error says how to make the tiny model. Without ``--model``,
-:func:`default_model` picks the book's model from the repository's ``models/`` directory.
+directory. The hub client is imported lazily, so a local run never imports it and a test never
+touches the network. A ``--model`` that reads as a local path (``./x``, ``/a/b``, ``models/x``)
+is never sent to the hub: when it does not exist, the error says how to make the tiny model.
+Without ``--model``, :func:`default_model` picks the book's model from the repository's
+``models/`` directory.
 """
 
 from __future__ import annotations

@@ -107,15 +107,15 @@ def _unframe(frame: bytes, message_type: type, address: str) -> list[Any]:
     return messages
 
 
-_contexts_to_flush: set[int] = set()  # ids of the contexts whose exit waits for lingerers
+_contexts_to_flush: set[zmq.Context] = set()  # the contexts whose exit waits for lingerers
 
 
 def _wait_for_lingering_frames_at_exit(context: zmq.Context) -> None:
     """Make this process's exit destroy ``context``: a closed socket's frames are delivered
     during its linger only while the context lives on and is then terminated, and Python's exit
     never terminates one (the frames would die with the process)."""
-    if id(context) not in _contexts_to_flush:
-        _contexts_to_flush.add(id(context))
+    if context not in _contexts_to_flush:
+        _contexts_to_flush.add(context)
         # destroy() closes the sockets still open, each with its own linger (0 for ours), then
         # terminates the context, which waits for the lingering frames.
         atexit.register(context.destroy)
