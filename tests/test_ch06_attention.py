@@ -26,7 +26,7 @@ from minisgl.attention import (
     resolve_attention_backend,
 )
 from minisgl.attention.base import BaseAttnBackend
-from minisgl.attention.fi import import_flashinfer
+from minisgl.attention.fi import TENSOR_CORE_DECODE_MIN_BATCH, import_flashinfer
 from minisgl.attention.utils import (
     gather_page_ids,
     indptr_of,
@@ -46,6 +46,8 @@ NUM_LAYERS = 2
 # page and on a page boundary, single-token prompts, chunks that cross several pages.
 PREFILL_CASE = [(0, 7), (5, 1), (17, 9), (0, 1), (32, 16), (3, 20)]
 DECODE_CASE = [(6, 1), (0, 1), (15, 1), (16, 1), (40, 1)]
+# A decode batch large enough for FlashInfer's tensor-core kernel, with mixed lengths.
+LARGE_DECODE_CASE = [((7 + 13 * i) % 90, 1) for i in range(TENSOR_CORE_DECODE_MIN_BATCH)]
 CPU_TOLERANCE = 1e-5
 # bfloat16 keeps 8 bits of mantissa: an output of size x is rounded by up to x / 256, and a
 # fused kernel also rounds the softmax probabilities to bfloat16 before the P @ V product. So
@@ -438,13 +440,36 @@ def test_flashinfer_decode_equals_dense_in_bf16(page_size: int, num_qo_heads: in
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_flashinfer_cuda_graph_decode_replays_a_smaller_padded_batch(page_size: int) -> None:
-    s = make_scenario(DECODE_CASE[:3], page_size, is_decode=True, dtype=torch.bfloat16,
+def test_flashinfer_decodes_a_large_batch_on_tensor_cores_and_equals_dense(page_size: int) -> None:
+    s = make_scenario(LARGE_DECODE_CASE, page_size, is_decode=True, dtype=torch.bfloat16,
                       device="cuda")
+    backend = flashinfer_backend(s)
+    assert backend.decode_on_tensor_cores(TENSOR_CORE_DECODE_MIN_BATCH)
+    assert not backend.decode_on_tensor_cores(TENSOR_CORE_DECODE_MIN_BATCH - 1)
+    errors = run_backend(backend, s)  # checks the bf16 band itself
+    assert backend._metadata.wrapper.use_tensor_cores
+    small = make_scenario(DECODE_CASE, page_size, is_decode=True, dtype=torch.bfloat16,
+                          device="cuda")
+    small_backend = flashinfer_backend(small)
+    run_backend(small_backend, small)
+    assert not small_backend._metadata.wrapper.use_tensor_cores
+    print(f"flashinfer decode of {len(LARGE_DECODE_CASE)} requests on tensor cores, page size "
+          f"{page_size}: max err {max(errors):.3e}")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.parametrize("case, graph_bs", [
+    (DECODE_CASE[:3], 4),  # three real requests, one padding entry; CUDA cores
+    (LARGE_DECODE_CASE, TENSOR_CORE_DECODE_MIN_BATCH + 1),  # tensor cores
+], ids=["cuda-cores", "tensor-cores"])
+def test_flashinfer_cuda_graph_decode_replays_a_smaller_padded_batch(
+        page_size: int, case: list[tuple[int, int]], graph_bs: int) -> None:
+    s = make_scenario(case, page_size, is_decode=True, dtype=torch.bfloat16, device="cuda")
     backend = flashinfer_backend(s)
     used = set(s.table.page_ids[s.table.page_ids >= 0].tolist())
     pad_page = next(p for p in range(s.pool.num_pages) if p not in used)
-    graph_bs = 4  # three real requests, one padding entry
+    num_reqs = len(case)
     backend.init_graph_buffers(max_batch_size=graph_bs, pad_page=pad_page)
     static_q = torch.zeros(graph_bs, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     static_k = torch.zeros(graph_bs, HKV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
@@ -457,12 +482,14 @@ def test_flashinfer_cuda_graph_decode_replays_a_smaller_padded_batch(page_size: 
         static_out = backend.forward(static_q, static_k, static_v, 0)
 
     meta = backend.prepare_for_replay(s.layout, graph_bs)
-    assert meta.num_tokens == graph_bs and meta.positions.tolist()[3] == 0
+    assert meta.num_tokens == graph_bs and meta.positions.tolist()[num_reqs:] == [0] * (
+        graph_bs - num_reqs)
+    assert meta.wrapper.use_tensor_cores == backend.decode_on_tensor_cores(graph_bs)
     q, k, v = s.new_tokens(0)
-    static_q[:3], static_k[:3], static_v[:3] = q, k, v
+    static_q[:num_reqs], static_k[:num_reqs], static_v[:num_reqs] = q, k, v
     graph.replay()
-    replayed = static_out[:3].clone()
-    same_plan = backend.forward(static_q, static_k, static_v, 0)[:3]  # eager, same buffers
+    replayed = static_out[:num_reqs].clone()
+    same_plan = backend.forward(static_q, static_k, static_v, 0)[:num_reqs]  # eager, same buffers
 
     backend.prepare(s.layout)
     eager = backend.forward(q, k, v, 0)  # the ordinary decode wrapper, no padding

@@ -53,6 +53,9 @@ logger = get_logger(__name__)
 WORKSPACE_BYTES = 128 * 2**20
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer's kernels are built for
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
+# From this many requests a decode batch runs on the tensor-core kernel whatever the GQA group
+# (see FlashInferBackend.decode_on_tensor_cores); below it the CUDA-core kernel is faster.
+TENSOR_CORE_DECODE_MIN_BATCH = 65
 
 
 def import_flashinfer() -> ModuleType:
@@ -178,8 +181,9 @@ class FlashInferBackend(BaseAttnBackend):
         # slower for its workloads.
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, kv_layout="NHD", backend="fa2")
-        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, kv_layout="NHD", use_tensor_cores=self.use_tensor_cores)
+        # One decode wrapper per kernel (see decode_on_tensor_cores), keyed by "on tensor cores".
+        self._decode = {tc: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, kv_layout="NHD", use_tensor_cores=tc) for tc in (False, True)}
         self._graph: GraphBuffers | None = None
         # captured batch size -> its metadata, whose wrapper reads the fixed buffers
         self._graph_metadata_by_size: dict[int, FIMetadata] = {}
@@ -189,15 +193,29 @@ class FlashInferBackend(BaseAttnBackend):
         self._plan_copied = torch.cuda.Event()
         self._plan_copied.record()
 
-    @property
-    def use_tensor_cores(self) -> bool:
-        """Decode on tensor cores when each KV head serves at least 4 query heads.
+    def decode_on_tensor_cores(self, batch_size: int) -> bool:
+        """Whether a decode batch of ``batch_size`` requests runs on the tensor-core kernel.
 
-        A decode query is a single row, too thin for a tensor-core matrix product; with GQA
-        the ``group`` query heads that share a KV head stack into a taller block, which pays
-        off from a group of about 4 (the threshold SGLang and upstream mini-sglang use).
+        FlashInfer decodes on either of two kernels. The CUDA-core one is built for a single
+        query row: it fits many small thread blocks on each SM, one per (request, KV head, piece
+        of a long context). The tensor-core one is its prefill kernel, with two large blocks
+        per SM. Two things pick between them:
+
+        - The GQA group. The ``group`` query heads that share a KV head stack into a matrix,
+          tall enough for tensor cores from a group of about 4 (SGLang's and upstream
+          mini-sglang's threshold), at any batch size.
+        - The batch size. The CUDA-core kernel sizes its work to run in a single wave of
+          blocks: it cuts long contexts into pieces of one maximum length, as many as the wave
+          holds. A few requests leave room to cut finely, and every SM stays busy to the end.
+          From about 65 there is little room left, so the step lasts about as long as the
+          longest request while the SMs that served short ones wait. The tensor-core kernel's
+          large blocks, two per SM, run the same batch in several waves, and the GPU hands an
+          SM its next block as soon as one ends: short requests fill the gaps. On an H200, with
+          mixed lengths, it wins from 65 requests on (with equal lengths the single wave is
+          balanced, and the CUDA-core kernel stays ahead).
         """
-        return self.num_qo_heads // self.num_kv_heads >= 4
+        return (self.num_qo_heads // self.num_kv_heads >= 4
+                or batch_size >= TENSOR_CORE_DECODE_MIN_BATCH)
 
     def _page_arrays(self, layout: BatchLayout) -> dict[str, torch.Tensor]:
         """The CSR description of where each request's keys are: pages, not token slots."""
@@ -211,7 +229,8 @@ class FlashInferBackend(BaseAttnBackend):
         }
 
     def _plan(self, layout: BatchLayout) -> FIMetadata:
-        wrapper = self._decode if layout.is_decode else self._prefill
+        wrapper = (self._decode[self.decode_on_tensor_cores(layout.num_reqs)]
+                   if layout.is_decode else self._prefill)
         meta = FIMetadata(**self._new_token_fields(layout), **self._page_arrays(layout),
                           wrapper=wrapper)
         self._run_plan(meta)
@@ -275,7 +294,7 @@ class FlashInferBackend(BaseAttnBackend):
         if batch_size not in self._graph_metadata_by_size:
             wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, kv_layout="NHD", use_cuda_graph=True,
-                use_tensor_cores=self.use_tensor_cores,
+                use_tensor_cores=self.decode_on_tensor_cores(batch_size),
                 paged_kv_indptr_buffer=graph.page_indptr[: batch_size + 1],
                 paged_kv_indices_buffer=graph.page_indices,
                 paged_kv_last_page_len_buffer=graph.last_page_lens[:batch_size])
