@@ -447,12 +447,12 @@ def test_flashinfer_decodes_a_large_batch_on_tensor_cores_and_equals_dense(page_
     assert backend.decode_on_tensor_cores(TENSOR_CORE_DECODE_MIN_BATCH)
     assert not backend.decode_on_tensor_cores(TENSOR_CORE_DECODE_MIN_BATCH - 1)
     errors = run_backend(backend, s)  # checks the bf16 band itself
-    assert backend._metadata.wrapper.use_tensor_cores
+    assert backend.metadata.wrapper.use_tensor_cores
     small = make_scenario(DECODE_CASE, page_size, is_decode=True, dtype=torch.bfloat16,
                           device="cuda")
     small_backend = flashinfer_backend(small)
     run_backend(small_backend, small)
-    assert not small_backend._metadata.wrapper.use_tensor_cores
+    assert not small_backend.metadata.wrapper.use_tensor_cores
     print(f"flashinfer decode of {len(LARGE_DECODE_CASE)} requests on tensor cores, page size "
           f"{page_size}: max err {max(errors):.3e}")
 
