@@ -581,6 +581,7 @@ def test_fused_kernels_are_on_for_bfloat16_cuda_tensors(cuda_bf16: None) -> None
     assert fused.can_qk_prologue(qkv, positions, rope.cos_sin_cache, BIG_HEAD_DIM,
                                  (norm.weight[:BIG_HEAD_DIM],) * 2), fused.kernel_status()
     assert fused.can_gemv(x[:1], torch.randn(8, BIG_HIDDEN)), fused.kernel_status()
+    assert fused.can_mm_float32(x, torch.float32), fused.kernel_status()
     assert set(fused.kernel_status().values()) == {"on"}, fused.kernel_status()
     assert not fused.available(x.float()), "float32 has no FlashInfer kernel: PyTorch code"
     with fused.use_fused(False):
@@ -804,3 +805,24 @@ def test_one_row_matmul_kernel_equals_cublas(cuda_bf16: None, out_features: int,
     with fused.use_fused(False):
         expected = layer(x)
     assert_close_bf16(layer(x), expected, "a layer at batch 1")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 128])
+def test_lm_head_writes_float32_logits_without_rounding_them_to_16_bits(
+        cuda_bf16: None, rows: int) -> None:
+    """The LM head's logits come from the matrix kernel in float32 (the one-row kernel at batch
+    1, cuBLAS above): within float32 summation error of the exact product of the bf16
+    operands, closer than the bf16-rounded product that F.linear gives."""
+    from minisgl.layers.linear import matmul
+
+    vocab, hidden = 4099, 1024
+    x = torch.randn(rows, hidden)
+    weight = torch.randn(vocab, hidden) / hidden ** 0.5
+    exact = x.double() @ weight.double().T
+    logits = matmul(x, weight, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, vocab)
+    error = float((logits.double() - exact).abs().max())
+    rounded = float((F.linear(x, weight).double() - exact).abs().max())
+    assert error < 1e-4 * float(exact.abs().max()) and error < rounded / 10, (error, rounded)
+

@@ -109,7 +109,7 @@ def _ready(op: str, like: torch.Tensor) -> bool:
             _TRIALS[op](like.device, like.dtype)
         except Exception as exc:  # noqa: BLE001 - whatever fails, fall back to PyTorch
             _op_errors[op] = f"{type(exc).__name__}: {exc}"
-            logger.warning("fused kernels: FlashInfer's %s failed a first trial (%s); it runs "
+            logger.warning("fused kernels: %s failed a first trial (%s); it runs "
                            "as PyTorch code from now on", op, _op_errors[op])
         else:
             _op_errors[op] = None
@@ -305,11 +305,20 @@ def can_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _ready("gemv", x)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T`` for one row, as one Triton kernel (:mod:`minisgl.layers.gemv`)."""
     from minisgl.layers.gemv import gemv as launch
 
-    return launch(x, weight)
+    return launch(x, weight, out_dtype)
+
+
+def can_mm_float32(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether cuBLAS can write ``x @ W.T`` in float32 from 16-bit operands on this GPU
+    (``torch.mm``'s ``out_dtype``, which older versions of torch lack)."""
+    if not (_enabled and x.is_cuda and x.dim() == 2 and x.dtype in SUPPORTED_DTYPES):
+        return False
+    return out_dtype == torch.float32 and _ready("mm_float32", x)
 
 
 # ---------------------------------------------------------------------- trials and switches
@@ -361,6 +370,11 @@ def _trial_gemv(device: torch.device, dtype: torch.dtype) -> None:
            torch.zeros(3, 64, dtype=dtype, device=device))
 
 
+def _trial_mm_float32(device: torch.device, dtype: torch.dtype) -> None:
+    x = torch.zeros(2, 64, dtype=dtype, device=device)
+    torch.mm(x, torch.zeros(3, 64, dtype=dtype, device=device).t(), out_dtype=torch.float32)
+
+
 _TRIALS: dict[str, Callable[[torch.device, torch.dtype], None]] = {
     "rmsnorm": _trial_rmsnorm,
     "fused_add_rmsnorm": _trial_fused_add_rmsnorm,
@@ -368,6 +382,7 @@ _TRIALS: dict[str, Callable[[torch.device, torch.dtype], None]] = {
     "silu_and_mul": _trial_silu_and_mul,
     "qk_prologue": _trial_qk_prologue,
     "gemv": _trial_gemv,
+    "mm_float32": _trial_mm_float32,
 }
 
 
