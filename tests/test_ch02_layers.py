@@ -705,7 +705,7 @@ def test_qk_prologue_equals_norm_rope_and_store(cuda_bf16: None, tokens: int, in
         assert fused.can_store_into(k_cache, v_cache, BIG_HEAD_DIM)
         out_q, none_k, none_v = fused.qk_prologue(
             qkv, positions, BIG_QO_HEADS, BIG_KV_HEADS, BIG_HEAD_DIM, rope.cos_sin_cache,
-            weights, EPS, (k_cache, v_cache, loc))
+            weights, EPS, fused.KVDestination(k_cache, v_cache, loc))
         assert none_k is None and none_v is None
         out_k, out_v = k_cache[loc], v_cache[loc]
         untouched = torch.ones(num_slots, dtype=torch.bool)
@@ -719,6 +719,35 @@ def test_qk_prologue_equals_norm_rope_and_store(cuda_bf16: None, tokens: int, in
     assert_close_per_head(out_q, ref_q.view(tokens, BIG_QO_HEADS, -1), f"q, {tokens} tokens")
     assert_close_per_head(out_k, ref_k.view(tokens, BIG_KV_HEADS, -1), f"k, {tokens} tokens")
     assert torch.equal(out_v, ref_v), "values are copied as they are"
+
+
+@pytest.mark.gpu
+def test_qk_prologue_writes_each_query_to_every_row_the_backend_names(cuda_bf16: None) -> None:
+    """A decode batch cut into pieces reads a token's query once per piece. With
+    ``query_rows`` the kernel writes each token's query to each of its rows (and nowhere
+    else): the same values it writes to row t without them; keys and values are unchanged."""
+    rope = get_rope(BIG_HEAD_DIM, BIG_HEAD_DIM, MAX_POSITION, THETA)
+    weights = (random_norm(BIG_HEAD_DIM).weight, random_norm(BIG_HEAD_DIM).weight)
+    rows_per_token = [1, 3, 2, 4, 1]
+    tokens, spare_rows = len(rows_per_token), 2
+    qkv = torch.randn(tokens, (BIG_QO_HEADS + 2 * BIG_KV_HEADS) * BIG_HEAD_DIM) * 3
+    positions = torch.randint(0, MAX_POSITION, (tokens,))
+    loc = torch.randperm(3 * tokens)[:tokens]
+    indptr = torch.tensor([0] + rows_per_token, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    num_rows = int(indptr[-1]) + spare_rows
+    outputs = []
+    for rows in (None, indptr):
+        caches = torch.zeros(2, 3 * tokens, BIG_KV_HEADS, BIG_HEAD_DIM).unbind(0)
+        destination = fused.KVDestination(*caches, loc, rows, num_rows if rows is not None else 0)
+        q, _, _ = fused.qk_prologue(qkv, positions, BIG_QO_HEADS, BIG_KV_HEADS, BIG_HEAD_DIM,
+                                    rope.cos_sin_cache, weights, EPS, destination)
+        outputs.append((q, caches))
+    (q_plain, caches_plain), (q_rows, caches_rows) = outputs
+    assert q_plain.shape == (tokens, BIG_QO_HEADS, BIG_HEAD_DIM)
+    assert q_rows.shape == (num_rows, BIG_QO_HEADS, BIG_HEAD_DIM)
+    owners = torch.repeat_interleave(torch.arange(tokens), torch.tensor(rows_per_token))
+    assert torch.equal(q_rows[: num_rows - spare_rows], q_plain[owners])
+    assert all(torch.equal(a, b) for a, b in zip(caches_rows, caches_plain))
 
 
 def assert_close_per_head(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:

@@ -535,6 +535,33 @@ def test_flashinfer_decodes_a_large_batch_in_pieces_and_equals_dense(page_size: 
 
 
 @pytest.mark.gpu
+def test_a_batch_in_pieces_names_a_query_row_per_piece_and_attends_from_them() -> None:
+    """The split form a fused prologue uses: kv_destination names the rows the kernel reads
+    (one per piece, token t's rows in order), and attend_stored over queries written there
+    equals dense attention and the one-call forward."""
+    s = make_scenario(LARGE_DECODE_CASE, 16, is_decode=True, dtype=torch.bfloat16,
+                      device="cuda")
+    backend = flashinfer_backend(s)
+    backend.prepare(s.layout)
+    q, k, v = s.new_tokens(0)
+    destination = backend.kv_destination(0, q.shape[0])
+    pieces = backend.metadata.pieces
+    assert pieces is not None and destination.query_rows is pieces.indptr
+    rows_per_token = torch.diff(destination.query_rows.long())
+    assert destination.num_query_rows == int(rows_per_token.sum()) > q.shape[0]
+    owners = torch.repeat_interleave(torch.arange(q.shape[0], device="cuda"), rows_per_token)
+    assert torch.equal(pieces.owners, owners)
+    destination.k_cache[destination.loc] = k  # what the prologue kernel writes
+    destination.v_cache[destination.loc] = v
+    with pytest.raises(ValueError, match="query rows"):
+        backend.attend_stored(q, 0)  # one row per token is not what the kernel reads
+    stored = backend.attend_stored(q[owners], 0)
+    assert stored.shape == q.shape
+    assert_bf16_close(stored.float().cpu(), s.reference(0).float().cpu(), "attend_stored")
+    assert torch.equal(stored, backend.forward(q, k, v, 0))
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
 @pytest.mark.parametrize("case, graph_bs", [
     (DECODE_CASE[:3], 4),  # three real requests, one padding entry

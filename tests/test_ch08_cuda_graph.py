@@ -283,7 +283,7 @@ def graph_engine(model_dir: Path, page_size: int, sizes: tuple[int, ...] = CAPTU
     pytest.importorskip("flashinfer", reason="flashinfer-python is not installed")
     engine = Engine(EngineConfig(model_dir, device="cuda", dtype="bfloat16",
                                  attention_backend="flashinfer", page_size=page_size,
-                                 num_pages=8192 // page_size, max_running_reqs=32,
+                                 num_pages=8192 // page_size, max_running_reqs=max(32, *sizes),
                                  cuda_graph_batch_sizes=sizes))
     assert engine.graph_runner.enabled, engine.graph_runner.disabled_reason
     return engine
@@ -332,6 +332,32 @@ def test_tiny_replay_equals_eager_for_exact_and_padded_batches(tiny_model_dir: P
     assert engine.pages.num_used == 1, "one page is kept for the padding entries"
     check_replay_against_eager(engine, [1, 3, 8, 13])  # 3 -> 4 and 13 -> 16 are padded
     assert engine.pages.num_free == engine.kv_budget.num_pages - 1
+
+
+@pytest.mark.gpu
+def test_batches_cut_into_pieces_replay_and_equal_the_uncut_batch(
+        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """From PIECES_MIN_BATCH requests the model's attention runs in pieces, the queries
+    written to a row per piece by the prologue kernel: eager, replayed (a padded graph, with
+    spare pieces) and against the same batch not cut."""
+    from minisgl.attention import fi
+
+    sizes = (1, 2, 4, 8, 16, fi.PIECES_MIN_BATCH + 7)
+    engine = graph_engine(tiny_model_dir, page_size=16, sizes=sizes)
+    check_replay_against_eager(engine, [fi.PIECES_MIN_BATCH, fi.PIECES_MIN_BATCH + 5], steps=2)
+    num_reqs = fi.PIECES_MIN_BATCH + 2
+    reqs = decode_batch(engine, ragged_prompts(num_reqs, engine.model_config.vocab_size, seed=9))
+    ctx = engine.prepare(Batch(reqs, "decode"))
+    cut = engine.run(ctx, use_graph=False).clone()
+    assert engine.attn_backend.metadata.pieces is not None
+    monkeypatch.setattr(fi, "PIECES_MIN_BATCH", 10**6)
+    whole = engine.run(ctx, use_graph=False)
+    assert engine.attn_backend.metadata.pieces is None
+    tolerance = BF16_RELATIVE_TOLERANCE * float(whole.abs().max())
+    error = float((cut - whole).abs().max())
+    assert error <= tolerance, f"{num_reqs} requests in pieces: {error:.3f} > {tolerance:.3f}"
+    for req in reqs:
+        engine.pages.release(req)
 
 
 @pytest.mark.gpu

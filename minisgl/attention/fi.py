@@ -36,7 +36,13 @@ from typing import Any
 import numpy as np
 import torch
 
-from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout, ReqSpan
+from minisgl.attention.base import (
+    AttnMetadata,
+    BaseAttnBackend,
+    BatchLayout,
+    QueryRows,
+    ReqSpan,
+)
 from minisgl.attention.pieces import cut_into_pieces, merge_pieces, piece_length
 from minisgl.attention.utils import (
     gather_page_ids,
@@ -87,19 +93,11 @@ def import_flashinfer() -> ModuleType:
 
 
 @dataclass
-class DecodePieces:
-    """A decode batch cut into pieces: the kernel's requests are these, not the batch's."""
-
-    owners: torch.Tensor  # [P] int64, device: the request whose query each piece reads
-    piece_indptr: torch.Tensor  # [B + 1] int32, device: request i's pieces, for the merge
-
-
-@dataclass
 class FIMetadata(AttnMetadata):
     """Where each request's keys are, as pages, and the wrapper planned for this batch.
 
     The kernel's ``E`` entries are the batch's requests or, when ``pieces`` is set, their
-    pieces.
+    pieces: each piece reads its request's query in a row of its own.
     """
 
     page_indptr: torch.Tensor  # [E + 1] int32, host
@@ -107,7 +105,7 @@ class FIMetadata(AttnMetadata):
     last_page_lens: torch.Tensor  # [E] int32, host
     qo_indptr: torch.Tensor  # [E + 1] int32, host
     wrapper: Any  # the FlashInfer wrapper whose plan matches these arrays
-    pieces: DecodePieces | None = None
+    pieces: QueryRows | None = None
 
 
 @dataclass
@@ -281,9 +279,9 @@ class FlashInferBackend(BaseAttnBackend):
             num_pages, arrays["last_page_lens"].numpy().astype(np.int64), piece, self.page_size)
         arrays.update(page_indptr=indptr_tensor(pages.tolist()),
                       last_page_lens=torch.from_numpy(last_lens.astype(np.int32)),
-                      pieces=DecodePieces(
+                      pieces=QueryRows(
                           owners=host_to_device(torch.from_numpy(owners), self.device),
-                          piece_indptr=host_to_device(torch.from_numpy(
+                          indptr=host_to_device(torch.from_numpy(
                               piece_indptr.astype(np.int32)), self.device)))
         return arrays
 
@@ -320,11 +318,14 @@ class FlashInferBackend(BaseAttnBackend):
         kv_pages = self.kv_pool.kv_pages(layer_id)  # the layer's pool page by page: no copy
         if meta.pieces is None:
             return meta.wrapper.run(q.contiguous(), kv_pages)
-        # Each piece reads its request's query; the merge weighs the pieces' outputs by their
+        # q holds a row per piece (_query_rows); the merge weighs the pieces' outputs by their
         # log-sum-exp into each request's output.
-        out, lse = meta.wrapper.run(q.index_select(0, meta.pieces.owners), kv_pages,
-                                    return_lse=True)
-        return merge_pieces(out, lse, meta.pieces.piece_indptr)
+        out, lse = meta.wrapper.run(q, kv_pages, return_lse=True)
+        return merge_pieces(out, lse, meta.pieces.indptr)
+
+    def _query_rows(self, meta: AttnMetadata) -> QueryRows | None:
+        assert isinstance(meta, FIMetadata)
+        return meta.pieces
 
     def init_graph_buffers(self, max_batch_size: int, pad_page: int) -> None:
         """Allocate the buffers every captured decode graph reads; call once, before capturing.
@@ -370,8 +371,8 @@ class FlashInferBackend(BaseAttnBackend):
                 paged_kv_indptr_buffer=graph.page_indptr[: entries + 1],
                 paged_kv_indices_buffer=graph.page_indices,
                 paged_kv_last_page_len_buffer=graph.last_page_lens[:entries])
-            pieces = DecodePieces(owners=graph.piece_owners[:num_pieces],
-                                  piece_indptr=graph.piece_indptr[: batch_size + 1])
+            pieces = QueryRows(owners=graph.piece_owners[:num_pieces],
+                               indptr=graph.piece_indptr[: batch_size + 1])
             self._graph_metadata_by_size[batch_size] = FIMetadata(
                 layout=None, out_loc=graph.token_fields[1, :batch_size],
                 positions=graph.token_fields[0, :batch_size],

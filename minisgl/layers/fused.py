@@ -34,6 +34,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -259,6 +260,22 @@ def can_qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: t
     return _ready("qk_prologue", qkv)
 
 
+class KVDestination(NamedTuple):
+    """Where a backend with a KV pool wants one layer's new keys, values and queries.
+
+    The keys and values go into the layer's caches at the tokens' slots. The queries go to
+    row ``t`` for token ``t``, unless the backend's kernel reads them in rows of its own: a
+    decode batch cut into pieces (:mod:`minisgl.attention.pieces`) reads a request's query
+    once per piece, so ``query_rows`` says which rows each token fills.
+    """
+
+    k_cache: torch.Tensor  # [slots, Hkv, head_dim]
+    v_cache: torch.Tensor
+    loc: torch.Tensor  # [T] int64: each new token's slot
+    query_rows: torch.Tensor | None = None  # [T + 1] int32: token t fills rows [t], [t + 1]
+    num_query_rows: int = 0  # the rows the attention kernel reads, with query_rows
+
+
 def can_store_into(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
     """Whether :func:`qk_prologue` can write into these caches: ``[slots, heads, head_dim]``,
     unit-stride heads, the same slot stride for keys and values."""
@@ -269,21 +286,21 @@ def can_store_into(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) 
 def qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, num_qo_heads: int,
                 num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor,
                 norm_weights: tuple[torch.Tensor, torch.Tensor] | None, eps: float,
-                kv_dst: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+                kv_dst: KVDestination | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Split ``qkv``, normalise and rotate q and k, and put k and v where they go: one kernel.
 
-    With ``kv_dst`` (the layer's key cache, value cache and the new tokens' slots) the keys
-    and values are written into the pool and ``(q, None, None)`` is returned; without it they
-    come back as new ``[T, num_kv_heads, head_dim]`` tensors.
+    With ``kv_dst`` the keys and values are written into the pool, the queries into the rows
+    it names, and ``(q, None, None)`` is returned; without it the keys and values come back
+    as new ``[T, num_kv_heads, head_dim]`` tensors.
     """
     from minisgl.layers.qk_prologue import qk_prologue as launch
 
     q_weight, k_weight = norm_weights if norm_weights is not None else (None, None)
     if kv_dst is not None:
-        k_cache, v_cache, loc = kv_dst
         q = launch(qkv, positions, num_qo_heads, num_kv_heads, head_dim, cos_sin_cache,
-                   q_weight, k_weight, eps, k_cache, v_cache, loc)
+                   q_weight, k_weight, eps, kv_dst.k_cache, kv_dst.v_cache, kv_dst.loc,
+                   kv_dst.query_rows, kv_dst.num_query_rows)
         return q, None, None
     shape = (qkv.shape[0], num_kv_heads, head_dim)
     k = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
