@@ -581,6 +581,7 @@ def test_fused_kernels_are_on_for_bfloat16_cuda_tensors(cuda_bf16: None) -> None
     assert fused.can_qk_prologue(qkv, positions, rope.cos_sin_cache, BIG_HEAD_DIM,
                                  (norm.weight[:BIG_HEAD_DIM],) * 2), fused.kernel_status()
     assert fused.can_gemv(x[:1], torch.randn(8, BIG_HIDDEN)), fused.kernel_status()
+    assert fused.can_mm_float32(x, torch.float32), fused.kernel_status()
     assert set(fused.kernel_status().values()) == {"on"}, fused.kernel_status()
     assert not fused.available(x.float()), "float32 has no FlashInfer kernel: PyTorch code"
     with fused.use_fused(False):
@@ -704,7 +705,7 @@ def test_qk_prologue_equals_norm_rope_and_store(cuda_bf16: None, tokens: int, in
         assert fused.can_store_into(k_cache, v_cache, BIG_HEAD_DIM)
         out_q, none_k, none_v = fused.qk_prologue(
             qkv, positions, BIG_QO_HEADS, BIG_KV_HEADS, BIG_HEAD_DIM, rope.cos_sin_cache,
-            weights, EPS, (k_cache, v_cache, loc))
+            weights, EPS, fused.KVDestination(k_cache, v_cache, loc))
         assert none_k is None and none_v is None
         out_k, out_v = k_cache[loc], v_cache[loc]
         untouched = torch.ones(num_slots, dtype=torch.bool)
@@ -718,6 +719,35 @@ def test_qk_prologue_equals_norm_rope_and_store(cuda_bf16: None, tokens: int, in
     assert_close_per_head(out_q, ref_q.view(tokens, BIG_QO_HEADS, -1), f"q, {tokens} tokens")
     assert_close_per_head(out_k, ref_k.view(tokens, BIG_KV_HEADS, -1), f"k, {tokens} tokens")
     assert torch.equal(out_v, ref_v), "values are copied as they are"
+
+
+@pytest.mark.gpu
+def test_qk_prologue_writes_each_query_to_every_row_the_backend_names(cuda_bf16: None) -> None:
+    """A decode batch cut into pieces reads a token's query once per piece. With
+    ``query_rows`` the kernel writes each token's query to each of its rows (and nowhere
+    else): the same values it writes to row t without them; keys and values are unchanged."""
+    rope = get_rope(BIG_HEAD_DIM, BIG_HEAD_DIM, MAX_POSITION, THETA)
+    weights = (random_norm(BIG_HEAD_DIM).weight, random_norm(BIG_HEAD_DIM).weight)
+    rows_per_token = [1, 3, 2, 4, 1]
+    tokens, spare_rows = len(rows_per_token), 2
+    qkv = torch.randn(tokens, (BIG_QO_HEADS + 2 * BIG_KV_HEADS) * BIG_HEAD_DIM) * 3
+    positions = torch.randint(0, MAX_POSITION, (tokens,))
+    loc = torch.randperm(3 * tokens)[:tokens]
+    indptr = torch.tensor([0] + rows_per_token, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+    num_rows = int(indptr[-1]) + spare_rows
+    outputs = []
+    for rows in (None, indptr):
+        caches = torch.zeros(2, 3 * tokens, BIG_KV_HEADS, BIG_HEAD_DIM).unbind(0)
+        destination = fused.KVDestination(*caches, loc, rows, num_rows if rows is not None else 0)
+        q, _, _ = fused.qk_prologue(qkv, positions, BIG_QO_HEADS, BIG_KV_HEADS, BIG_HEAD_DIM,
+                                    rope.cos_sin_cache, weights, EPS, destination)
+        outputs.append((q, caches))
+    (q_plain, caches_plain), (q_rows, caches_rows) = outputs
+    assert q_plain.shape == (tokens, BIG_QO_HEADS, BIG_HEAD_DIM)
+    assert q_rows.shape == (num_rows, BIG_QO_HEADS, BIG_HEAD_DIM)
+    owners = torch.repeat_interleave(torch.arange(tokens), torch.tensor(rows_per_token))
+    assert torch.equal(q_rows[: num_rows - spare_rows], q_plain[owners])
+    assert all(torch.equal(a, b) for a, b in zip(caches_rows, caches_plain))
 
 
 def assert_close_per_head(ours: torch.Tensor, ref: torch.Tensor, what: str) -> None:
@@ -804,3 +834,24 @@ def test_one_row_matmul_kernel_equals_cublas(cuda_bf16: None, out_features: int,
     with fused.use_fused(False):
         expected = layer(x)
     assert_close_bf16(layer(x), expected, "a layer at batch 1")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("rows", [1, 5, 128])
+def test_lm_head_writes_float32_logits_without_rounding_them_to_16_bits(
+        cuda_bf16: None, rows: int) -> None:
+    """The LM head's logits come from the matrix kernel in float32 (the one-row kernel at batch
+    1, cuBLAS above): within float32 summation error of the exact product of the bf16
+    operands, closer than the bf16-rounded product that F.linear gives."""
+    from minisgl.layers.linear import matmul
+
+    vocab, hidden = 4099, 1024
+    x = torch.randn(rows, hidden)
+    weight = torch.randn(vocab, hidden) / hidden ** 0.5
+    exact = x.double() @ weight.double().T
+    logits = matmul(x, weight, out_dtype=torch.float32)
+    assert logits.dtype == torch.float32 and logits.shape == (rows, vocab)
+    error = float((logits.double() - exact).abs().max())
+    rounded = float((F.linear(x, weight).double() - exact).abs().max())
+    assert error < 1e-4 * float(exact.abs().max()) and error < rounded / 10, (error, rounded)
+

@@ -360,9 +360,10 @@ def test_the_host_step_benchmark_times_whole_decode_batches_without_the_model(
     staged: list[int] = []
     real_stage = fi.stage_decode_batch
 
-    def stage(graph: object, table: object, spans: list, batch_size: int) -> int:
+    def stage(graph: object, table: object, spans: list, batch_size: int,
+              num_pieces: int = 0) -> int:
         staged.append(batch_size)
-        return real_stage(graph, table, spans, batch_size)
+        return real_stage(graph, table, spans, batch_size, num_pieces)
 
     def device_work(self: Engine, ctx: object, use_graph: bool = True) -> None:
         raise AssertionError("the model ran")

@@ -32,7 +32,18 @@ import torch
 
 from minisgl.kvcache.mha_pool import MHAKVPool
 from minisgl.kvcache.page_table import PageTable, expand_ranges
+from minisgl.layers.fused import KVDestination
 from minisgl.utils.torch_utils import host_to_device
+
+
+@dataclass
+class QueryRows:
+    """A kernel that reads the queries in rows of its own: row ``r`` holds the query of token
+    ``owners[r]``. A decode batch cut into pieces (:mod:`minisgl.attention.pieces`) is one:
+    each piece of a request is a row with the request's query."""
+
+    owners: torch.Tensor  # [R] int64, device: the token whose query each row holds
+    indptr: torch.Tensor  # [T + 1] int32, device: token t's rows are indptr[t] .. indptr[t+1]-1
 
 
 @dataclass(frozen=True)
@@ -223,6 +234,9 @@ class BaseAttnBackend(ABC):
         # Store first: a new token attends to itself and to the new tokens before it, so its
         # own key must already be in the pool when the kernel reads the request's keys.
         self.kv_pool.store_kv(k, v, meta.out_loc, layer_id)
+        rows = self._query_rows(meta)
+        if rows is not None:
+            q = q.index_select(0, rows.owners)
         return self._attend(q, layer_id, meta)
 
     def _metadata_for(self, num_tokens: int) -> AttnMetadata:
@@ -235,19 +249,34 @@ class BaseAttnBackend(ABC):
     # The split form of forward, for a layer whose fused kernel stores the keys and values
     # itself on the way from the qkv projection (:mod:`minisgl.layers.qk_prologue`): it asks where they
     # go, writes them there, and then only asks for attention.
-    def kv_destination(self, layer_id: int, num_tokens: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Layer ``layer_id``'s key and value caches and the slots of the batch's new tokens."""
+    def kv_destination(self, layer_id: int, num_tokens: int) -> KVDestination:
+        """Layer ``layer_id``'s key and value caches, the slots of the batch's new tokens and
+        the rows in which the kernel reads their queries."""
         meta = self._metadata_for(num_tokens)
-        return self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id), meta.out_loc
+        k_cache, v_cache = self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id)
+        rows = self._query_rows(meta)
+        if rows is None:
+            return KVDestination(k_cache, v_cache, meta.out_loc)
+        return KVDestination(k_cache, v_cache, meta.out_loc, rows.indptr, len(rows.owners))
 
     def attend_stored(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
-        """:meth:`forward` after the new K/V were written to :meth:`kv_destination`."""
-        return self._attend(q, layer_id, self._metadata_for(q.shape[0]))
+        """:meth:`forward` after the new K/V were written to :meth:`kv_destination`, and the
+        queries to the rows it named."""
+        meta = self.metadata
+        rows = self._query_rows(meta)
+        if q.shape[0] != (meta.num_tokens if rows is None else len(rows.owners)):
+            raise ValueError(f"attend_stored got {q.shape[0]} query rows; the prepared batch "
+                             "reads the rows kv_destination named")
+        return self._attend(q, layer_id, meta)
+
+    def _query_rows(self, meta: AttnMetadata) -> QueryRows | None:
+        """The rows in which this batch's kernel reads the queries; None for one per token."""
+        return None
 
     @abstractmethod
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
-        """Attention of ``q`` over the pool's keys of layer ``layer_id``, as ``meta`` says."""
+        """Attention over the pool's keys of layer ``layer_id``, as ``meta`` says, of the
+        queries ``q`` in the kernel's rows (:meth:`_query_rows`)."""
 
     # CUDA-graph hooks. Only a backend whose decode kernel reads fixed buffers can
     # be captured; the others say so instead of failing somewhere inside the capture.

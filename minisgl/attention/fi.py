@@ -19,7 +19,8 @@ several new tokens per request (causal mask aligned to the end of each sequence,
 prefix comes for free), and ``BatchDecodeWithPagedKVCacheWrapper`` for one new token per
 request. Decode can run inside a CUDA graph (:mod:`minisgl.engine.graph`) when its wrapper is built with
 ``use_cuda_graph=True`` over buffers that never move; :meth:`FlashInferBackend.init_graph_buffers`
-allocates them.
+allocates them. A large decode batch is cut into pieces of equal length first
+(:mod:`minisgl.attention.pieces`, :func:`num_decode_pieces`).
 
 ``flashinfer`` is imported when a backend is built, not when this module is, so the package
 imports on machines without it.
@@ -35,7 +36,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout, ReqSpan
+from minisgl.attention.base import (
+    AttnMetadata,
+    BaseAttnBackend,
+    BatchLayout,
+    QueryRows,
+    ReqSpan,
+)
+from minisgl.attention.pieces import cut_into_pieces, merge_pieces, piece_length
 from minisgl.attention.utils import (
     gather_page_ids,
     indptr_tensor,
@@ -45,6 +53,7 @@ from minisgl.attention.utils import (
 from minisgl.kvcache.mha_pool import MHAKVPool
 from minisgl.kvcache.page_table import PageTable
 from minisgl.utils.logger import get_logger
+from minisgl.utils.torch_utils import host_to_device
 
 logger = get_logger(__name__)
 
@@ -53,9 +62,23 @@ logger = get_logger(__name__)
 WORKSPACE_BYTES = 128 * 2**20
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer's kernels are built for
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-# From this many requests a decode batch runs on the tensor-core kernel whatever the GQA group
-# (see FlashInferBackend.decode_on_tensor_cores); below it the CUDA-core kernel is faster.
-TENSOR_CORE_DECODE_MIN_BATCH = 65
+# From this many requests a decode batch is cut into pieces (minisgl.attention.pieces): below it
+# FlashInfer's own split of long contexts keeps every block busy. See num_decode_pieces.
+PIECES_MIN_BATCH = 65
+PIECES_PER_REQUEST = 4  # a batch of B requests becomes at most 4 * B pieces
+
+
+def num_decode_pieces(batch_size: int) -> int:
+    """How many pieces a decode batch of ``batch_size`` requests is cut into; 0 for none.
+
+    FlashInfer's decode plan sizes its work to one wave of thread blocks: it cuts long contexts
+    into pieces of one maximum length, as many as the wave holds. A few requests leave room to
+    cut finely. From about 65 there is little room left, and the longest request decides how
+    long the step takes; from there the backend cuts the batch itself
+    (:mod:`minisgl.attention.pieces`), into ``PIECES_PER_REQUEST`` pieces a request on
+    average, and merges them after the kernel.
+    """
+    return PIECES_PER_REQUEST * batch_size if batch_size >= PIECES_MIN_BATCH else 0
 
 
 def import_flashinfer() -> ModuleType:
@@ -71,13 +94,18 @@ def import_flashinfer() -> ModuleType:
 
 @dataclass
 class FIMetadata(AttnMetadata):
-    """Where each request's keys are, as pages, and the wrapper planned for this batch."""
+    """Where each request's keys are, as pages, and the wrapper planned for this batch.
 
-    page_indptr: torch.Tensor  # [B + 1] int32, host
+    The kernel's ``E`` entries are the batch's requests or, when ``pieces`` is set, their
+    pieces: each piece reads its request's query in a row of its own.
+    """
+
+    page_indptr: torch.Tensor  # [E + 1] int32, host
     page_indices: torch.Tensor  # [sum(pages)] int32, device
-    last_page_lens: torch.Tensor  # [B] int32, host
-    qo_indptr: torch.Tensor  # [B + 1] int32, host
+    last_page_lens: torch.Tensor  # [E] int32, host
+    qo_indptr: torch.Tensor  # [E + 1] int32, host
     wrapper: Any  # the FlashInfer wrapper whose plan matches these arrays
+    pieces: QueryRows | None = None
 
 
 @dataclass
@@ -88,25 +116,31 @@ class GraphBuffers:
     writing the new batch's arrays *into these same tensors*: every one of them is made here,
     once, and a replay only copies into it. The host builds a batch's arrays in the pinned
     ``host_*`` mirrors; one asynchronous copy per array moves them to the device, and nothing
-    is allocated on the device per step.
+    is allocated on the device per step. The kernel's entries are requests, or pieces for a
+    batch cut into them: up to ``max_entries`` of either.
     """
 
     max_batch_size: int
+    max_pieces: int  # 0 when no captured size is cut into pieces
     pad_page: int  # a page no request owns: padding entries write and read it
-    page_indptr: torch.Tensor  # [max_batch_size + 1] int32 (the wrappers' plan copies into it)
-    page_indices: torch.Tensor  # [max_batch_size * max_pages_per_req] int32
-    last_page_lens: torch.Tensor  # [max_batch_size] int32 (plan copies into it)
+    page_indptr: torch.Tensor  # [max_entries + 1] int32 (the wrappers' plan copies into it)
+    page_indices: torch.Tensor  # [max_batch_size * max_pages_per_req + max_pieces] int32
+    last_page_lens: torch.Tensor  # [max_entries] int32 (plan copies into it)
     token_fields: torch.Tensor  # [2, max_batch_size] int64: positions, then out_loc
     last_indices: torch.Tensor  # [max_batch_size] int64, 0 .. max_batch_size - 1
+    piece_owners: torch.Tensor  # [max_pieces] int64
+    piece_indptr: torch.Tensor  # [max_batch_size + 1] int32
     host_page_indptr: torch.Tensor  # pinned host mirrors of the arrays above
     host_page_indices: torch.Tensor
     host_last_page_lens: torch.Tensor
     host_token_fields: torch.Tensor
-    host_qo_indptr: torch.Tensor  # [max_batch_size + 1] int32, 0 .. max_batch_size (host)
+    host_piece_owners: torch.Tensor
+    host_piece_indptr: torch.Tensor
+    host_qo_indptr: torch.Tensor  # [max_entries + 1] int32, 0 .. max_entries (host)
 
     @classmethod
     def allocate(cls, max_batch_size: int, max_pages_per_req: int, pad_page: int,
-                 device: torch.device) -> GraphBuffers:
+                 device: torch.device, max_pieces: int = 0) -> GraphBuffers:
         """Every buffer, zeroed; the host mirrors pinned when ``device`` is a GPU."""
         pin = device.type == "cuda"
 
@@ -116,43 +150,66 @@ class GraphBuffers:
             return (torch.zeros(shape, dtype=dtype, device=device),
                     torch.zeros(shape, dtype=dtype, pin_memory=pin))
 
-        indptr, host_indptr = device_and_host(max_batch_size + 1, dtype=torch.int32)
-        indices, host_indices = device_and_host(max_batch_size * max_pages_per_req,
+        max_entries = max(max_batch_size, max_pieces)
+        indptr, host_indptr = device_and_host(max_entries + 1, dtype=torch.int32)
+        indices, host_indices = device_and_host(max_batch_size * max_pages_per_req + max_pieces,
                                                 dtype=torch.int32)
-        last, host_last = device_and_host(max_batch_size, dtype=torch.int32)
+        last, host_last = device_and_host(max_entries, dtype=torch.int32)
         fields, host_fields = device_and_host(2, max_batch_size, dtype=torch.int64)
-        return cls(max_batch_size=max_batch_size, pad_page=pad_page, page_indptr=indptr,
-                   page_indices=indices, last_page_lens=last, token_fields=fields,
-                   last_indices=torch.arange(max_batch_size, device=device),
+        owners, host_owners = device_and_host(max_pieces, dtype=torch.int64)
+        piece_indptr, host_piece_indptr = device_and_host(max_batch_size + 1, dtype=torch.int32)
+        return cls(max_batch_size=max_batch_size, max_pieces=max_pieces, pad_page=pad_page,
+                   page_indptr=indptr, page_indices=indices, last_page_lens=last,
+                   token_fields=fields, last_indices=torch.arange(max_batch_size, device=device),
+                   piece_owners=owners, piece_indptr=piece_indptr,
                    host_page_indptr=host_indptr, host_page_indices=host_indices,
                    host_last_page_lens=host_last, host_token_fields=host_fields,
-                   host_qo_indptr=torch.arange(max_batch_size + 1, dtype=torch.int32))
+                   host_piece_owners=host_owners, host_piece_indptr=host_piece_indptr,
+                   host_qo_indptr=torch.arange(max_entries + 1, dtype=torch.int32))
 
 
 def stage_decode_batch(graph: GraphBuffers, page_table: PageTable, spans: Sequence[ReqSpan],
-                       batch_size: int) -> int:
+                       batch_size: int, num_pieces: int = 0) -> int:
     """Write a decode batch, padded to ``batch_size``, into the host mirrors of ``graph``.
 
     Numpy over the page table's host copy: a copy per request and a few vectorised operations,
     nothing allocated on the device, and the device never waited for. Each padding entry is one
-    token in the pad page. Returns how many page ids were written.
+    token in the pad page. With ``num_pieces``, the kernel's entries are the batch cut into
+    pieces (:mod:`minisgl.attention.pieces`), exactly ``num_pieces`` of them: the spare ones
+    are one token in the pad page, and no request merges them. Returns how many page ids were
+    written.
     """
     size, num_real = page_table.page_size, len(spans)
     rows = np.fromiter((span.row for span in spans), dtype=np.int64, count=num_real)
     cached = np.fromiter((span.cached_len for span in spans), dtype=np.int64, count=num_real)
     counts = np.ones(batch_size, dtype=np.int64)  # a padding entry: one page, one token
     counts[:num_real] = cached // size + 1  # the new token is at position cached_len
+    last_lens = np.ones(batch_size, dtype=np.int64)
+    last_lens[:num_real] = cached % size + 1
     indices = graph.host_page_indices.numpy()
     total = page_table.gather_host_pages(rows, counts[:num_real], out=indices)
     indices[total: total + batch_size - num_real] = graph.pad_page
+    total += batch_size - num_real
     fields = graph.host_token_fields.numpy()
     fields[0, :num_real], fields[0, num_real:batch_size] = cached, 0
     fields[1, :num_real] = page_table.host_slots(rows, cached)
     fields[1, num_real:batch_size] = graph.pad_page * size
-    np.cumsum(counts, out=graph.host_page_indptr.numpy()[1: batch_size + 1])
-    last_lens = graph.host_last_page_lens.numpy()
-    last_lens[:num_real], last_lens[num_real:batch_size] = cached % size + 1, 1
-    return total + batch_size - num_real
+    indptr, entry_last_lens = graph.host_page_indptr.numpy(), graph.host_last_page_lens.numpy()
+    if not num_pieces:
+        np.cumsum(counts, out=indptr[1: batch_size + 1])
+        entry_last_lens[:batch_size] = last_lens
+        return total
+    piece = piece_length(counts, num_pieces)
+    pages, piece_last_lens, owners, piece_indptr = cut_into_pieces(counts, last_lens, piece, size)
+    used = len(pages)
+    pages = np.concatenate([pages, np.ones(num_pieces - used, dtype=np.int64)])  # the spares
+    indices[total: total + num_pieces - used] = graph.pad_page
+    np.cumsum(pages, out=indptr[1: num_pieces + 1])
+    entry_last_lens[:used], entry_last_lens[used:num_pieces] = piece_last_lens, 1
+    owners_out = graph.host_piece_owners.numpy()
+    owners_out[:used], owners_out[used:num_pieces] = owners, 0
+    graph.host_piece_indptr.numpy()[: batch_size + 1] = piece_indptr
+    return total + num_pieces - used
 
 
 class FlashInferBackend(BaseAttnBackend):
@@ -181,9 +238,8 @@ class FlashInferBackend(BaseAttnBackend):
         # slower for its workloads.
         self._prefill = flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self._workspace, kv_layout="NHD", backend="fa2")
-        # One decode wrapper per kernel (see decode_on_tensor_cores), keyed by "on tensor cores".
-        self._decode = {tc: flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self._workspace, kv_layout="NHD", use_tensor_cores=tc) for tc in (False, True)}
+        self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self._workspace, kv_layout="NHD", use_tensor_cores=self.use_tensor_cores)
         self._graph: GraphBuffers | None = None
         # captured batch size -> its metadata, whose wrapper reads the fixed buffers
         self._graph_metadata_by_size: dict[int, FIMetadata] = {}
@@ -193,29 +249,15 @@ class FlashInferBackend(BaseAttnBackend):
         self._plan_copied = torch.cuda.Event()
         self._plan_copied.record()
 
-    def decode_on_tensor_cores(self, batch_size: int) -> bool:
-        """Whether a decode batch of ``batch_size`` requests runs on the tensor-core kernel.
+    @property
+    def use_tensor_cores(self) -> bool:
+        """Decode on tensor cores when each KV head serves at least 4 query heads.
 
-        FlashInfer decodes on either of two kernels. The CUDA-core one is built for a single
-        query row: it fits many small thread blocks on each SM, one per (request, KV head, piece
-        of a long context). The tensor-core one is its prefill kernel, with two large blocks
-        per SM. Two things pick between them:
-
-        - The GQA group. The ``group`` query heads that share a KV head stack into a matrix,
-          tall enough for tensor cores from a group of about 4 (SGLang's and upstream
-          mini-sglang's threshold), at any batch size.
-        - The batch size. The CUDA-core kernel sizes its work to run in a single wave of
-          blocks: it cuts long contexts into pieces of one maximum length, as many as the wave
-          holds. A few requests leave room to cut finely, and every SM stays busy to the end.
-          From about 65 there is little room left, so the step lasts about as long as the
-          longest request while the SMs that served short ones wait. The tensor-core kernel's
-          large blocks, two per SM, run the same batch in several waves, and the GPU hands an
-          SM its next block as soon as one ends: short requests fill the gaps. On an H200, with
-          mixed lengths, it wins from 65 requests on (with equal lengths the single wave is
-          balanced, and the CUDA-core kernel stays ahead).
+        A decode query is a single row, too thin for a tensor-core matrix product; with GQA
+        the ``group`` query heads that share a KV head stack into a taller block, which pays
+        off from a group of about 4 (the threshold SGLang and upstream mini-sglang use).
         """
-        return (self.num_qo_heads // self.num_kv_heads >= 4
-                or batch_size >= TENSOR_CORE_DECODE_MIN_BATCH)
+        return self.num_qo_heads // self.num_kv_heads >= 4
 
     def _page_arrays(self, layout: BatchLayout) -> dict[str, torch.Tensor]:
         """The CSR description of where each request's keys are: pages, not token slots."""
@@ -228,11 +270,29 @@ class FlashInferBackend(BaseAttnBackend):
             "qo_indptr": indptr_tensor(layout.new_lens),
         }
 
+    def _piece_arrays(self, layout: BatchLayout) -> dict[str, Any]:
+        """:meth:`_page_arrays` for a decode batch cut into pieces: one entry per piece."""
+        arrays = self._page_arrays(layout)
+        num_pages = np.diff(arrays["page_indptr"].numpy()).astype(np.int64)
+        piece = piece_length(num_pages, num_decode_pieces(layout.num_reqs))
+        pages, last_lens, owners, piece_indptr = cut_into_pieces(
+            num_pages, arrays["last_page_lens"].numpy().astype(np.int64), piece, self.page_size)
+        arrays.update(page_indptr=indptr_tensor(pages.tolist()),
+                      last_page_lens=torch.from_numpy(last_lens.astype(np.int32)),
+                      pieces=QueryRows(
+                          owners=host_to_device(torch.from_numpy(owners), self.device),
+                          indptr=host_to_device(torch.from_numpy(
+                              piece_indptr.astype(np.int32)), self.device)))
+        return arrays
+
     def _plan(self, layout: BatchLayout) -> FIMetadata:
-        wrapper = (self._decode[self.decode_on_tensor_cores(layout.num_reqs)]
-                   if layout.is_decode else self._prefill)
-        meta = FIMetadata(**self._new_token_fields(layout), **self._page_arrays(layout),
-                          wrapper=wrapper)
+        if not layout.is_decode:
+            arrays, wrapper = self._page_arrays(layout), self._prefill
+        elif num_decode_pieces(layout.num_reqs):
+            arrays, wrapper = self._piece_arrays(layout), self._decode
+        else:
+            arrays, wrapper = self._page_arrays(layout), self._decode
+        meta = FIMetadata(**self._new_token_fields(layout), **arrays, wrapper=wrapper)
         self._run_plan(meta)
         return meta
 
@@ -255,8 +315,17 @@ class FlashInferBackend(BaseAttnBackend):
 
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
         assert isinstance(meta, FIMetadata)
-        # The layer's pool seen page by page: the same memory, no copy.
-        return meta.wrapper.run(q.contiguous(), self.kv_pool.kv_pages(layer_id))
+        kv_pages = self.kv_pool.kv_pages(layer_id)  # the layer's pool page by page: no copy
+        if meta.pieces is None:
+            return meta.wrapper.run(q.contiguous(), kv_pages)
+        # q holds a row per piece (_query_rows); the merge weighs the pieces' outputs by their
+        # log-sum-exp into each request's output.
+        out, lse = meta.wrapper.run(q, kv_pages, return_lse=True)
+        return merge_pieces(out, lse, meta.pieces.indptr)
+
+    def _query_rows(self, meta: AttnMetadata) -> QueryRows | None:
+        assert isinstance(meta, FIMetadata)
+        return meta.pieces
 
     def init_graph_buffers(self, max_batch_size: int, pad_page: int) -> None:
         """Allocate the buffers every captured decode graph reads; call once, before capturing.
@@ -277,7 +346,9 @@ class FlashInferBackend(BaseAttnBackend):
             raise ValueError(f"max_batch_size {max_batch_size} must be between 1 and the page "
                              f"table's {self.page_table.max_reqs} rows")
         self._graph = GraphBuffers.allocate(max_batch_size, self.page_table.max_pages_per_req,
-                                            pad_page, self.device)
+                                            pad_page, self.device,
+                                            max_pieces=num_decode_pieces(max_batch_size))
+
 
     def _graph_metadata(self, batch_size: int) -> FIMetadata:
         """The metadata of one captured batch size: views of the fixed buffers, made once.
@@ -292,20 +363,25 @@ class FlashInferBackend(BaseAttnBackend):
             raise ValueError(f"batch_size {batch_size} must be between 1 and the "
                              f"max_batch_size {graph.max_batch_size} given to init_graph_buffers")
         if batch_size not in self._graph_metadata_by_size:
+            num_pieces = num_decode_pieces(batch_size)
+            entries = num_pieces or batch_size  # the kernel's requests: pieces, or the batch's
             wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, kv_layout="NHD", use_cuda_graph=True,
-                use_tensor_cores=self.decode_on_tensor_cores(batch_size),
-                paged_kv_indptr_buffer=graph.page_indptr[: batch_size + 1],
+                use_tensor_cores=self.use_tensor_cores,
+                paged_kv_indptr_buffer=graph.page_indptr[: entries + 1],
                 paged_kv_indices_buffer=graph.page_indices,
-                paged_kv_last_page_len_buffer=graph.last_page_lens[:batch_size])
+                paged_kv_last_page_len_buffer=graph.last_page_lens[:entries])
+            pieces = QueryRows(owners=graph.piece_owners[:num_pieces],
+                               indptr=graph.piece_indptr[: batch_size + 1])
             self._graph_metadata_by_size[batch_size] = FIMetadata(
                 layout=None, out_loc=graph.token_fields[1, :batch_size],
                 positions=graph.token_fields[0, :batch_size],
                 last_indices=graph.last_indices[:batch_size],
-                page_indptr=graph.host_page_indptr[: batch_size + 1],
+                page_indptr=graph.host_page_indptr[: entries + 1],
                 page_indices=graph.page_indices[:0],
-                last_page_lens=graph.host_last_page_lens[:batch_size],
-                qo_indptr=graph.host_qo_indptr[: batch_size + 1], wrapper=wrapper)
+                last_page_lens=graph.host_last_page_lens[:entries],
+                qo_indptr=graph.host_qo_indptr[: entries + 1], wrapper=wrapper,
+                pieces=pieces if num_pieces else None)
         return self._graph_metadata_by_size[batch_size]
 
     def prepare_for_capture(self, batch_size: int) -> FIMetadata:
@@ -347,9 +423,15 @@ class FlashInferBackend(BaseAttnBackend):
         start their device copies, one per array."""
         graph = self._graph
         assert graph is not None
-        total = stage_decode_batch(graph, self.page_table, spans, batch_size)
+        num_pieces = num_decode_pieces(batch_size)
+        total = stage_decode_batch(graph, self.page_table, spans, batch_size, num_pieces)
         graph.token_fields.copy_(graph.host_token_fields, non_blocking=True)
         graph.page_indices[:total].copy_(graph.host_page_indices[:total], non_blocking=True)
+        if num_pieces:
+            graph.piece_owners[:num_pieces].copy_(graph.host_piece_owners[:num_pieces],
+                                                  non_blocking=True)
+            graph.piece_indptr[: batch_size + 1].copy_(
+                graph.host_piece_indptr[: batch_size + 1], non_blocking=True)
 
 
 def check_flashinfer_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:

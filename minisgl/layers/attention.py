@@ -143,9 +143,10 @@ class AttentionLayer(nn.Module):
     def _fused_forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The same steps with one kernel before attention (CUDA, 16-bit); None elsewhere.
 
-        A backend with a KV pool offers ``kv_destination(layer_id, num_tokens)`` (its caches of
-        this layer and the new tokens' slots): the kernel then writes the keys and values there itself,
-        and the backend only attends (``attend_stored``).
+        A backend with a KV pool offers ``kv_destination(layer_id, num_tokens)``
+        (:class:`~minisgl.layers.fused.KVDestination`: its caches of this layer, the new tokens'
+        slots, the query rows its kernel reads): the kernel then writes the keys and values
+        there itself, and the backend only attends (``attend_stored``).
         """
         has_norm = self.q_norm is not None and self.k_norm is not None
         if has_norm != (self.q_norm is not None or self.k_norm is not None):
@@ -159,7 +160,8 @@ class AttentionLayer(nn.Module):
         backend = get_attention_backend()
         destination = getattr(backend, "kv_destination", None)
         kv_dst = destination(self.layer_id, qkv.shape[0]) if destination is not None else None
-        if kv_dst is not None and not fused.can_store_into(kv_dst[0], kv_dst[1], self.head_dim):
+        if kv_dst is not None and not fused.can_store_into(kv_dst.k_cache, kv_dst.v_cache,
+                                                           self.head_dim):
             kv_dst = None  # the backend stores them itself, from k and v
         eps = self.q_norm.eps if has_norm else 0.0
         q, k, v = fused.qk_prologue(qkv, positions, self.num_qo_heads, self.num_kv_heads,

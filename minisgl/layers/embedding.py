@@ -114,7 +114,8 @@ class ParallelLMHead(_VocabParallelBase):
         self.tied = tie_to is not None
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = matmul(hidden, self.weight)  # [T, padded_rows]: scores for our block only
+        # [T, padded_rows] float32: scores for our block only
+        logits = matmul(hidden, self.weight, out_dtype=torch.float32)
         if self.tp_size == 1:
             return logits
         # Lay every rank's block side by side. Summing zero-padded blocks with all-reduce is an

@@ -34,6 +34,7 @@ import contextlib
 import logging
 from collections.abc import Callable, Iterator
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 
@@ -109,7 +110,7 @@ def _ready(op: str, like: torch.Tensor) -> bool:
             _TRIALS[op](like.device, like.dtype)
         except Exception as exc:  # noqa: BLE001 - whatever fails, fall back to PyTorch
             _op_errors[op] = f"{type(exc).__name__}: {exc}"
-            logger.warning("fused kernels: FlashInfer's %s failed a first trial (%s); it runs "
+            logger.warning("fused kernels: %s failed a first trial (%s); it runs "
                            "as PyTorch code from now on", op, _op_errors[op])
         else:
             _op_errors[op] = None
@@ -259,6 +260,22 @@ def can_qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: t
     return _ready("qk_prologue", qkv)
 
 
+class KVDestination(NamedTuple):
+    """Where a backend with a KV pool wants one layer's new keys, values and queries.
+
+    The keys and values go into the layer's caches at the tokens' slots. The queries go to
+    row ``t`` for token ``t``, unless the backend's kernel reads them in rows of its own: a
+    decode batch cut into pieces (:mod:`minisgl.attention.pieces`) reads a request's query
+    once per piece, so ``query_rows`` says which rows each token fills.
+    """
+
+    k_cache: torch.Tensor  # [slots, Hkv, head_dim]
+    v_cache: torch.Tensor
+    loc: torch.Tensor  # [T] int64: each new token's slot
+    query_rows: torch.Tensor | None = None  # [T + 1] int32: token t fills rows [t], [t + 1]
+    num_query_rows: int = 0  # the rows the attention kernel reads, with query_rows
+
+
 def can_store_into(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) -> bool:
     """Whether :func:`qk_prologue` can write into these caches: ``[slots, heads, head_dim]``,
     unit-stride heads, the same slot stride for keys and values."""
@@ -269,21 +286,21 @@ def can_store_into(k_cache: torch.Tensor, v_cache: torch.Tensor, head_dim: int) 
 def qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, num_qo_heads: int,
                 num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor,
                 norm_weights: tuple[torch.Tensor, torch.Tensor] | None, eps: float,
-                kv_dst: tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None
+                kv_dst: KVDestination | None
                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """Split ``qkv``, normalise and rotate q and k, and put k and v where they go: one kernel.
 
-    With ``kv_dst`` (the layer's key cache, value cache and the new tokens' slots) the keys
-    and values are written into the pool and ``(q, None, None)`` is returned; without it they
-    come back as new ``[T, num_kv_heads, head_dim]`` tensors.
+    With ``kv_dst`` the keys and values are written into the pool, the queries into the rows
+    it names, and ``(q, None, None)`` is returned; without it the keys and values come back
+    as new ``[T, num_kv_heads, head_dim]`` tensors.
     """
     from minisgl.layers.qk_prologue import qk_prologue as launch
 
     q_weight, k_weight = norm_weights if norm_weights is not None else (None, None)
     if kv_dst is not None:
-        k_cache, v_cache, loc = kv_dst
         q = launch(qkv, positions, num_qo_heads, num_kv_heads, head_dim, cos_sin_cache,
-                   q_weight, k_weight, eps, k_cache, v_cache, loc)
+                   q_weight, k_weight, eps, kv_dst.k_cache, kv_dst.v_cache, kv_dst.loc,
+                   kv_dst.query_rows, kv_dst.num_query_rows)
         return q, None, None
     shape = (qkv.shape[0], num_kv_heads, head_dim)
     k = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
@@ -305,11 +322,20 @@ def can_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return _ready("gemv", x)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T`` for one row, as one Triton kernel (:mod:`minisgl.layers.gemv`)."""
     from minisgl.layers.gemv import gemv as launch
 
-    return launch(x, weight)
+    return launch(x, weight, out_dtype)
+
+
+def can_mm_float32(x: torch.Tensor, out_dtype: torch.dtype) -> bool:
+    """Whether cuBLAS can write ``x @ W.T`` in float32 from 16-bit operands on this GPU
+    (``torch.mm``'s ``out_dtype``, which older versions of torch lack)."""
+    if not (_enabled and x.is_cuda and x.dim() == 2 and x.dtype in SUPPORTED_DTYPES):
+        return False
+    return out_dtype == torch.float32 and _ready("mm_float32", x)
 
 
 # ---------------------------------------------------------------------- trials and switches
@@ -361,6 +387,11 @@ def _trial_gemv(device: torch.device, dtype: torch.dtype) -> None:
            torch.zeros(3, 64, dtype=dtype, device=device))
 
 
+def _trial_mm_float32(device: torch.device, dtype: torch.dtype) -> None:
+    x = torch.zeros(2, 64, dtype=dtype, device=device)
+    torch.mm(x, torch.zeros(3, 64, dtype=dtype, device=device).t(), out_dtype=torch.float32)
+
+
 _TRIALS: dict[str, Callable[[torch.device, torch.dtype], None]] = {
     "rmsnorm": _trial_rmsnorm,
     "fused_add_rmsnorm": _trial_fused_add_rmsnorm,
@@ -368,6 +399,7 @@ _TRIALS: dict[str, Callable[[torch.device, torch.dtype], None]] = {
     "silu_and_mul": _trial_silu_and_mul,
     "qk_prologue": _trial_qk_prologue,
     "gemv": _trial_gemv,
+    "mm_float32": _trial_mm_float32,
 }
 
 

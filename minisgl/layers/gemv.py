@@ -43,14 +43,16 @@ if triton is not None:
         tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor,
+         out_dtype: torch.dtype | None = None) -> torch.Tensor:
     """``x @ weight.T`` for one row: ``x`` ``[1, K]``, ``weight`` ``[N, K]``, both contiguous.
 
-    Returns a new ``[1, N]`` tensor of ``x``'s dtype (the sum is kept in float32, rounded once).
+    Returns a new ``[1, N]`` tensor of ``out_dtype`` (default ``x``'s): the sum is kept in
+    float32 and rounded once, if at all.
     """
     assert triton is not None, "call minisgl.layers.fused.can_gemv() first"
     n, k = weight.shape
-    y = torch.empty(1, n, dtype=x.dtype, device=x.device)
+    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
     _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](x, weight, y, n, K=k, BLOCK_N=BLOCK_N,
                                              BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
     return y

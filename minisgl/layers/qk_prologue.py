@@ -8,7 +8,9 @@ reading and writing a few kilobytes: in a batch-1 decode step their launches, no
 bytes, set the time. Here one program per (token, head) reads the head's slice of the qkv
 row once and writes it once, to where it is going:
 
-* a query head: normalised, rotated, into the query tensor the attention kernel reads;
+* a query head: normalised, rotated, into the query tensor the attention kernel reads (into
+  several rows of it when the backend asks for them: a decode batch cut into pieces reads each
+  request's query once per piece, :mod:`minisgl.attention.pieces`);
 * a key head: normalised, rotated, into slot ``loc[t]`` of the key cache; its value head,
   copied as it is, into the same slot of the value cache.
 
@@ -49,8 +51,9 @@ if triton is not None:
     @triton.jit
     def _qk_prologue_kernel(qkv_ptr, qkv_row_stride, q_out_ptr, k_dst_ptr, v_dst_ptr,
                             dst_row_stride, loc_ptr, pos_ptr, q_w_ptr, k_w_ptr, cos_sin_ptr,
-                            eps, HQ: tl.constexpr, HKV: tl.constexpr, D: tl.constexpr,
-                            HAS_NORM: tl.constexpr, HAS_LOC: tl.constexpr):
+                            q_rows_ptr, eps, HQ: tl.constexpr, HKV: tl.constexpr,
+                            D: tl.constexpr, HAS_NORM: tl.constexpr, HAS_LOC: tl.constexpr,
+                            HAS_Q_ROWS: tl.constexpr):
         t = tl.program_id(0)
         head = tl.program_id(1)  # 0 .. HQ - 1: query heads; HQ .. HQ + HKV - 1: key heads
         HALF: tl.constexpr = D // 2
@@ -66,9 +69,16 @@ if triton is not None:
         sin = tl.load(cos_sin_ptr + pos * D + HALF + half)
         if head < HQ:
             y1, y2 = _norm_rope(x1, x2, q_w_ptr, q_out_ptr, cos, sin, eps, half, D, HAS_NORM)
-            dst = q_out_ptr + (t.to(tl.int64) * HQ + head) * D
-            tl.store(dst + half, y1.to(out_ty))
-            tl.store(dst + HALF + half, y2.to(out_ty))
+            if HAS_Q_ROWS:  # token t's query fills rows q_rows[t] .. q_rows[t + 1] - 1
+                first_row = tl.load(q_rows_ptr + t)
+                end_row = tl.load(q_rows_ptr + t + 1)
+            else:
+                first_row = t
+                end_row = t + 1
+            for q_row in range(first_row, end_row):
+                dst = q_out_ptr + (q_row * HQ + head).to(tl.int64) * D
+                tl.store(dst + half, y1.to(out_ty))
+                tl.store(dst + HALF + half, y2.to(out_ty))
         else:
             kv_head = head - HQ
             y1, y2 = _norm_rope(x1, x2, k_w_ptr, q_out_ptr, cos, sin, eps, half, D, HAS_NORM)
@@ -88,9 +98,11 @@ if triton is not None:
 def qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, num_qo_heads: int,
                 num_kv_heads: int, head_dim: int, cos_sin_cache: torch.Tensor,
                 q_weight: torch.Tensor | None, k_weight: torch.Tensor | None, eps: float,
-                k_dst: torch.Tensor, v_dst: torch.Tensor,
-                loc: torch.Tensor | None) -> torch.Tensor:
-    """Launch the kernel; returns the queries ``[T, num_qo_heads, head_dim]``.
+                k_dst: torch.Tensor, v_dst: torch.Tensor, loc: torch.Tensor | None,
+                query_rows: torch.Tensor | None = None, num_query_rows: int = 0
+                ) -> torch.Tensor:
+    """Launch the kernel; returns the queries ``[T, num_qo_heads, head_dim]``, or
+    ``[num_query_rows, num_qo_heads, head_dim]`` with ``query_rows``.
 
     Args:
         qkv: ``[T, (Hq + 2 * Hkv) * head_dim]``, rows of unit stride.
@@ -100,16 +112,21 @@ def qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, num_qo_heads: int,
         k_dst, v_dst: ``[N, Hkv, head_dim]`` where keys and values go: the pool's caches of
             this layer, or new ``[T, Hkv, head_dim]`` tensors.
         loc: ``[T]`` int64, the row of ``k_dst``/``v_dst`` of each token; None for row ``t``.
+        query_rows: ``[T + 1]`` int32, ascending: token ``t``'s query is written to rows
+            ``query_rows[t] .. query_rows[t + 1] - 1``; None for row ``t``. Rows no token
+            claims are left unwritten.
     """
     assert triton is not None, "call minisgl.layers.fused.can_qk_prologue() first"
     num_tokens = qkv.shape[0]
-    q = torch.empty(num_tokens, num_qo_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
+    num_rows = num_query_rows if query_rows is not None else num_tokens
+    q = torch.empty(num_rows, num_qo_heads, head_dim, dtype=qkv.dtype, device=qkv.device)
     has_norm = q_weight is not None
     grid = (num_tokens, num_qo_heads + num_kv_heads)
     _qk_prologue_kernel[grid](
         qkv, qkv.stride(0), q, k_dst, v_dst, k_dst.stride(0),
         loc if loc is not None else positions, positions,
-        q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos_sin_cache, eps,
+        q_weight if has_norm else qkv, k_weight if has_norm else qkv, cos_sin_cache,
+        query_rows if query_rows is not None else positions, eps,
         HQ=num_qo_heads, HKV=num_kv_heads, D=head_dim, HAS_NORM=has_norm,
-        HAS_LOC=loc is not None, num_warps=1)
+        HAS_LOC=loc is not None, HAS_Q_ROWS=query_rows is not None, num_warps=1)
     return q
