@@ -349,7 +349,6 @@ class FlashInferBackend(BaseAttnBackend):
                                             pad_page, self.device,
                                             max_pieces=num_decode_pieces(max_batch_size))
 
-
     def _graph_metadata(self, batch_size: int) -> FIMetadata:
         """The metadata of one captured batch size: views of the fixed buffers, made once.
 
@@ -372,7 +371,7 @@ class FlashInferBackend(BaseAttnBackend):
                 paged_kv_indices_buffer=graph.page_indices,
                 paged_kv_last_page_len_buffer=graph.last_page_lens[:entries])
             pieces = QueryRows(owners=graph.piece_owners[:num_pieces],
-                               indptr=graph.piece_indptr[: batch_size + 1])
+                               indptr=graph.piece_indptr[: batch_size + 1]) if num_pieces else None
             self._graph_metadata_by_size[batch_size] = FIMetadata(
                 layout=None, out_loc=graph.token_fields[1, :batch_size],
                 positions=graph.token_fields[0, :batch_size],
@@ -380,8 +379,7 @@ class FlashInferBackend(BaseAttnBackend):
                 page_indptr=graph.host_page_indptr[: entries + 1],
                 page_indices=graph.page_indices[:0],
                 last_page_lens=graph.host_last_page_lens[:entries],
-                qo_indptr=graph.host_qo_indptr[: entries + 1], wrapper=wrapper,
-                pieces=pieces if num_pieces else None)
+                qo_indptr=graph.host_qo_indptr[: entries + 1], wrapper=wrapper, pieces=pieces)
         return self._graph_metadata_by_size[batch_size]
 
     def prepare_for_capture(self, batch_size: int) -> FIMetadata:

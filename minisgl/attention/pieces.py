@@ -8,7 +8,8 @@ almost unsplit.
 
 The cure is the split of flash-decoding, made before the kernel sees the batch. Each request's
 pages are cut into *pieces* of at most one common length, and every piece goes to the kernel as
-a request of its own, with a copy of its request's query. A piece's result is the attention
+a request of its own, reading its request's query from a row of its own (the backend's
+``QueryRows``, which the qk prologue fills). A piece's result is the attention
 over its keys alone, with its log-sum-exp; softmax over all of a request's keys is then one
 exact merge of its pieces: each partial output weighted by ``2 ** (lse - max lse)`` (FlashInfer
 writes the log-sum-exp in base 2), the weights normalised.
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from minisgl.utils.triton_compat import tl, triton
+
 
 def piece_length(num_pages: np.ndarray, max_pieces: int) -> int:
     """The shortest piece, in pages, that cuts requests of ``num_pages`` pages into at most

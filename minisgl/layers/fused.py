@@ -272,7 +272,8 @@ class KVDestination(NamedTuple):
     k_cache: torch.Tensor  # [slots, Hkv, head_dim]
     v_cache: torch.Tensor
     loc: torch.Tensor  # [T] int64: each new token's slot
-    query_rows: torch.Tensor | None = None  # [T + 1] int32: token t fills rows [t], [t + 1]
+    # [T + 1] int32: token t's query fills rows query_rows[t] .. query_rows[t + 1] - 1
+    query_rows: torch.Tensor | None = None
     num_query_rows: int = 0  # the rows the attention kernel reads, with query_rows
 
 
