@@ -341,7 +341,7 @@ def empty_prefix_cache(scheduler: Any) -> None:
 
 
 def set_overlap(scheduler: Any, overlap: bool) -> None:
-    """Switch an idle scheduler's overlap between runs (see ``OverlapScheduler``)."""
+    """Switch an idle scheduler's overlap between runs (see ``Scheduler``)."""
     assert not scheduler.has_work, "switch overlap only while nothing runs"
     scheduler.overlap = overlap
 

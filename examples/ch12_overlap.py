@@ -28,7 +28,7 @@ import torch
 
 from minisgl.core import Req, SamplingParams
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.overlap import OverlapScheduler
+from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.utils import StepResult
 from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import configure_cpu_threads
@@ -69,17 +69,14 @@ def timed(timing: list[float], fn: Callable[..., T], add: bool = False) -> Calla
 
 
 def run(config: SchedulerConfig, overlap: bool, stop_token: int | None,
-        timing: Timing) -> tuple[OverlapScheduler, list[StepResult], list[Req]]:
+        timing: Timing) -> tuple[Scheduler, list[StepResult], list[Req]]:
     """The workload on a fresh scheduler; ``timing`` gets the host's planning time per step
     (schedule + page reservation) and its time processing tokens, which includes waiting for
     the device to produce them."""
-    scheduler = OverlapScheduler(replace(config, overlap=overlap))
+    scheduler = Scheduler(replace(config, overlap=overlap))
     scheduler.schedule_next_batch = timed(timing.plan, scheduler.schedule_next_batch)
-    scheduler.prepare_batch = timed(timing.plan, scheduler.prepare_batch, add=True)
-    if overlap:
-        scheduler._read = timed(timing.wait, scheduler._read)
-    else:
-        scheduler.process_batch = timed(timing.wait, scheduler.process_batch)
+    scheduler.cache.reserve = timed(timing.plan, scheduler.cache.reserve, add=True)
+    scheduler._read = timed(timing.wait, scheduler._read)
     reqs = []
     for uid in ARRIVALS:
         stops = (stop_token,) if uid == STOPPER and stop_token is not None else ()

@@ -68,18 +68,14 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()  # applied by the server's detokenizer, on text
+    # Whether the next token is always the argmax: temperature 0 by definition, and top_k 1 at
+    # any temperature (only the most likely token survives the filter). Derived, not given.
+    is_greedy: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._validate()
+        object.__setattr__(self, "is_greedy", self.temperature == 0.0 or self.top_k == 1)
 
-    @property
-    def is_greedy(self) -> bool:
-        """True when the next token is always the argmax of the logits.
-
-        Temperature 0 is greedy by definition. ``top_k == 1`` is greedy too, at any
-        temperature: only the most likely token survives the filter.
-        """
-        return self.temperature == 0.0 or self.top_k == 1
 
     def _validate(self) -> None:
         """Reject impossible values here, at the edge, with a message that names the field,
@@ -307,6 +303,9 @@ class Batch:
     chunk_lens: list[int] | None = None
     new_lens: list[int] = field(init=False, repr=False)  # tokens each request computes
     completes: list[bool] = field(init=False, repr=False)  # it computes all it had left
+    num_tokens: int = field(init=False, repr=False)  # sum(new_lens): the model's input length
+    is_prefill: bool = field(init=False, repr=False)
+    is_decode: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.reqs = list(self.reqs)
@@ -318,7 +317,7 @@ class Batch:
             raise ValueError("a request appears twice in one batch")
         left = [req.new_len for req in self.reqs]  # what each has left to compute
         for req, n in zip(self.reqs, left):
-            if req.is_finished:
+            if req.finish_reason is not None:
                 raise ValueError(f"request {req.uid} has finished ({req.finish_reason}); "
                                  "it cannot run again")
             if n < 1:
@@ -339,24 +338,13 @@ class Batch:
                                      f"between 1 and its {most} uncomputed tokens")
         self.new_lens = left if self.chunk_lens is None else list(self.chunk_lens)
         self.completes = [n == m for n, m in zip(self.new_lens, left)]
+        self.num_tokens = sum(self.new_lens)
+        self.is_prefill, self.is_decode = self.phase == "prefill", self.phase == "decode"
 
     @property
     def size(self) -> int:
         """Requests in the batch."""
         return len(self.reqs)
-
-    @property
-    def is_prefill(self) -> bool:
-        return self.phase == "prefill"
-
-    @property
-    def is_decode(self) -> bool:
-        return self.phase == "decode"
-
-    @property
-    def num_tokens(self) -> int:
-        """New tokens of all requests: the length ``T`` of the model's input."""
-        return sum(self.new_lens)
 
     def new_token_ids(self) -> list[int]:
         """The tokens this pass feeds, request after request, packed (no padding)."""

@@ -262,9 +262,9 @@ def test_the_context_message_states_the_boundary_the_scheduler_applies(
     from minisgl.core import SamplingParams
     from minisgl.scheduler.config import SchedulerConfig
     from minisgl.scheduler.io import SchedulerIO
-    from minisgl.scheduler.overlap import OverlapScheduler
+    from minisgl.scheduler.scheduler import Scheduler
 
-    io = SchedulerIO(OverlapScheduler(SchedulerConfig(
+    io = SchedulerIO(Scheduler(SchedulerConfig(
         tiny_model_dir, device="cpu", page_size=4, num_pages=16, max_running_reqs=4)))
     prompt = [5] * 40
     refused = io.receive([UserRequest(1, prompt, SamplingParams(max_tokens=1000),

@@ -17,7 +17,8 @@ import torch
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.llm import LLM
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.overlap import InFlight, OverlapScheduler
+from minisgl.scheduler.overlap import InFlight
+from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.utils import StepResult
 
 PAGE_SIZE = 4
@@ -34,10 +35,10 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
-def make_scheduler(model_dir: Path, overlap: bool | None, **options: object) -> OverlapScheduler:
+def make_scheduler(model_dir: Path, overlap: bool | None, **options: object) -> Scheduler:
     settings: dict[str, object] = {"device": "cpu", "page_size": PAGE_SIZE, "num_pages": 64,
                                    "max_running_reqs": 8}
-    return OverlapScheduler(SchedulerConfig(model_dir, overlap=overlap,
+    return Scheduler(SchedulerConfig(model_dir, overlap=overlap,
                                             **{**settings, **options}))
 
 
@@ -68,7 +69,7 @@ def workload() -> tuple[list[Req], list[int]]:
     return reqs, arrivals
 
 
-def run(scheduler: OverlapScheduler, reqs: list[Req], arrivals: list[int]) -> list[StepResult]:
+def run(scheduler: Scheduler, reqs: list[Req], arrivals: list[int]) -> list[StepResult]:
     """Add ``reqs[i]`` before step ``arrivals[i]``; step until all finish, checking the
     bookkeeping after every step and that every page is back at the end."""
     results: list[StepResult] = []
@@ -210,7 +211,7 @@ def test_llm_runs_overlapped_and_the_switch_changes_no_token(tiny_model_dir: Pat
     params = [SamplingParams(max_tokens=6 + i, ignore_eos=True) for i in range(4)]
     settings = {"device": "cpu", "page_size": PAGE_SIZE, "num_pages": 64, "max_running_reqs": 8}
     llm = LLM(tiny_model_dir, overlap=True, **settings)
-    assert isinstance(llm.scheduler, OverlapScheduler) and llm.scheduler.overlap
+    assert isinstance(llm.scheduler, Scheduler) and llm.scheduler.overlap
     overlapped = [out["token_ids"] for out in llm.generate(prompts, params)]
     assert not llm.scheduler.has_work
     llm.scheduler.overlap = False
@@ -229,7 +230,7 @@ def test_an_overlapped_decode_step_never_waits_for_the_device(tiny_model_dir: Pa
     def run_all(overlap: bool, check_steps: int) -> list[list[int]]:
         config = SchedulerConfig(tiny_model_dir, device="cuda", overlap=overlap, num_pages=512,
                                  max_running_reqs=8)
-        scheduler = OverlapScheduler(config)
+        scheduler = Scheduler(config)
         reqs = [Req(i, prompt, SamplingParams(max_tokens=20, ignore_eos=True,
                                               **({"temperature": 0.8, "top_k": 20, "seed": i}
                                                  if i % 2 else {})))
@@ -272,7 +273,7 @@ def test_abort_while_in_flight(tiny_model_dir: Path) -> None:
     assert scheduler.cache.pages.num_free == scheduler.cache.num_pages
 
 
-def assert_pool_holds_every_token(scheduler: OverlapScheduler) -> None:
+def assert_pool_holds_every_token(scheduler: Scheduler) -> None:
     """Every admitted request's row of the token pool starts with the tokens the host has read
     (a request between two chunks of its prompt: the chunks computed so far)."""
     pool = scheduler.engine.token_pool.ids
@@ -340,9 +341,9 @@ def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
 
     monkeypatch.setattr(pool, "input_ids", recorded(pool.input_ids))
     monkeypatch.setattr(engine, "forward", recorded(engine.forward))
-    forward, wait = scheduler.forward_batch, InFlight.wait
+    forward, wait = scheduler._launch, InFlight.wait
 
-    def watched_forward(batch: Batch) -> torch.Tensor:
+    def watched_forward(batch: Batch) -> InFlight:
         nonlocal launching
         launching = True
         try:
@@ -355,7 +356,7 @@ def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
         events.append("read")
         return wait(flight)
 
-    monkeypatch.setattr(scheduler, "forward_batch", watched_forward)
+    monkeypatch.setattr(scheduler, "_launch", watched_forward)
     monkeypatch.setattr(InFlight, "wait", watched_wait)
     reqs = [Req(i, p, SamplingParams(max_tokens=5, ignore_eos=True))
             for i, p in enumerate(random_prompts([6, 9], seed=2))]
@@ -405,13 +406,13 @@ def test_generate_steps_with_the_start_up_heap_frozen(tiny_model_dir: Path,
     import gc
 
     frozen: list[int] = []
-    step = OverlapScheduler.step
+    step = Scheduler.step
 
-    def counting_step(self: OverlapScheduler) -> StepResult:
+    def counting_step(self: Scheduler) -> StepResult:
         frozen.append(gc.get_freeze_count())
         return step(self)
 
-    monkeypatch.setattr(OverlapScheduler, "step", counting_step)
+    monkeypatch.setattr(Scheduler, "step", counting_step)
     llm = LLM(tiny_model_dir, device="cpu", num_pages=64, max_running_reqs=2)
     llm.generate([[5, 6, 7]], SamplingParams(max_tokens=3, ignore_eos=True))
     assert frozen and min(frozen) > 0

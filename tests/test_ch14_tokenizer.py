@@ -283,10 +283,10 @@ def test_scheduler_io_sends_one_message_per_token(tiny_model_dir: Path) -> None:
     from minisgl.message import UserRequest
     from minisgl.scheduler.config import SchedulerConfig
     from minisgl.scheduler.io import SchedulerIO, scheduler_counters
-    from minisgl.scheduler.overlap import OverlapScheduler
+    from minisgl.scheduler.scheduler import Scheduler
 
     stats = scheduler_counters()
-    io = SchedulerIO(OverlapScheduler(SchedulerConfig(tiny_model_dir, device="cpu",
+    io = SchedulerIO(Scheduler(SchedulerConfig(tiny_model_dir, device="cpu",
                                                       **ENGINE_OPTIONS)), stats)
     stop = SamplingParams(max_tokens=5, stop=("xyz",))
     long = SamplingParams(max_tokens=50, ignore_eos=True)

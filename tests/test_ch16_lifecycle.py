@@ -654,10 +654,10 @@ ENGINE_OPTIONS: dict[str, Any] = {"page_size": 4, "num_pages": 256, "max_running
 def scheduler_io(model_dir: Path, **options: Any) -> Any:
     from minisgl.scheduler.config import SchedulerConfig
     from minisgl.scheduler.io import SchedulerIO, scheduler_counters
-    from minisgl.scheduler.overlap import OverlapScheduler
+    from minisgl.scheduler.scheduler import Scheduler
 
     config = SchedulerConfig(model_dir, device="cpu", **{**ENGINE_OPTIONS, **options})
-    return SchedulerIO(OverlapScheduler(config), scheduler_counters())
+    return SchedulerIO(Scheduler(config), scheduler_counters())
 
 
 def test_the_scheduler_answers_requests_it_cannot_serve(tiny_model_dir: Path) -> None:
@@ -859,7 +859,7 @@ def detokenizer_with_a_fault(*args: Any, **kwargs: Any) -> None:
 def scheduler_with_a_fault(*args: Any, **kwargs: Any) -> None:
     from minisgl.scheduler import io
 
-    real = io.OverlapScheduler.step
+    real = io.Scheduler.step
     failed: list[bool] = []
 
     def step(self: Any) -> Any:
@@ -868,7 +868,7 @@ def scheduler_with_a_fault(*args: Any, **kwargs: Any) -> None:
             raise RuntimeError("the device fell over")
         return real(self)
 
-    io.OverlapScheduler.step = step
+    io.Scheduler.step = step
     io.run_scheduler(*args, **kwargs)
 
 

@@ -224,9 +224,9 @@ def workload() -> list[tuple[int, Req]]:
 def scheduler_trace(rank: int, model_dir: str, num_pages: tuple[int, ...]) -> dict[str, Any]:
     """Run the workload on this rank's own scheduler; every step's decisions and the tokens."""
     from minisgl.scheduler.config import SchedulerConfig
-    from minisgl.scheduler.overlap import OverlapScheduler
+    from minisgl.scheduler.scheduler import Scheduler
 
-    scheduler = OverlapScheduler(SchedulerConfig(
+    scheduler = Scheduler(SchedulerConfig(
         model_dir, device="cpu", page_size=2, num_pages=num_pages[rank], max_running_reqs=6,
         prefix_cache="radix", chunked_prefill=True, max_prefill_tokens=9))
     arrivals = workload()

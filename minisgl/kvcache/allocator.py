@@ -69,7 +69,8 @@ class PageAllocator:
             OutOfPagesError: fewer than ``n`` pages are free. The allocator is unchanged, so the
                 caller can free or evict something and try again.
         """
-        check_int("alloc: the number of pages", n, at_least=0)
+        if not (type(n) is int and n >= 0):  # the hot path: no helper call per step
+            raise ValueError(f"alloc: the number of pages must be an integer >= 0, got {n!r}")
         if n > len(self._free_stack):
             raise OutOfPagesError(requested=n, free=len(self._free_stack))
         if n == 0:

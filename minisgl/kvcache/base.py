@@ -32,6 +32,15 @@ class BaseKVPool(ABC):
     for compressed attention schemes), not in how they are addressed.
     """
 
+    # What every pool tells its readers, set by the implementation's constructor.
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    num_pages: int
+    page_size: int
+    device: torch.device
+    dtype: torch.dtype
+
     @abstractmethod
     def k_cache(self, layer_id: int) -> torch.Tensor:
         """Layer ``layer_id``'s keys: a ``[num_slots, num_kv_heads, head_dim]`` view (no copy)."""
@@ -44,26 +53,6 @@ class BaseKVPool(ABC):
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor,
                  layer_id: int) -> None:
         """Write ``k[i]`` and ``v[i]`` (``[num_kv_heads, head_dim]``) to slot ``out_loc[i]``."""
-
-    @property
-    @abstractmethod
-    def num_layers(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def num_pages(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def page_size(self) -> int: ...
-
-    @property
-    @abstractmethod
-    def device(self) -> torch.device: ...
-
-    @property
-    @abstractmethod
-    def dtype(self) -> torch.dtype: ...
 
     @property
     def num_slots(self) -> int:

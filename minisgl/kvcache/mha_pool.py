@@ -42,13 +42,15 @@ class MHAKVPool(BaseKVPool):
                             ("head_dim", head_dim), ("num_pages", num_pages),
                             ("page_size", page_size)):
             check_int(name, value, at_least=1)
-        self._num_pages, self._page_size = num_pages, page_size
+        self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
+        self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
         # One allocation for everything: [K or V, layer, slot, head, feature]. A single block
         # is one call to the allocator, and its size is exactly what the budget said.
         # Zeros, not torch.empty: a slot that was never written (a padded batch entry, a bug)
         # then reads as harmless zeros instead of leftover bytes that may decode as NaN.
         self._kv = torch.zeros((2, num_layers, num_pages * page_size, num_kv_heads, head_dim),
                                dtype=dtype, device=device)
+        self.device = self._kv.device
 
     def k_cache(self, layer_id: int) -> torch.Tensor:
         return self._kv[0, layer_id]  # [num_slots, num_kv_heads, head_dim], a view
@@ -70,34 +72,6 @@ class MHAKVPool(BaseKVPool):
         # feeding a bfloat16 cache (index assignment refuses mixed dtypes).
         self.k_cache(layer_id)[out_loc] = k.to(self.dtype)
         self.v_cache(layer_id)[out_loc] = v.to(self.dtype)
-
-    @property
-    def num_layers(self) -> int:
-        return self._kv.shape[1]
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self._kv.shape[3]
-
-    @property
-    def head_dim(self) -> int:
-        return self._kv.shape[4]
-
-    @property
-    def num_pages(self) -> int:
-        return self._num_pages
-
-    @property
-    def page_size(self) -> int:
-        return self._page_size
-
-    @property
-    def device(self) -> torch.device:
-        return self._kv.device
-
-    @property
-    def dtype(self) -> torch.dtype:
-        return self._kv.dtype
 
     @property
     def bytes_per_token(self) -> int:

@@ -93,10 +93,12 @@ class PageTable:
                             ("page_size", page_size)):
             check_int(name, value, at_least=1)
         self.page_size = page_size
-        self._shape = (max_reqs, max_pages_per_req)  # plain ints: read for every request
+        self.max_reqs, self.max_pages_per_req = max_reqs, max_pages_per_req
+        self.max_tokens_per_req = max_pages_per_req * page_size  # the longest sequence a row maps
         # int32 is what paged attention kernels take for page ids, and half the size of int64.
         self._page_ids = torch.full((max_reqs, max_pages_per_req), NO_PAGE, dtype=torch.int32,
                                     device=device)
+        self.device = self._page_ids.device
         # The same table on the host, and how many pages each row holds (plain ints: read for
         # every request of every step).
         self._host_ids = np.full((max_reqs, max_pages_per_req), NO_PAGE, dtype=np.int32)
@@ -143,8 +145,8 @@ class PageTable:
         The table only forgets the pages: giving them back to the allocator (or to a prefix
         cache that keeps them) is the caller's decision.
         """
-        self._check_row(row)
-        held, self._held[row] = self._held[row], 0
+        held = self._held[self._checked(row)]
+        self._held[row] = 0
         pages = self._host_ids[row, :held].tolist()  # the host copy: the device is never waited for
         if held:
             self._host_ids[row, :held] = NO_PAGE
@@ -154,30 +156,12 @@ class PageTable:
         return pages
 
     @property
-    def max_reqs(self) -> int:
-        return self._shape[0]
-
-    @property
-    def max_pages_per_req(self) -> int:
-        return self._shape[1]
-
-    @property
-    def max_tokens_per_req(self) -> int:
-        """The longest sequence a row can map."""
-        return self._shape[1] * self.page_size
-
-    @property
-    def device(self) -> torch.device:
-        return self._page_ids.device
-
-    @property
     def num_free_rows(self) -> int:
         return len(self._free_rows)
 
     def num_pages(self, row: int) -> int:
         """Pages ``row`` holds."""
-        self._check_row(row)
-        return self._held[row]
+        return self._held[self._checked(row)]
 
     def capacity(self, row: int) -> int:
         """Tokens ``row`` can map with the pages it holds (the last page may be part empty)."""
@@ -225,7 +209,7 @@ class PageTable:
                              f"request can hold ({self.max_pages_per_req} pages of "
                              f"{self.page_size} tokens)")
         pages_for_tokens = -(-num_tokens // self.page_size)  # ceiling division
-        return max(0, pages_for_tokens - self.num_pages(row))
+        return max(0, pages_for_tokens - self._held[self._checked(row)])
 
     def append_pages(self, row: int, pages: Sequence[int] | torch.Tensor) -> None:
         """Add ``pages`` (fresh from the allocator) after the pages ``row`` already holds.
@@ -243,7 +227,7 @@ class PageTable:
         self._extend(rows, counts, pages)
 
     def _extend(self, rows: Sequence[int], counts: Sequence[int], pages: Sequence[int]) -> None:
-        held = [self.num_pages(row) for row in rows]
+        held = [self._held[self._checked(row)] for row in rows]
         for row, first, count in zip(rows, held, counts):
             if first + count > self.max_pages_per_req:
                 raise ValueError(f"row {row} holds {first} pages; {count} more exceed its "
@@ -271,10 +255,11 @@ class PageTable:
         if not len(rows) == len(starts) == len(ends):
             raise ValueError(f"rows, starts and ends must have one entry per request, got "
                              f"{len(rows)}, {len(starts)} and {len(ends)}")
+        size, held = self.page_size, self._held
         for row, start, end in zip(rows, starts, ends):
-            if not 0 <= start <= end <= self.capacity(row):
+            if not 0 <= start <= end <= held[self._checked(row)] * size:
                 raise ValueError(f"positions {start}..{end} are outside row {row}, which maps "
-                                 f"tokens 0..{self.capacity(row)} ({self.num_pages(row)} pages): "
+                                 f"tokens 0..{held[row] * size} ({held[row]} pages): "
                                  "reserve pages for them first")
         if not rows:
             return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -286,10 +271,12 @@ class PageTable:
         positions, owner = expand_ranges(spans[1], spans[2], total=sum(counts))
         return slots_of(self.page_ids, spans[0][owner], positions, self.page_size)
 
-    def _check_row(self, row: int) -> None:
-        if not 0 <= row < self._shape[0] or not self._in_use[row]:
+    def _checked(self, row: int) -> int:
+        """``row``, once it is known to be a row in use."""
+        if not 0 <= row < self.max_reqs or not self._in_use[row]:
             raise ValueError(f"row {row} is not a row in use (rows are 0..{self.max_reqs - 1}, "
                              "handed out by alloc_row)")
+        return row
 
     def __repr__(self) -> str:
         return (f"PageTable(max_reqs={self.max_reqs}, max_pages_per_req={self.max_pages_per_req}, "

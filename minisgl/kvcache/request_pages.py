@@ -101,10 +101,11 @@ class RequestPages:
                                  f"sequence this cache holds is max_seq_len={self.max_seq_len}")
             needs.append(self._pages_short(req.table_row, num_tokens))
         total = sum(needs)
-        if total > self._allocator.num_free:  # before taking a row: nothing to undo
-            raise OutOfPagesError(requested=total, free=self._allocator.num_free)
+        free = self._allocator.num_free
+        if total > free:  # before taking a row: nothing to undo
+            raise OutOfPagesError(requested=total, free=free)
         new_rows = sum(req.table_row is None for req in reqs)
-        if new_rows > self.table.num_free_rows:
+        if new_rows and new_rows > self.table.num_free_rows:
             raise RuntimeError(f"page table rows are in use: {new_rows} request(s) need one, "
                                f"{self.table.num_free_rows} are free; a request must finish "
                                "before another can start")

@@ -9,9 +9,8 @@ of a thousand prompts therefore needs no more memory than the pool it was given.
 The server (``python -m minisgl``) puts the same scheduler in a process of its own; this class
 is what a script, a notebook or a test uses.
 
-The scheduler is the :class:`~minisgl.scheduler.overlap.OverlapScheduler`, so the host plans
-each step while the device runs the one before; ``LLM(path, overlap=False)`` runs the
-synchronous loop instead, for comparison.
+The scheduler overlaps by default: the host plans each step while the device runs the one
+before; ``LLM(path, overlap=False)`` runs the synchronous loop instead, for comparison.
 
 ``LLM(path, tp=2)`` splits the model over two ranks. This process is rank 0, and
 each other rank is a process of its own that repeats what rank 0's scheduler does
@@ -31,8 +30,8 @@ from tqdm import tqdm
 
 from minisgl.core import Req, SamplingParams
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.overlap import OverlapScheduler
-from minisgl.scheduler.tp import TPLaunch, TPLeaderScheduler, check_tp, run_tp_follower
+from minisgl.scheduler.scheduler import Scheduler
+from minisgl.scheduler.tp import TPLaunch, check_tp, close_leader, run_tp_follower, start_leader
 from minisgl.utils.checks import is_int
 from minisgl.utils.heap import frozen_heap
 from minisgl.utils.hf import resolve_model_path
@@ -78,13 +77,13 @@ class LLM:
         check_tp(path, tp)
         self._followers: list[BaseProcess] = []
         if tp == 1:
-            self.scheduler: OverlapScheduler = OverlapScheduler(config)
+            self.scheduler = Scheduler(config)
         else:
             self.scheduler = self._start_tp(config, tp)
         self.tokenizer = _load_tokenizer(path)
         self._next_uid = 0  # uids stay unique across generate() calls
 
-    def _start_tp(self, config: SchedulerConfig, tp: int) -> TPLeaderScheduler:
+    def _start_tp(self, config: SchedulerConfig, tp: int) -> Scheduler:
         """Start ranks 1..tp-1, become rank 0, and wait until every rank has loaded."""
         launch = TPLaunch.new(tp)
         ready = new_ready_queue()
@@ -94,21 +93,21 @@ class LLM:
                 self._followers.append(start_process(
                     run_tp_follower, f"minisgl-scheduler-rank{rank}", args=(config, launch, rank),
                     kwargs={"ready": ready}, own_process_group=True))
-            scheduler = TPLeaderScheduler(config, launch)  # returns once every rank joined
+            scheduler = start_leader(config, launch)  # returns once every rank joined
             wait_ready(ready, self._followers, timeout_s=TP_STARTUP_TIMEOUT_S)
         except BaseException:
             stop_processes(self._followers)
             if scheduler is not None:
-                scheduler.close()
+                close_leader(scheduler)
             raise
         return scheduler
 
     def close(self) -> None:
         """Stop the other ranks (tensor parallelism) and leave their group; idempotent."""
-        if isinstance(self.scheduler, TPLeaderScheduler):
+        if self._followers:
             stop_processes(self._followers)
             self._followers = []
-            self.scheduler.close()
+            close_leader(self.scheduler)
 
     def __enter__(self) -> LLM:
         return self

@@ -119,6 +119,7 @@ def _wire_fields(cls: type) -> tuple[tuple[str, Any], ...]:
             # A default_factory default is a fresh object each time: always send the field.
             (f.name, _REQUIRED if f.default is dataclasses.MISSING else f.default)
             for f in dataclasses.fields(cls)
+            if f.init  # a derived field is computed again by the receiver's constructor
         )
         _FIELDS[cls] = fields
     return fields

@@ -8,7 +8,7 @@ builds its engine from it) with a few more fields:
 - ``chunked_prefill``: make the token budget a hard limit by cutting long prompts
   into chunks computed over several steps;
 - ``overlap``: let the host plan the next step while the device runs this one
-  (read by :class:`~minisgl.scheduler.overlap.OverlapScheduler`).
+  (read by :class:`~minisgl.scheduler.scheduler.Scheduler`).
 
 The engine's ``max_running_reqs`` (rows of the page table) is also the scheduler's limit on
 requests running at once: a request needs a row to hold pages.
@@ -48,10 +48,9 @@ class SchedulerConfig(EngineConfig):
     # prompt that does not fit is cut, and the rest of it runs in the next prefill steps (see
     # scheduler/chunking.py). Off by default: a prompt is computed whole unless asked.
     chunked_prefill: bool = False
-    # Whether OverlapScheduler overlaps the host's work for the next step with the device's for
-    # this one; the synchronous Scheduler has no other way to run and ignores it.
-    # None (the default) means on, unless MINISGL_DISABLE_OVERLAP is set; the config then
-    # holds the resolved True or False.
+    # Whether a step reads the tokens of the batch before it, so that the host's work for the
+    # next step overlaps the device's for this one (scheduler/overlap.py). None (the default)
+    # means on, unless MINISGL_DISABLE_OVERLAP is set; the config then holds True or False.
     overlap: bool | None = None
 
     def __post_init__(self) -> None:

@@ -10,39 +10,31 @@ and never waits for the slowest one to finish: that is continuous batching.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 from minisgl.core import Batch, Req
 
 
 class DecodeManager:
     """The requests that have been prefilled and have not finished.
 
-    They are kept in the order they joined, so a decode batch lists its requests in a stable,
-    readable order (the results do not depend on it).
+    ``running`` keeps them in the order they joined, so a decode batch lists its requests in a
+    stable, readable order (the results do not depend on it).
     """
 
     def __init__(self) -> None:
-        self._running: dict[int, Req] = {}  # uid -> request; dicts keep insertion order
+        self.running: list[Req] = []
 
-    def add(self, reqs: Iterable[Req]) -> None:
-        """Start decoding requests that have just been prefilled."""
-        for req in reqs:
-            assert not req.is_finished and req.uid not in self._running, req
-            self._running[req.uid] = req
+    def add(self, req: Req) -> None:
+        """Start decoding a request that has just been prefilled."""
+        assert not req.is_finished and req not in self.running, req
+        self.running.append(req)
 
     def remove(self, uid: int) -> Req | None:
         """Stop decoding request ``uid`` (it finished, or was aborted); None if not running."""
-        return self._running.pop(uid, None)
-
-    @property
-    def running(self) -> list[Req]:
-        return list(self._running.values())
-
-    @property
-    def runnable(self) -> bool:
-        return bool(self._running)
+        for i, req in enumerate(self.running):
+            if req.uid == uid:
+                return self.running.pop(i)
+        return None
 
     def schedule(self) -> Batch | None:
         """Every running request, one new token each; None if none is running."""
-        return Batch(self.running, "decode") if self._running else None
+        return Batch(self.running, "decode") if self.running else None

@@ -24,7 +24,7 @@ raised, leave with an :class:`~minisgl.message.AbortRequest` carrying a
 reply, and the scheduler serves on.
 
 Under tensor parallelism this process is rank 0. Its scheduler passes every request
-and step on to the other ranks (:class:`~minisgl.scheduler.tp.TPLeaderScheduler`), and a step
+and step on to the other ranks (:class:`~minisgl.scheduler.tp.RankFollowers`), and a step
 that fails ends the process instead: the ranks could no longer be trusted to agree.
 """
 
@@ -44,9 +44,8 @@ from minisgl.message import (
     server_error,
 )
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.overlap import OverlapScheduler
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.tp import TPLaunch, TPLeaderScheduler
+from minisgl.scheduler.tp import RankFailed, TPLaunch, close_leader, start_leader
 from minisgl.scheduler.utils import output_room
 from minisgl.utils.logger import get_logger
 from minisgl.utils.counters import SharedCounters
@@ -77,7 +76,7 @@ class SchedulerIO:
     """A scheduler fed with messages, whose steps come out as messages.
 
     Args:
-        scheduler: the scheduler (an :class:`OverlapScheduler` in the served engine).
+        scheduler: the scheduler.
         stats: counters to publish after each step, or None.
 
     Attributes:
@@ -176,6 +175,8 @@ class SchedulerIO:
                 if req is not None:
                     messages += self._new_tokens(req, finished.get(uid) is req)
         except Exception as exc:  # noqa: BLE001 - fail the requests, not the process
+            if self.scheduler.followers is not None:  # unless the ranks may now disagree
+                raise RankFailed(f"step {self.scheduler.num_steps} failed on rank 0") from exc
             return self._fail(live, exc)
         self._failed_steps = 0
         self._last_uids = result.uids
@@ -268,7 +269,7 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
         with signals.interruptible(), reporting_readiness(ready, "scheduler"):
             receive = ZmqPullQueue(inbox, BackendMessage, bind=True)
             send = ZmqPushQueue(detokenizer_addr, DetokenizerMessage, bind=False)
-            scheduler = OverlapScheduler(config) if tp is None else TPLeaderScheduler(config, tp)
+            scheduler = Scheduler(config) if tp is None else start_leader(config, tp)
             io = SchedulerIO(scheduler, stats)
         with frozen_heap():  # start-up's objects stay out of the collector's full passes
             while not signals.requested:
@@ -282,7 +283,7 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
     except ShutdownRequested:
         pass
     finally:
-        if isinstance(scheduler, TPLeaderScheduler):
-            scheduler.close()
+        if scheduler is not None:
+            close_leader(scheduler)
         close_queues(receive, send)
     logger.info("scheduler stopped")

@@ -1,37 +1,19 @@
 """The scheduler: which requests run in the next forward pass, step after step.
 
-The engine runs one batch it is handed. The :class:`Scheduler` decides the batches:
-
-- requests arrive at any time (:meth:`Scheduler.add`) and wait in a queue;
-- each :meth:`Scheduler.step` runs one forward pass: a **prefill** batch of waiting requests
-  when any of them can be admitted (their worst-case KV pages fit, see ``prefill.py``), else a
-  **decode** batch of every running request;
-- a request that samples an end-of-sequence token, one of its stop tokens, or its
-  ``max_tokens``-th token finishes in that same step: it leaves the batch, its pages go back,
-  and a waiting request can take them on the very next step. Requests join and leave the
-  running batch at every step: that is *continuous batching*;
-- :meth:`Scheduler.abort` drops a request wherever it is, freeing its pages.
-
-The parts are small and each has its module: ``prefill`` (the queue and admission), ``decode``
-(the running set), ``cache`` (every page a request holds, through a prefix cache) and ``utils``
-(a request's worst case, a step's report).
-
-A step has four stages, each its own method so that a variant can change one of them:
-:meth:`~Scheduler.schedule_next_batch` picks the requests (and cuts prompts into chunks),
-:meth:`~Scheduler.prepare_batch` gives them pages, :meth:`~Scheduler.forward_batch` runs the
-engine, and :meth:`~Scheduler.process_batch` appends the sampled tokens and retires finished
-requests (the overlap scheduler, ``overlap.py``, does this during the next step's forward pass).
-
-With ``chunked_prefill`` on (``chunking.py``), no prefill step computes more than
-``max_prefill_tokens`` tokens: a longer prompt is computed a chunk per prefill step, and the
-running requests decode between two of its chunks.
+Requests wait in a queue (``prefill.py``) until their worst-case pages fit, run in prefill or
+decode batches (``decode.py``), and leave the step their last token is read: continuous batching
+(chapter 9). Long prompts may be cut into chunks (``chunking.py``, chapter 10). One loop serves
+both ways of running: synchronously, the host reads a batch's tokens right after launching it;
+with ``overlap`` (chapter 12) it reads them one step later, while the device runs the next batch
+(``overlap.py``: the batch in flight and its copy to the host). Under tensor parallelism rank 0's
+scheduler tells its ``followers`` every input, so that every rank runs the same steps
+(chapter 17).
 """
 
 from __future__ import annotations
 
 import dataclasses
-
-import torch
+from typing import Protocol
 
 from minisgl.core import Batch, Req
 from minisgl.engine.engine import Engine
@@ -39,6 +21,7 @@ from minisgl.scheduler.cache import CacheManager, make_prefix_cache
 from minisgl.scheduler.chunking import ChunkedPrefillBudget, cut_reqs, is_mid_prefill, unsampled
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
+from minisgl.scheduler.overlap import HostTokens, InFlight
 from minisgl.scheduler.prefill import PrefillBudget, PrefillManager
 from minisgl.scheduler.utils import StepResult, lifetime_pages, lifetime_tokens, output_room
 from minisgl.utils.logger import get_logger
@@ -46,50 +29,70 @@ from minisgl.utils.logger import get_logger
 logger = get_logger(__name__)
 
 
+class Followers(Protocol):
+    """Who hears every input of rank 0's scheduler, in order (``scheduler.tp.RankFollowers``)."""
+
+    def added(self, req: Req) -> None: ...
+
+    def aborted(self, uid: int) -> None: ...
+
+    def stepping(self, step: int) -> None: ...
+
+
 class Scheduler:
     """Forms batches from requests that come and go, and runs them on an engine.
 
     Args:
         config: the engine's settings and the scheduler's (see :class:`SchedulerConfig`).
+        followers: under tensor parallelism, the other ranks (rank 0 only); None otherwise.
 
     Attributes:
         engine: the engine the batches run on (built from ``config``).
         cache: the cache manager: rows and pages of admitted requests.
         prefill: the waiting queue.
         decode: the running requests.
-        eos_token_ids: the checkpoint's end-of-sequence token ids.
-        max_seq_len: the longest sequence a request may reach: the engine's limit, and never
-            more than the pool holds, so that any one request fits an otherwise empty pool.
-        num_steps: steps that ran a batch so far.
+        overlap: whether a step reads the tokens of the batch before it (switchable while
+            ``has_work`` is False).
+        max_seq_len: the longest sequence a request may reach.
+        num_steps: steps run so far.
+
+    A step's :class:`StepResult` describes the batch it launched, and the requests whose last
+    token it read: with overlap, those of the batch before.
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, followers: Followers | None = None) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"Scheduler takes a SchedulerConfig, got {type(config).__name__}")
+        assert isinstance(config.overlap, bool), "SchedulerConfig resolves overlap"
         self.config = config
+        self.followers = followers
         self.engine = Engine(config)
         self.cache = CacheManager(self.engine,
                                   make_prefix_cache(config.prefix_cache, config.page_size))
         self.prefill = PrefillManager(self.cache)
         self.decode = DecodeManager()
+        self.overlap = config.overlap
         self.eos_token_ids = tuple(self.engine.eos_token_ids)
         self.max_seq_len = min(self.engine.max_seq_len,
                                self.cache.num_pages * config.page_size)
         self.num_steps = 0
-        self._live_uids: set[int] = set()  # waiting or running
-        # The last prefill batch cut a prompt, so the running requests go next.
-        self._decode_owed = False
+        self._live_uids: set[int] = set()  # waiting, running or retiring
+        # Out of the running set, still holding pages: their last token is not read yet.
+        self._retiring: dict[int, Req] = {}
+        self._in_flight: InFlight | None = None  # launched, tokens not read (overlap only)
+        self._host_tokens = HostTokens(self.engine.device, config.max_running_reqs)
+        self._decode_owed = False  # the last prefill cut a prompt: the running requests go next
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, req: Req) -> None:
-        """Queue a new request. It runs once admitted, on a later :meth:`step`.
+        """Queue a new request; it runs once admitted, on a later :meth:`step`.
 
         A ``max_tokens`` that would take the request past ``max_seq_len`` is lowered to fit
-        (the request then finishes with ``"length"`` there), with a warning.
+        (it then finishes with ``"length"`` there), with a warning.
 
         Raises:
-            ValueError: the uid is already waiting or running; the request has run before; a
-                token id is outside the vocabulary; the prompt alone exceeds ``max_seq_len``.
+            ValueError: the uid is already live; the request has run before; a token id is
+                outside the vocabulary; the prompt alone exceeds ``max_seq_len``.
         """
         if req.uid in self._live_uids:
             raise ValueError(f"request uid {req.uid} is already waiting or running")
@@ -102,6 +105,8 @@ class Scheduler:
         if len(req.prompt_ids) > self.max_seq_len:
             raise ValueError(f"request {req.uid}: its prompt of {len(req.prompt_ids)} tokens is "
                              f"longer than max_seq_len ({self.max_seq_len})")
+        if self.followers is not None:  # as it came in: a follower's add() adjusts it alike
+            self.followers.added(req)
         if lifetime_tokens(req) > self.max_seq_len:
             room = output_room(len(req.prompt_ids), self.max_seq_len)
             logger.warning("request %d: max_tokens %d lowered to %d to fit max_seq_len %d",
@@ -113,18 +118,17 @@ class Scheduler:
     def abort(self, uid: int) -> Req | None:
         """Drop request ``uid``, waiting or running, and free its pages at once.
 
-        Returns the dropped request (its ``finish_reason`` stays None: it did not finish), or
-        None when no such request is waiting or running: it finished already, or never came.
-        A client that gives up races with its request finishing, so this is not an error.
+        Returns the dropped request (its ``finish_reason`` stays None), or None when no such
+        request is waiting or running: it finished (or its last token is in flight), or never
+        came. A client that gives up races with its request finishing: not an error.
         """
-        req = self.prefill.remove(uid)
-        if req is None:
-            req = self.decode.remove(uid)
+        if self.followers is not None:
+            self.followers.aborted(uid)
+        req = self.prefill.remove(uid) or self.decode.remove(uid)
         if req is None:
             return None
-        if req.table_row is not None:  # running (or partly prefilled)
-            self.cache.release(req)
-        self._live_uids.discard(uid)
+        req.in_flight = 0  # a sample in flight is never read: the batch's reader skips it
+        self._release(req)
         logger.debug("request %d aborted after %d output token(s)", uid, len(req.output_ids))
         return req
 
@@ -138,54 +142,49 @@ class Scheduler:
 
     @property
     def num_live(self) -> int:
-        """Requests that still own their uid: waiting or running (the overlap scheduler adds
-        retiring)."""
-        return self.num_waiting + self.num_running
+        """Requests that still own their uid: waiting, running or retiring."""
+        return self.num_waiting + self.num_running + len(self._retiring)
 
     @property
     def has_work(self) -> bool:
-        """Whether any request is waiting or running."""
-        return self.prefill.runnable or self.decode.runnable
+        """Whether a request waits or runs, or a batch's tokens are still to be read."""
+        return bool(self.prefill.waiting or self.decode.running or self._in_flight)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> StepResult:
-        """Run one batch, prefill or decode, and report what happened.
+        """Launch one batch, prefill or decode, read the tokens due, and report.
 
-        Returns an idle result (``phase`` None) when no request is waiting or running.
+        Returns an idle result (``phase`` None) when no batch could be launched.
         """
+        if self.followers is not None:
+            self.followers.stepping(self.num_steps)
         batch = self.schedule_next_batch()
-        if batch is None:
-            return self.idle_step()
-        num_tokens = batch.num_tokens  # read before the forward pass moves cached_len
-        new_lens = tuple(batch.new_lens)  # likewise (each request's chunk)
-        new_pages = self.prepare_batch(batch)
-        next_tokens = self.forward_batch(batch)
-        finished = self.process_batch(batch, next_tokens)
-        result = self._report(batch, num_tokens, finished, new_pages=new_pages, new_lens=new_lens)
-        self.num_steps += 1
-        return result
-
-    def idle_step(self) -> StepResult:
-        """The step when no batch can run: idle, unless requests wait that could never run."""
-        if self.prefill.runnable:  # admission can always take a request into an empty pool
+        new_pages, launched = 0, None
+        if batch is not None:
+            new_pages = self.cache.reserve(batch.reqs)
+            launched = self._launch(batch)
+            self.num_steps += 1
+        elif self._in_flight is None and self.prefill.waiting:
             raise RuntimeError(f"{self.num_waiting} request(s) wait but none can be admitted "
                                f"with nothing running: {self.prefill_budget()}")
-        return self._report(None, 0, [])
+        if self.overlap:
+            due, self._in_flight = self._in_flight, launched
+        else:
+            due = launched
+        finished = [] if due is None else self._read(due)
+        return self._report(batch, finished, new_pages)
 
     def schedule_next_batch(self) -> Batch | None:
         """The next batch: prefill first, then decode.
 
-        Waiting requests that fit start now, and the running ones skip this step. New requests
-        get their first token as soon as possible and join the decode batch, which makes every
-        later decode step serve more requests at once; the price is a pause in the running
-        requests' output while a prompt is computed (chunked prefill bounds that pause).
+        Waiting requests that fit start now and the running ones skip this step: a new
+        request gets its first token soon and then joins every decode batch. After a prefill
+        that cut a prompt, the running requests decode before its next chunk.
         """
-        # After a prefill batch that cut a prompt, the running requests decode before
-        # its next chunk, so that however long the prompt, they wait one step at a time.
         owed, self._decode_owed = self._decode_owed, False
-        if owed and self.decode.runnable:
+        if owed and self.decode.running:
             return self.decode.schedule()
-        if self.prefill.runnable:
+        if self.prefill.waiting:
             batch = self.prefill.schedule(self.prefill_budget())
             if batch is not None:
                 self._decode_owed = bool(cut_reqs(batch))
@@ -193,78 +192,95 @@ class Scheduler:
         return self.decode.schedule()
 
     def prefill_budget(self) -> PrefillBudget:
-        """What a prefill batch formed now may take.
-
-        The pages are those available minus what the running requests may still need to reach
-        their own worst case: each was promised its pages on admission, and a promise is kept.
-        """
+        """What a prefill batch formed now may take: the pages available minus what admitted
+        requests may still need to reach their own worst case (a promise is kept)."""
         promised = sum(lifetime_pages(req, self.config.page_size) - self.cache.pages_held(req)
                        for req in self.admitted_reqs())
-        # With chunked prefill the token budget is hard, and cuts prompts to fit.
         budget_class = ChunkedPrefillBudget if self.config.chunked_prefill else PrefillBudget
         return budget_class(tokens=self.config.max_prefill_tokens,
                             pages=self.cache.available_pages - promised,
                             rows=self.engine.pages.num_free_rows)
 
     def admitted_reqs(self) -> list[Req]:
-        """Requests holding a row and a promise of pages: the running ones (and a request
-        whose prompt is being prefilled in chunks, which still waits in line)."""
-        return self.decode.running + [req for req in self.prefill.waiting
-                                      if req.table_row is not None]
+        """Requests holding a row: running, retiring, or between two chunks of a prompt."""
+        return (self.decode.running + list(self._retiring.values())
+                + [req for req in self.prefill.waiting if req.table_row is not None])
 
-    def prepare_batch(self, batch: Batch) -> int:
-        """Pages for every token this batch writes; returns how many were allocated."""
-        return self.cache.reserve(batch.reqs)
+    def _launch(self, batch: Batch) -> InFlight:
+        """Run ``batch`` on the engine and start copying its tokens to the host.
 
-    def forward_batch(self, batch: Batch) -> torch.Tensor:
-        """Run the batch on the engine: the ``[B]`` sampled token ids, still on the device."""
-        # A cut request's sample is thrown away: it must not move its random generator on.
-        with unsampled(cut_reqs(batch)):
-            return self.engine.forward(batch)
+        A request whose last token is now in flight leaves the running set at once: it
+        finishes whatever it samples, so it must not run again. A prefilled request that
+        goes on joins the running set.
+        """
+        if batch.is_prefill:  # a cut chunk's sample is thrown away: its generator stays put
+            with unsampled(cut_reqs(batch)):
+                tokens = self.engine.forward(batch)
+        else:
+            tokens = self.engine.forward(batch)
+        for req, complete in zip(batch.reqs, batch.completes):
+            if not complete:  # only a chunk of its prompt ran
+                continue
+            if len(req.output_ids) + req.in_flight >= req.params.max_tokens:
+                self.decode.remove(req.uid)
+                self._retiring[req.uid] = req
+            elif batch.is_prefill:
+                self.decode.add(req)
+        return InFlight(batch, *self._host_tokens.copy(tokens))
 
-    def process_batch(self, batch: Batch, next_tokens: torch.Tensor) -> list[Req]:
-        """Append each request's new token; retire the finished ones. Returns them.
+    def _read(self, flight: InFlight) -> list[Req]:
+        """Append ``flight``'s tokens to their requests and retire the finished; returns those.
 
-        A prefilled request that did not finish joins the running set. A finished one leaves
-        the batch now and hands its pages back, so the next step can give them to someone else.
+        A request that finished while it also runs in the batch now in flight (an EOS the host
+        could not foresee) is a *zombie*: that batch's token for it is dropped when read, and
+        its pages go back only then, because that batch still writes into them.
         """
         finished: list[Req] = []
-        for req, token in zip(batch.reqs, next_tokens.tolist(), strict=True):
-            if is_mid_prefill(req):  # only a chunk of its prompt ran: no new token
+        for req, complete, token in zip(flight.batch.reqs, flight.batch.completes,
+                                        flight.wait(), strict=True):
+            if not complete or req.table_row is None:  # a cut chunk, or aborted since launch
                 continue
-            if req.append_token(token, self.eos_token_ids) is not None:
-                self._retire(req)
-                finished.append(req)
-            elif batch.is_prefill:
-                self.decode.add([req])
+            if req.is_finished:  # a zombie: its real last token came from the batch before
+                req.in_flight -= 1
+                self._release(req)
+                continue
+            if req.append_token(token, self.eos_token_ids) is None:
+                continue
+            finished.append(req)
+            self.decode.remove(req.uid)
+            logger.debug("request %d finished (%s) after %d token(s)", req.uid,
+                         req.finish_reason, len(req.output_ids))
+            if req.in_flight:  # it runs in the batch in flight: keep its pages until then
+                self._retiring[req.uid] = req
+            else:
+                self._release(req)
         return finished
 
-    def _retire(self, req: Req) -> None:
-        self.decode.remove(req.uid)  # absent when it finished on its first token
-        self.cache.release(req)
+    def _release(self, req: Req) -> None:
+        self._retiring.pop(req.uid, None)
+        if req.table_row is not None:  # it held a row: running, or partly prefilled
+            self.cache.release(req)
         self._live_uids.discard(req.uid)
-        logger.debug("request %d finished (%s) after %d token(s)", req.uid, req.finish_reason,
-                     len(req.output_ids))
 
     # ------------------------------------------------------------------ bookkeeping
-    def _report(self, batch: Batch | None, num_tokens: int, finished: list[Req],
-                new_pages: int = 0, new_lens: tuple[int, ...] = ()) -> StepResult:
+    def _report(self, batch: Batch | None, finished: list[Req], new_pages: int) -> StepResult:
         return StepResult(
-            step=self.num_steps,
+            step=self.num_steps - (batch is not None),
             phase=None if batch is None else batch.phase,
             uids=() if batch is None else tuple(req.uid for req in batch.reqs),
-            num_tokens=num_tokens,
+            num_tokens=0 if batch is None else batch.num_tokens,
             new_pages=new_pages,
             pages_in_use=self.cache.pages_in_use,
             num_pages=self.cache.num_pages,
             waiting=tuple(req.uid for req in self.prefill.waiting),
             running=tuple(req.uid for req in self.decode.running),
             finished=tuple(finished),
-            new_lens=new_lens,
+            new_lens=() if batch is None else tuple(batch.new_lens),
         )
 
     def check_integrity(self) -> None:
-        """Check that no page and no row is lost or counted twice (tests call it every step).
+        """Check that no page, row or uid is lost or counted twice, and that every request's
+        ``in_flight`` counts its samples in the batch in flight (tests call it every step).
 
         Raises:
             RuntimeError: the bookkeeping disagrees with itself.
@@ -279,13 +295,19 @@ class Scheduler:
         if len(self._live_uids) != self.num_live:
             raise RuntimeError(f"{len(self._live_uids)} live uids for {self.num_live} live "
                                f"requests ({self.num_waiting} waiting, {self.num_running} running)")
-        # Only the request at the head of the queue may be between two chunks.
         partial = [req.uid for req in self.prefill.waiting if is_mid_prefill(req)]
         if partial and (len(partial) > 1 or partial[0] != self.prefill.waiting[0].uid):
             raise RuntimeError(f"requests {partial} are partly prefilled; only the head of the "
                                f"queue ({self.prefill.waiting[0].uid}) may be")
+        flight = self._in_flight
+        unread = set() if flight is None else {
+            req for req, complete in zip(flight.batch.reqs, flight.batch.completes) if complete}
+        for req in self.admitted_reqs():
+            if req.in_flight != (req in unread):
+                raise RuntimeError(f"request {req.uid} counts {req.in_flight} token(s) in "
+                                   f"flight; the batch in flight holds {int(req in unread)}")
 
     def __repr__(self) -> str:
         return (f"Scheduler({self.num_waiting} waiting, {self.num_running} running, "
                 f"{self.cache.pages_in_use}/{self.cache.num_pages} pages in use, "
-                f"prefix cache {self.config.prefix_cache})")
+                f"prefix cache {self.config.prefix_cache}, overlap {self.overlap})")

@@ -8,7 +8,7 @@ scheduler and they are kept identical by giving them identical inputs:
 
 - only rank 0 talks to the outside (the tokenizers, the detokenizer, ``LLM``'s caller). Each
   request it accepts and each abort it applies is passed on, in order, to every other rank
-  (:class:`TPLeaderScheduler`), over a ZMQ queue per follower;
+  (:class:`RankFollowers`), over a ZMQ queue per follower;
 - before each of its steps rank 0 sends a :class:`RankStep`; a follower runs one step when it
   gets one (:func:`run_tp_follower`), and checks that it counts the same steps;
 - the scheduler is deterministic given its inputs, and every rank's KV pool has the same
@@ -44,8 +44,7 @@ from minisgl.distributed.group import (
 from minisgl.message import AbortRequest, BackendMessage, Message, UserRequest
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.overlap import OverlapScheduler
-from minisgl.scheduler.utils import StepResult
+from minisgl.scheduler.scheduler import Scheduler
 from minisgl.utils.logger import get_logger
 from minisgl.utils.counters import SharedCounters
 from minisgl.utils.heap import frozen_heap
@@ -116,51 +115,53 @@ def join_group(config: SchedulerConfig, launch: TPLaunch, rank: int) -> None:
     init_tp_group(rank, launch.size, device, launch.init_address)
 
 
-class TPLeaderScheduler(OverlapScheduler):
-    """Rank 0's scheduler: an :class:`OverlapScheduler` that repeats its inputs to the others.
+class RankFollowers:
+    """Rank 0's link to the other ranks: the scheduler's ``followers`` under tensor parallelism.
 
-    Whoever drives it (``LLM``, or the scheduler process's ``SchedulerIO``) uses it as any
-    scheduler; every accepted ``add``, every ``abort`` and every ``step`` also goes, in order,
-    to every follower rank.
+    The leader is a plain :class:`Scheduler` built with this object; every input it accepts,
+    every abort and every step also goes, in order, to every follower rank.
     """
 
-    def __init__(self, config: SchedulerConfig, launch: TPLaunch) -> None:
-        self._followers = [ZmqPushQueue(addr, FollowerMessage, bind=False)
-                           for addr in launch.follower_addrs]
-        try:
-            join_group(config, launch, rank=0)
-            super().__init__(config)
-        except BaseException:
-            self.close()
-            raise
+    def __init__(self, launch: TPLaunch) -> None:
+        self._queues = [ZmqPushQueue(addr, FollowerMessage, bind=False)
+                        for addr in launch.follower_addrs]
 
-    def add(self, req: Req) -> None:
-        super().add(req)  # raises for a request it refuses: the followers never see it
-        # The request as it came in: a follower's own add() makes the same adjustments.
+    def added(self, req: Req) -> None:
         self._tell(RankInput(UserRequest(req.uid, list(req.prompt_ids), req.params)))
 
-    def abort(self, uid: int) -> Req | None:
-        dropped = super().abort(uid)
+    def aborted(self, uid: int) -> None:
         self._tell(RankInput(AbortRequest(uid)))
-        return dropped
 
-    def step(self) -> StepResult:
-        self._tell(RankStep(self.num_steps))
-        try:
-            return super().step()
-        except Exception as exc:
-            raise RankFailed(f"step {self.num_steps} failed on rank 0") from exc
+    def stepping(self, step: int) -> None:
+        self._tell(RankStep(step))
 
     def _tell(self, message: FollowerMessage) -> None:
-        for queue in self._followers:
+        for queue in self._queues:
             queue.put(message)
 
     def close(self) -> None:
         """Close the queues to the followers and leave the group (they stop on their own
         signal, or when their next collective finds rank 0 gone)."""
-        for queue in self._followers:
+        for queue in self._queues:
             queue.close()
         destroy_tp_group()
+
+
+def start_leader(config: SchedulerConfig, launch: TPLaunch) -> Scheduler:
+    """Become rank 0 and build its scheduler; returns once every rank has joined the group."""
+    followers = RankFollowers(launch)
+    try:
+        join_group(config, launch, rank=0)
+        return Scheduler(config, followers=followers)
+    except BaseException:
+        followers.close()
+        raise
+
+
+def close_leader(scheduler: Scheduler) -> None:
+    """Leave the group a leader's scheduler formed (nothing to do for a single rank)."""
+    if isinstance(scheduler.followers, RankFollowers):
+        scheduler.followers.close()
 
 
 def run_tp_follower(config: SchedulerConfig, launch: TPLaunch, rank: int,
@@ -183,7 +184,7 @@ def run_tp_follower(config: SchedulerConfig, launch: TPLaunch, rank: int,
         with signals.interruptible(), reporting_readiness(ready, f"scheduler-rank{rank}"):
             inbox = ZmqPullQueue(launch.follower_addrs[rank - 1], FollowerMessage, bind=True)
             join_group(config, launch, rank)
-            scheduler = OverlapScheduler(config)
+            scheduler = Scheduler(config)
         with frozen_heap():  # as the leader's loop (scheduler/io.py)
             while not signals.requested:
                 message = signals.receive(inbox)
@@ -200,7 +201,7 @@ def run_tp_follower(config: SchedulerConfig, launch: TPLaunch, rank: int,
     logger.info("scheduler rank %d stopped", rank)
 
 
-def follow_step(scheduler: OverlapScheduler, message: RankStep, rank: int) -> None:
+def follow_step(scheduler: Scheduler, message: RankStep, rank: int) -> None:
     """Run the step rank 0 runs, after checking that this rank is where rank 0 is."""
     if message.step != scheduler.num_steps or not scheduler.has_work:
         raise RankFailed(f"rank {rank} has run {scheduler.num_steps} steps and "
@@ -212,7 +213,7 @@ def follow_step(scheduler: OverlapScheduler, message: RankStep, rank: int) -> No
         raise RankFailed(f"step {message.step} failed on rank {rank}") from exc
 
 
-def apply_input(scheduler: OverlapScheduler, message: BackendMessage) -> None:
+def apply_input(scheduler: Scheduler, message: BackendMessage) -> None:
     """Do what rank 0 did with ``message``: it accepted the request, or applied the abort."""
     if isinstance(message, UserRequest):
         scheduler.add(Req(message.uid, message.input_ids, message.sampling_params))
@@ -229,7 +230,7 @@ def follower_counters(rank: int) -> SharedCounters:
                            f"rank{rank}_kv_pages_in_use"))
 
 
-def publish_follower(scheduler: OverlapScheduler, stats: SharedCounters | None,
+def publish_follower(scheduler: Scheduler, stats: SharedCounters | None,
                      rank: int) -> None:
     if stats is None:
         return

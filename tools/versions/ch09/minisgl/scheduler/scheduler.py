@@ -132,7 +132,7 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """Whether any request is waiting or running."""
-        return self.prefill.runnable or self.decode.runnable
+        return self.prefill.runnable or bool(self.decode.running)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> StepResult:
@@ -208,7 +208,7 @@ class Scheduler:
                 self._retire(req)
                 finished.append(req)
             elif batch.is_prefill:
-                self.decode.add([req])
+                self.decode.add(req)
         return finished
 
     def _retire(self, req: Req) -> None:

@@ -9,9 +9,8 @@ of a thousand prompts therefore needs no more memory than the pool it was given.
 Chapters 13 to 15 put the same scheduler behind a server, in a process of its own; this class is
 what a script, a notebook or a test uses.
 
-From chapter 12 on the scheduler is the :class:`~minisgl.scheduler.overlap.OverlapScheduler`,
-so the host plans each step while the device runs the one before; ``LLM(path, overlap=False)``
-runs chapter 9's synchronous loop instead, for comparison.
+From chapter 12 on the scheduler overlaps: the host plans each step while the device runs the
+one before; ``LLM(path, overlap=False)`` runs chapter 9's synchronous loop instead.
 """
 
 from __future__ import annotations
@@ -26,7 +25,7 @@ from tqdm import tqdm
 
 from minisgl.core import Req, SamplingParams
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.overlap import OverlapScheduler
+from minisgl.scheduler.scheduler import Scheduler
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import get_logger
 from minisgl.utils.torch_utils import configure_cpu_threads
@@ -62,8 +61,8 @@ class LLM:
         _check_engine_options(engine_options)
         path = resolve_model_path(model)
         configure_cpu_threads("model")  # this process runs the model
-        self.scheduler = OverlapScheduler(SchedulerConfig(path, device=device, dtype=dtype,
-                                                          **engine_options))
+        self.scheduler = Scheduler(SchedulerConfig(path, device=device, dtype=dtype,
+                                                   **engine_options))
         self.tokenizer = _load_tokenizer(path)
         self._next_uid = 0  # uids stay unique across generate() calls
 

@@ -34,7 +34,6 @@ from minisgl.message import (
     UserRequest,
 )
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.overlap import OverlapScheduler
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.utils.logger import get_logger
 from minisgl.utils.counters import SharedCounters
@@ -59,7 +58,7 @@ class SchedulerIO:
     """A scheduler fed with messages, whose steps come out as messages.
 
     Args:
-        scheduler: the scheduler (an :class:`OverlapScheduler` in the served engine).
+        scheduler: the scheduler.
         stats: counters to publish after each step, or None.
 
     Attributes:
@@ -184,7 +183,7 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
         with signals.interruptible(), reporting_readiness(ready, "scheduler"):
             receive = ZmqPullQueue(inbox, BackendMessage, bind=True)
             send = ZmqPushQueue(detokenizer_addr, DetokenizerMessage, bind=False)
-            io = SchedulerIO(OverlapScheduler(config), stats)
+            io = SchedulerIO(Scheduler(config), stats)
         with frozen_heap():  # start-up's objects stay out of the collector's full passes
             while not signals.requested:
                 messages = []

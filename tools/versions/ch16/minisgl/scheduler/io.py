@@ -40,7 +40,6 @@ from minisgl.message import (
     server_error,
 )
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.overlap import OverlapScheduler
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.utils import output_room
 from minisgl.utils.logger import get_logger
@@ -72,7 +71,7 @@ class SchedulerIO:
     """A scheduler fed with messages, whose steps come out as messages.
 
     Args:
-        scheduler: the scheduler (an :class:`OverlapScheduler` in the served engine).
+        scheduler: the scheduler.
         stats: counters to publish after each step, or None.
 
     Attributes:
@@ -262,7 +261,7 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
         with signals.interruptible(), reporting_readiness(ready, "scheduler"):
             receive = ZmqPullQueue(inbox, BackendMessage, bind=True)
             send = ZmqPushQueue(detokenizer_addr, DetokenizerMessage, bind=False)
-            io = SchedulerIO(OverlapScheduler(config), stats)
+            io = SchedulerIO(Scheduler(config), stats)
         with frozen_heap():  # start-up's objects stay out of the collector's full passes
             while not signals.requested:
                 messages = []
