@@ -317,12 +317,13 @@ class Engine:
         With several tensor-parallel ranks, rank 0 samples and the others receive its tokens, so
         every rank's requests continue with the same token whatever their logits' last bits.
         """
-        if self.tp.is_primary:
+        if self.tp.rank == 0:
             tokens = sample_batch(logits, [req.params for req in batch.reqs],
                                   [req.generator for req in batch.reqs])
         else:
             tokens = torch.empty(len(batch.reqs), dtype=torch.int64, device=self.device)
-        tokens = broadcast_from_rank0(tokens)
+        if self.tp.size > 1:
+            tokens = broadcast_from_rank0(tokens)
         self.token_pool.store_samples(batch, tokens)
         return tokens
 

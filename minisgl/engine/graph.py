@@ -114,6 +114,7 @@ class GraphRunner:
             raise ValueError("batch_sizes must name at least one batch size to capture")
         self.disabled_reason: str | None = None
         self.batch_sizes: tuple[int, ...] = tuple(sorted(set(batch_sizes)))
+        self.max_batch_size = self.batch_sizes[-1]  # the largest captured size (0 when disabled)
         self.model = model
         self.attn_backend = attn_backend
         self.device = attn_backend.device
@@ -135,6 +136,7 @@ class GraphRunner:
         runner = cls.__new__(cls)
         runner.disabled_reason = reason
         runner.batch_sizes = ()
+        runner.max_batch_size = 0
         runner.graphs = {}
         runner.capture_seconds = 0.0
         logger.info("CUDA graphs: off (%s); decode steps run eagerly", reason)
@@ -143,11 +145,6 @@ class GraphRunner:
     @property
     def enabled(self) -> bool:
         return self.disabled_reason is None
-
-    @property
-    def max_batch_size(self) -> int:
-        """The largest captured batch size (0 when disabled)."""
-        return self.batch_sizes[-1] if self.batch_sizes else 0
 
     @torch.no_grad()
     def _capture_all(self) -> None:
@@ -198,7 +195,7 @@ class GraphRunner:
 
     def can_replay(self, ctx: Context) -> bool:
         """A decode batch no larger than the largest captured size."""
-        return self.enabled and ctx.batch.is_decode and ctx.batch.size <= self.max_batch_size
+        return ctx.batch.is_decode and ctx.batch.size <= self.max_batch_size  # 0 when disabled
 
     def replay(self, ctx: Context) -> torch.Tensor:
         """The ``[B, vocab]`` logits of the decode batch ``ctx``, by replaying a graph.

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.core import Batch, Req
+from minisgl.core import Batch
 from minisgl.utils.torch_utils import host_to_device
 
 
@@ -59,7 +59,7 @@ class TokenPool:
         prompt: list[int] = []  # their values
         src: list[int] = []     # where every fed token is read from
         for req, n in zip(batch.reqs, batch.new_lens):
-            row = self._row_start(req)
+            row = req.table_row * self.row_len  # the engine checked that every request has one
             start, end = req.cached_len, req.cached_len + n
             src += range(row + start, row + end)
             prompt_end = min(end, len(req.prompt_ids))
@@ -84,7 +84,7 @@ class TokenPool:
         picks: list[int] = []
         for i, (req, complete) in enumerate(zip(batch.reqs, batch.completes)):
             if complete:
-                dst.append(self._row_start(req) + req.num_tokens)
+                dst.append(req.table_row * self.row_len + req.num_tokens)
                 picks.append(i)
         if not dst:
             return
@@ -93,6 +93,3 @@ class TokenPool:
         tokens = tokens.to(self.ids.device, non_blocking=True)
         self._flat[lists[:len(dst)]] = tokens[lists[len(dst):]]
 
-    def _row_start(self, req: Req) -> int:
-        assert req.table_row is not None, f"request {req.uid} holds no page-table row"
-        return req.table_row * self.row_len
