@@ -48,7 +48,7 @@ except ImportError:  # run from a checkout that was not pip-installed
 
 
 def without_device_work(engine: Any) -> None:
-    """Replace ``engine.run`` by the host half of a replayed decode step and one zero logit
+    """Replace ``engine.logits`` by the host half of a replayed decode step and one zero logit
     per request (every pick is token 0).
 
     A prefill's host work (its eager plan) is left out too: only decode steps are timed.
@@ -62,13 +62,14 @@ def without_device_work(engine: Any) -> None:
     graph = GraphBuffers.allocate(max_batch, table.max_pages_per_req, pad_page=0,
                                   device=torch.device("cpu"),
                                   max_pieces=num_decode_pieces(max_batch))
-    def run(ctx: Any, use_graph: bool = True) -> torch.Tensor:
-        spans = ctx.layout.spans
-        if ctx.layout.is_decode:  # a large batch is cut into pieces, as a replay cuts it
-            stage_decode_batch(graph, table, spans, len(spans), num_decode_pieces(len(spans)))
-        return torch.zeros(len(spans), 1)
+    def logits(batch: Any, use_graph: bool = True) -> torch.Tensor:
+        engine.input_ids(batch)  # gathering the step's input ids is host work too
+        if batch.is_decode:  # a large batch is cut into pieces, as a replay cuts it
+            stage_decode_batch(graph, table, batch.rows, batch.cached_lens, batch.size,
+                               num_decode_pieces(batch.size))
+        return torch.zeros(batch.size, 1)
 
-    engine.run = run
+    engine.logits = logits
 
 
 def host_step_ms(model: str, batch_size: int, context_len: int, steps: int,

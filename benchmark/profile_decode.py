@@ -54,7 +54,10 @@ def start_requests(engine: Any, batch_size: int, context_len: int, max_tokens: i
     for first in range(0, batch_size, PREFILL_CHUNK):
         chunk = reqs[first:first + PREFILL_CHUNK]
         engine.pages.reserve_all(chunk)
-        for req, token in zip(chunk, engine.forward(Batch(chunk, "prefill")).tolist()):
+        batch = Batch(chunk, "prefill")
+        tokens = engine.forward(batch).tolist()
+        batch.advance()
+        for req, token in zip(chunk, tokens):
             req.append_token(token)
     return reqs
 
@@ -65,7 +68,9 @@ def decode_step(engine: Any, reqs: list[Any], use_graph: bool) -> float:
 
     start = time.perf_counter()
     engine.pages.reserve_all(reqs)  # as the scheduler does: one reservation for the batch
-    tokens = engine.forward(Batch(reqs, "decode"), use_graph=use_graph).tolist()
+    batch = Batch(reqs, "decode")
+    tokens = engine.forward(batch, use_graph=use_graph).tolist()
+    batch.advance()
     for req, token in zip(reqs, tokens):
         req.append_token(token)
     return time.perf_counter() - start

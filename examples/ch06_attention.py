@@ -17,7 +17,7 @@ from pathlib import Path
 
 import torch
 
-from minisgl.attention import create_attention_backend, layout_of
+from minisgl.attention import create_attention_backend, layout_of, total_lens
 from minisgl.attention.utils import gather_page_ids, indptr_of, last_page_len, pages_for
 from minisgl.kvcache import MHAKVPool
 from minisgl.layers.attention import DenseCausalAttention, use_attention_backend
@@ -69,8 +69,8 @@ class Batch:
         """Max |backend - dense| over the new tokens of every request."""
         backend = create_attention_backend(backend_name, self.pool, self.table, num_qo_heads)
         backend.prepare(self.layout)
-        new = [(s.cached_len, q, k, v) for s, q, k, v in
-               zip(self.layout.spans, self.q, self.k, self.v)]
+        new = [(c, q, k, v) for c, q, k, v in
+               zip(self.layout.cached_lens, self.q, self.k, self.v)]
         out = backend.forward(torch.cat([q[c:] for c, q, _, _ in new]),
                               torch.cat([k[c:] for c, _, k, _ in new]),
                               torch.cat([v[c:] for c, _, _, v in new]), 0)
@@ -85,19 +85,20 @@ def show_metadata(config: ModelConfig, device: torch.device, dtype: torch.dtype)
     backend = create_attention_backend("torch", batch.pool, batch.table, config.num_qo_heads)
     meta = backend.prepare(batch.layout)
     layout, table = batch.layout, batch.table
-    num_pages = [pages_for(t, 16) for t in layout.total_lens]
+    num_pages = [pages_for(t, 16) for t in total_lens(layout)]
     print("\none batch, 16-token pages: (row, cached, new) = "
-          + ", ".join(f"({s.row}, {s.cached_len}, {s.new_len})" for s in layout.spans))
+          + ", ".join(f"({r}, {c}, {n})" for r, c, n in
+                      zip(layout.rows, layout.cached_lens, layout.new_lens)))
     for row in layout.rows:
         print(f"  row {row} pages {table.row_pages(row).tolist()}")
     print(f"  positions     {meta.positions.tolist()}")
     print(f"  out_loc       {meta.out_loc.tolist()}")
     print(f"  last_indices  {meta.last_indices.tolist()}   (rows whose logits are sampled)")
     print(f"  qo_indptr     {indptr_of(layout.new_lens)}   (new tokens per request)")
-    print(f"  kv_indptr     {indptr_of(layout.total_lens)}   (torch: token slots per request)")
+    print(f"  kv_indptr     {indptr_of(total_lens(layout))}   (torch: token slots per request)")
     print(f"  page_indptr   {indptr_of(num_pages)}   (FlashInfer: pages per request)")
     print(f"  page_indices  {gather_page_ids(table, layout.rows, num_pages).tolist()}")
-    print(f"  last_page_len {[last_page_len(t, 16) for t in layout.total_lens]}")
+    print(f"  last_page_len {[last_page_len(t, 16) for t in total_lens(layout)]}")
 
 
 def compare_backends(config: ModelConfig, device: torch.device, dtype: torch.dtype,

@@ -71,8 +71,9 @@ def run_batched(engine: Engine, prompts: list[list[int]], steps: int,
             break
         new_pages = sum(engine.pages.reserve(r) for r in live)  # pages for this step's new tokens
         batch = Batch(live, "prefill" if step == 0 else "decode")
-        lengths = [r.new_len for r in live]  # read before forward() moves cached_len up
+        lengths = batch.new_lens
         tokens = engine.forward(batch).tolist()
+        batch.advance()  # the new tokens are cached now: the loop, not the engine, says so
         for req, token in zip(live, tokens):
             req.append_token(token, engine.eos_token_ids)
         if verbose:

@@ -48,7 +48,9 @@ def decode_step(engine: Engine, reqs: list[Req], phase: str = "decode",
     start = time.perf_counter()
     for req in reqs:
         engine.pages.reserve(req)
-    tokens = engine.forward(Batch(reqs, phase), use_graph=use_graph).tolist()  # waits for the GPU
+    batch = Batch(reqs, phase)
+    tokens = engine.forward(batch, use_graph=use_graph).tolist()  # waits for the GPU
+    batch.advance()
     for req, token in zip(reqs, tokens):
         req.append_token(token)
     return time.perf_counter() - start
@@ -66,10 +68,11 @@ def compare_outputs(engine: Engine, runner: GraphRunner, reqs: list[Req]) -> str
     and the graph replayed. The last two must be bit for bit equal."""
     for req in reqs:
         engine.pages.reserve(req)
-    ctx = engine.prepare(Batch(reqs, "decode"))
-    eager = engine.run(ctx, use_graph=False).clone()
-    launched = runner.run_padded_eagerly(ctx).clone()
-    replayed = runner.replay(ctx).clone()
+    batch = Batch(reqs, "decode")
+    ids = engine.input_ids(batch)
+    eager = engine.logits(batch, use_graph=False).clone()
+    launched = runner.run_padded_eagerly(batch, ids).clone()
+    replayed = runner.replay(batch, ids).clone()
     exact = "yes" if torch.equal(replayed, launched) else "NO"
     diff = (replayed - eager).abs().max().item()
     same = int((replayed.argmax(-1) == eager.argmax(-1)).sum())

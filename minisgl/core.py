@@ -259,7 +259,7 @@ class Req:
         When a token is in flight, this is that token reaching the host: it moves
         from ``in_flight`` to ``output_ids``, and the length does not change.
         """
-        if self.is_finished:
+        if self.finish_reason is not None:
             raise RuntimeError(f"request {self.uid} already finished ({self.finish_reason}); "
                                "it cannot take another token")
         self.output_ids.append(int(token_id))
@@ -292,10 +292,11 @@ class Batch:
     uncomputed tokens instead of all of them (chunked prefill splits long prompts this way);
     None means all of them.
 
-    Both lengths a step needs are fixed when the batch is formed, because the forward pass moves
-    each request's ``cached_len`` on: ``new_lens``, what each request computes, and
-    ``completes``, whether that is everything it had left. Only a request that completes
-    samples its next token; a prompt cut by chunked prefill samples nothing meaningful.
+    The lengths a step needs are fixed when the batch is formed, because :meth:`advance` moves
+    each request's ``cached_len`` on after the launch: ``cached_lens``, ``new_lens`` (what each
+    request computes) and ``completes`` (whether that is everything it had left). Only a request
+    that completes samples its next token; a prompt cut by chunked prefill samples nothing
+    meaningful. With ``rows`` these are what an attention backend reads of the batch.
     """
 
     reqs: list[Req]
@@ -304,6 +305,8 @@ class Batch:
     new_lens: list[int] = field(init=False, repr=False)  # tokens each request computes
     completes: list[bool] = field(init=False, repr=False)  # it computes all it had left
     num_tokens: int = field(init=False, repr=False)  # sum(new_lens): the model's input length
+    cached_lens: list[int] = field(init=False, repr=False)  # each request's, before the pass
+    size: int = field(init=False, repr=False)  # requests
     is_prefill: bool = field(init=False, repr=False)
     is_decode: bool = field(init=False, repr=False)
 
@@ -339,12 +342,26 @@ class Batch:
         self.new_lens = left if self.chunk_lens is None else list(self.chunk_lens)
         self.completes = [n == m for n, m in zip(self.new_lens, left)]
         self.num_tokens = sum(self.new_lens)
+        self.cached_lens = [req.cached_len for req in self.reqs]
+        self.size = len(self.reqs)
         self.is_prefill, self.is_decode = self.phase == "prefill", self.phase == "decode"
 
     @property
-    def size(self) -> int:
-        """Requests in the batch."""
-        return len(self.reqs)
+    def rows(self) -> list[int | None]:
+        """Each request's page-table row (rows are handed out when pages are reserved)."""
+        return [req.table_row for req in self.reqs]
+
+    def advance(self) -> None:
+        """Move every request past this batch's forward pass, once it has been launched.
+
+        The K/V of the tokens it fed are in the pool now, so ``cached_len`` moves past them;
+        a request that computed all it had left sampled its next token, which is *in flight*
+        until the host appends it (:meth:`Req.append_token`). Whoever runs the batch (the
+        scheduler, or a chapter's loop) calls this: the engine only computes.
+        """
+        for req, computed, complete in zip(self.reqs, self.new_lens, self.completes):
+            req.cached_len += computed
+            req.in_flight += complete
 
     def new_token_ids(self) -> list[int]:
         """The tokens this pass feeds, request after request, packed (no padding)."""

@@ -386,7 +386,10 @@ def test_ch08_operation_count_on_the_page(tiny_model_dir: Path) -> None:
                                  num_pages=64, cuda_graph=False))
     req = Req(0, list(range(1, 17)), SamplingParams(max_tokens=4, ignore_eos=True))
     engine.pages.reserve(req)
-    req.append_token(engine.forward(Batch([req], "prefill")).tolist()[0])
+    prefill = Batch([req], "prefill")
+    token = engine.forward(prefill).tolist()[0]
+    prefill.advance()
+    req.append_token(token)
     engine.pages.reserve(req)
 
     def counted(module: torch.nn.Module) -> Count:

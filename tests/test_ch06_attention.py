@@ -20,11 +20,11 @@ import torch
 
 from minisgl.attention import (
     BatchLayout,
-    ReqSpan,
     TorchNativeBackend,
     create_attention_backend,
     layout_of,
     resolve_attention_backend,
+    total_lens,
 )
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.attention.fi import PIECES_MIN_BATCH, import_flashinfer, num_decode_pieces
@@ -72,15 +72,15 @@ class Scenario:
 
     def new_tokens(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The packed q/k/v of this pass's new tokens, as the model would hand them over."""
-        spans = self.layout.spans
-        cat = lambda ts: torch.cat([t[s.cached_len:] for t, s in zip(ts, spans)])
+        cached = self.layout.cached_lens
+        cat = lambda ts: torch.cat([t[c:] for t, c in zip(ts, cached)])
         return cat(self.qs[layer]), cat(self.k[layer]), cat(self.v[layer])
 
     def reference(self, layer: int) -> torch.Tensor:
         """Dense causal attention over each whole sequence, the new tokens' rows, packed."""
         dense = DenseCausalAttention()
-        outs = [dense.forward(q, k, v, layer)[s.cached_len:] for q, k, v, s in
-                zip(self.qs[layer], self.k[layer], self.v[layer], self.layout.spans)]
+        outs = [dense.forward(q, k, v, layer)[c:] for q, k, v, c in
+                zip(self.qs[layer], self.k[layer], self.v[layer], self.layout.cached_lens)]
         return torch.cat(outs)
 
 
@@ -174,21 +174,22 @@ def test_gather_page_ids_reads_each_rows_first_pages() -> None:
 
 def test_layout_counts_tokens_and_exposes_per_request_lists() -> None:
     layout = layout_of([4, 1], [10, 0], [3, 5])
-    assert (layout.num_reqs, layout.num_tokens) == (2, 8)
-    assert layout.total_lens == [13, 5]
+    assert (layout.size, layout.num_tokens) == (2, 8)
+    assert total_lens(layout) == [13, 5]
 
 
 @pytest.mark.parametrize("spans, is_decode, message", [
     ([], False, "at least one request"),
-    ([ReqSpan(0, 0, 0)], False, "new_len >= 1"),
-    ([ReqSpan(0, -1, 2)], False, "cached_len must be >= 0"),
-    ([ReqSpan(0, 4, 2)], True, "exactly one new token"),
-    ([ReqSpan(3, 0, 2), ReqSpan(3, 5, 1)], False, "more than once"),
+    ([(0, 0, 0)], False, "new_len 0 >= 1"),
+    ([(0, -1, 2)], False, "cached_len -1 must be >= 0"),
+    ([(0, 4, 2)], True, "exactly 1 in a decode batch"),
+    ([(3, 0, 2), (3, 5, 1)], False, "more than once"),
 ])
-def test_layout_rejects_impossible_batches(spans: list[ReqSpan], is_decode: bool,
+def test_layout_rejects_impossible_batches(spans: list[tuple[int, int, int]], is_decode: bool,
                                            message: str) -> None:
+    rows, cached, new = ([list(c) for c in zip(*spans)] if spans else ([], [], []))
     with pytest.raises(ValueError, match=message):
-        BatchLayout(spans, is_decode=is_decode)
+        layout_of(rows, cached, new, is_decode=is_decode)
 
 
 def test_prepare_computes_slots_positions_and_last_token_indices() -> None:
@@ -320,7 +321,7 @@ def paged_model_run(model, prompts: list[list[int]], page_size: int,
     first = run(layout_of(rows, [0] * len(prompts), split),
                 [t for p, s in zip(prompts, split) for t in p[:s]], all_rows=True)
     rest = [(r, s, len(p) - s) for r, s, p in zip(rows, split, prompts) if len(p) > s]
-    second = run(BatchLayout([ReqSpan(*span) for span in rest]),
+    second = run(layout_of(*[list(column) for column in zip(*rest)]),
                  [t for p, s in zip(prompts, split) for t in p[s:]], all_rows=True)
     per_prompt, a, b = [], 0, 0
     for p, s in zip(prompts, split):
@@ -586,7 +587,7 @@ def test_flashinfer_cuda_graph_decode_replays_a_smaller_padded_batch(
         static_out = backend.forward(static_q, static_k, static_v, 0)
 
     meta = backend.prepare_for_replay(s.layout, graph_bs)
-    assert meta.num_tokens == graph_bs and meta.positions.tolist()[num_reqs:] == [0] * (
+    assert meta.out_loc.shape[0] == graph_bs and meta.positions.tolist()[num_reqs:] == [0] * (
         graph_bs - num_reqs)
     assert (meta.pieces is not None) == bool(num_decode_pieces(graph_bs))
     q, k, v = s.new_tokens(0)

@@ -44,7 +44,9 @@ def run_to_completion(engine: Engine, reqs: list[Req]) -> list[list[int]]:
     while live := [r for r in reqs if not r.is_finished]:
         for req in live:
             engine.pages.reserve(req)
-        tokens = engine.forward(Batch(live, phase)).tolist()
+        batch = Batch(live, phase)
+        tokens = engine.forward(batch).tolist()
+        batch.advance()
         for req, token in zip(live, tokens, strict=True):
             req.append_token(token, engine.eos_token_ids)
         phase = "decode"
@@ -113,7 +115,7 @@ def test_a_new_request_has_its_whole_prompt_to_compute() -> None:
 
 def test_after_prefill_only_the_sampled_token_is_new() -> None:
     req = Req(0, [5, 6, 7], greedy())
-    req.cached_len = 3  # what Engine.forward does after the prefill
+    req.cached_len = 3  # what Batch.advance does after the prefill
     req.append_token(42)
     assert req.token_ids == [5, 6, 7, 42]
     assert (req.new_len, req.new_token_ids()) == (1, [42])
@@ -401,11 +403,15 @@ def test_running_a_request_without_pages_is_an_error(engine: Engine) -> None:
         engine.forward(Batch([Req(0, [1, 2])], "prefill"))
 
 
-def test_forward_moves_cached_len_past_the_tokens_it_fed(engine: Engine) -> None:
+def test_forward_leaves_the_lengths_to_the_caller_and_advance_moves_them(engine: Engine
+                                                                          ) -> None:
     req = Req(0, [3, 1, 4, 1, 5], greedy())
     engine.pages.reserve(req)
-    next_token = engine.forward(Batch([req], "prefill"))
-    assert next_token.shape == (1,) and req.cached_len == 5
+    batch = Batch([req], "prefill")
+    next_token = engine.forward(batch)
+    assert next_token.shape == (1,) and req.cached_len == 0, "the engine only computes"
+    batch.advance()
+    assert req.cached_len == 5
     req.append_token(int(next_token[0]))
     assert req.new_len == 1 and req.token_ids == [3, 1, 4, 1, 5, int(next_token[0])]
     engine.pages.release(req)
@@ -460,9 +466,13 @@ def test_a_prompt_computed_in_chunks_continues_like_one_computed_at_once(
     engine.pages.reserve(chunked)
     engine.pages.reserve(other)
     for size in (8, 8):  # the samples of a partial prompt mean nothing: dropped
-        engine.forward(Batch([chunked], "prefill", chunk_lens=[size]))
+        batch = Batch([chunked], "prefill", chunk_lens=[size])
+        engine.forward(batch)
+        batch.advance()
     assert (chunked.cached_len, chunked.new_len, chunked.output_ids) == (16, 7, [])
-    tokens = engine.forward(Batch([chunked, other], "prefill")).tolist()  # last chunk + other
+    batch = Batch([chunked, other], "prefill")  # the last chunk, and the other request
+    tokens = engine.forward(batch).tolist()
+    batch.advance()
     chunked.append_token(tokens[0])
     other.append_token(tokens[1])
     assert run_to_completion(engine, [chunked, other])[0] == whole
@@ -498,10 +508,10 @@ def greedy_with_logits(engine: Engine, prompts: list[list[int]],
         for req in live:
             engine.pages.reserve(req)
         batch = Batch(live, phase)
-        step_logits = engine.run(engine.prepare(batch)).float().cpu()
+        step_logits = engine.logits(batch).float().cpu()
         tokens = engine.sample(batch, step_logits).tolist()
+        batch.advance()
         for req, row, token in zip(live, step_logits, tokens, strict=True):
-            req.cached_len = req.num_tokens
             req.append_token(token)
             logits[req.uid].append(row)
         phase = "decode"

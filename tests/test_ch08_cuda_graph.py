@@ -133,7 +133,10 @@ def decode_batch(engine: Engine, prompts: list[list[int]], max_tokens: int = 8) 
             for i, p in enumerate(prompts)]
     for req in reqs:
         engine.pages.reserve(req)
-    for req, token in zip(reqs, engine.forward(Batch(reqs, "prefill")).tolist()):
+    batch = Batch(reqs, "prefill")
+    tokens = engine.forward(batch).tolist()
+    batch.advance()
+    for req, token in zip(reqs, tokens):
         req.append_token(token)
         engine.pages.reserve(req)
     return reqs
@@ -145,11 +148,11 @@ def test_on_cpu_graphs_are_off_and_the_engine_still_decodes(cpu_engine: Engine) 
     assert "cpu" in runner.disabled_reason
     assert cpu_engine.pages.num_free == cpu_engine.kv_budget.num_pages, "no pad page taken"
     reqs = decode_batch(cpu_engine, [[1, 2, 3], [4, 5]])
-    ctx = cpu_engine.prepare(Batch(reqs, "decode"))
-    assert not runner.can_replay(ctx)
+    batch = Batch(reqs, "decode")
+    assert not runner.can_replay(batch)
     with pytest.raises(ValueError, match="no captured graph"):
-        runner.replay(ctx)
-    tokens = cpu_engine.forward(Batch(reqs, "decode"))  # eager, as if nothing happened
+        runner.replay(batch, cpu_engine.input_ids(batch))
+    tokens = cpu_engine.forward(batch)  # eager, as if nothing happened
     assert tokens.shape == (2,)
     for req in reqs:
         cpu_engine.pages.release(req)
@@ -196,7 +199,6 @@ def test_replay_staging_writes_the_arrays_an_eager_plan_builds() -> None:
     each padding entry one token in the pad page; rows grow, are freed and reused between
     steps. (The staging is numpy on the host, so this runs on a CPU; the copies and the
     plan are checked on a GPU below.)"""
-    from minisgl.attention.base import ReqSpan
     from minisgl.attention.fi import GraphBuffers, stage_decode_batch
     from minisgl.attention.utils import gather_page_ids, last_page_len, pages_for
 
@@ -204,8 +206,7 @@ def test_replay_staging_writes_the_arrays_an_eager_plan_builds() -> None:
     table = PageTable(6, width, page_size=size)
     graph = GraphBuffers.allocate(8, width, pad_page, torch.device("cpu"))
     for rows, lens, batch_size in random_decode_batches(table, 60, seed=0):
-        spans = [ReqSpan(row, lens[row], 1) for row in rows]
-        total = stage_decode_batch(graph, table, spans, batch_size)
+        total = stage_decode_batch(graph, table, rows, [lens[row] for row in rows], batch_size)
         pad = batch_size - len(rows)
         num_pages = [pages_for(lens[row] + 1, size) for row in rows]
         assert total == sum(num_pages) + pad
@@ -229,7 +230,6 @@ def test_replay_staging_in_pieces_covers_each_request_once_in_order(
     runs, concatenated, are its pages in order, each run but the last made of full pages; the
     entries left over are spares of one token in the pad page, which no request merges; and
     the batch's pieces fill the graph's count whenever there are pages enough."""
-    from minisgl.attention.base import ReqSpan
     from minisgl.attention.fi import GraphBuffers, stage_decode_batch
     from minisgl.attention.utils import gather_page_ids, last_page_len, pages_for
 
@@ -239,8 +239,8 @@ def test_replay_staging_in_pieces_covers_each_request_once_in_order(
                                   max_pieces=8 * pieces_per_request)
     for rows, lens, batch_size in random_decode_batches(table, 60, seed=1):
         num_pieces = pieces_per_request * batch_size
-        spans = [ReqSpan(row, lens[row], 1) for row in rows]
-        total = stage_decode_batch(graph, table, spans, batch_size, num_pieces)
+        total = stage_decode_batch(graph, table, rows, [lens[row] for row in rows], batch_size,
+                                   num_pieces)
         pad = batch_size - len(rows)
         num_pages = [pages_for(lens[row] + 1, size) for row in rows] + [1] * pad
         pages = gather_page_ids(table, rows, num_pages[: len(rows)]).tolist() + [pad_page] * pad
@@ -305,19 +305,20 @@ def check_replay_against_eager(engine: Engine, batch_sizes: list[int], steps: in
             for req in reqs:
                 engine.pages.reserve(req)
             batch = Batch(reqs, "decode")
-            ctx = engine.prepare(batch)
-            assert runner.can_replay(ctx)
-            eager = engine.run(ctx, use_graph=False).clone()
-            launched = runner.run_padded_eagerly(ctx).clone()
-            replayed = runner.replay(ctx).clone()
+            ids = engine.input_ids(batch)
+            assert runner.can_replay(batch)
+            eager = engine.logits(batch, use_graph=False).clone()
+            launched = runner.run_padded_eagerly(batch, ids).clone()
+            replayed = runner.replay(batch, ids).clone()
             assert replayed.shape == eager.shape == (bs, engine.model_config.vocab_size)
             # A graph replays the recorded kernels on the same buffers: bit for bit the same.
             assert torch.equal(replayed, launched), f"batch {bs}, step {step}: replay differs"
             tolerance = BF16_RELATIVE_TOLERANCE * float(eager.abs().max())
             error = float((replayed - eager).abs().max())
             assert error <= tolerance, f"batch {bs}, step {step}: {error:.3f} > {tolerance:.3f}"
-            assert torch.equal(engine.run(ctx), replayed), "the engine should replay by default"
+            assert torch.equal(engine.logits(batch), replayed), "the engine replays by default"
             tokens = engine.forward(batch).tolist()
+            batch.advance()
             for req, token in zip(reqs, tokens):
                 req.append_token(token)
         for req in reqs:
@@ -347,11 +348,11 @@ def test_batches_cut_into_pieces_replay_and_equal_the_uncut_batch(
     check_replay_against_eager(engine, [fi.PIECES_MIN_BATCH, fi.PIECES_MIN_BATCH + 5], steps=2)
     num_reqs = fi.PIECES_MIN_BATCH + 2
     reqs = decode_batch(engine, ragged_prompts(num_reqs, engine.model_config.vocab_size, seed=9))
-    ctx = engine.prepare(Batch(reqs, "decode"))
-    cut = engine.run(ctx, use_graph=False).clone()
+    batch = Batch(reqs, "decode")
+    cut = engine.logits(batch, use_graph=False).clone()
     assert engine.attn_backend.metadata.pieces is not None
     monkeypatch.setattr(fi, "PIECES_MIN_BATCH", 10**6)
-    whole = engine.run(ctx, use_graph=False)
+    whole = engine.logits(batch, use_graph=False)
     assert engine.attn_backend.metadata.pieces is None
     tolerance = BF16_RELATIVE_TOLERANCE * float(whole.abs().max())
     error = float((cut - whole).abs().max())
@@ -383,11 +384,11 @@ def test_greedy_decoding_with_graphs_follows_eager(tiny_model_dir: Path) -> None
             for req in reqs:
                 engine.pages.reserve(req)
             batch = Batch(reqs, "decode")
-            ctx = engine.prepare(batch)
-            step_logits = engine.run(ctx, use_graph=use_graph).clone()
+            step_logits = engine.logits(batch, use_graph=use_graph).clone()
             logits.append(step_logits)
-            for req, token in zip(reqs, engine.sample(batch, step_logits).tolist()):
-                req.cached_len = req.num_tokens
+            tokens = engine.sample(batch, step_logits).tolist()
+            batch.advance()
+            for req, token in zip(reqs, tokens):
                 req.append_token(token)
         runs[use_graph] = ([r.output_ids for r in reqs], torch.stack(logits, dim=1))
         for req in reqs:
@@ -408,11 +409,10 @@ def test_batches_the_graphs_cannot_serve_run_eagerly(tiny_model_dir: Path) -> No
     runner = engine.graph_runner
     prefill = [Req(0, [1, 2, 3])]
     engine.pages.reserve(prefill[0])
-    assert not runner.can_replay(engine.prepare(Batch(prefill, "prefill")))
+    assert not runner.can_replay(Batch(prefill, "prefill"))
     engine.pages.release(prefill[0])
     reqs = decode_batch(engine, [[1, 2], [3, 4, 5], [6]])
-    ctx = engine.prepare(Batch(reqs, "decode"))
-    assert not runner.can_replay(ctx), "3 requests exceed the largest graph (2)"
+    assert not runner.can_replay(Batch(reqs, "decode")), "3 requests exceed the largest graph (2)"
     assert engine.forward(Batch(reqs, "decode")).shape == (3,)
     for req in reqs:
         engine.pages.release(req)
@@ -440,14 +440,15 @@ def test_a_replayed_decode_step_allocates_nothing(tiny_model_dir: Path, num_reqs
         for req in reqs:
             engine.pages.reserve(req)
         batch = Batch(reqs, "decode")
-        ctx = engine.prepare(batch)
-        assert runner.can_replay(ctx)
+        ids = engine.input_ids(batch)
+        assert runner.can_replay(batch)
         before = allocations()
-        logits = runner.replay(ctx)
+        logits = runner.replay(batch, ids)
         if step >= 5:  # after a warm-up
             new_allocations.append(allocations() - before)
-        for req, token in zip(reqs, engine.sample(batch, logits).tolist()):
-            req.cached_len = req.num_tokens
+        tokens = engine.sample(batch, logits).tolist()
+        batch.advance()
+        for req, token in zip(reqs, tokens):
             req.append_token(token)
     assert new_allocations == [0] * 40, new_allocations
     for req in reqs:

@@ -712,10 +712,10 @@ def test_a_failed_step_fails_its_requests_and_the_scheduler_serves_on(
         io.step()
     assert io.stats["kv_pages_in_use"] > 0
     engine = io.scheduler.engine
-    engine.run = lambda ctx, use_graph=True: (_ for _ in ()).throw(
+    engine.logits = lambda batch, use_graph=True: (_ for _ in ()).throw(
         RuntimeError("the device fell over"))
     out = io.step()
-    del engine.run  # the engine's own method again
+    del engine.logits  # the engine's own method again
     assert sorted(m.uid for m in out) == [1, 2]
     assert all(isinstance(m, AbortRequest) and m.error.status == 500
                and "the device fell over" in m.error.message for m in out)

@@ -360,16 +360,16 @@ def test_the_host_step_benchmark_times_whole_decode_batches_without_the_model(
     staged: list[int] = []
     real_stage = fi.stage_decode_batch
 
-    def stage(graph: object, table: object, spans: list, batch_size: int,
+    def stage(graph: object, table: object, rows: list, cached_lens: list, batch_size: int,
               num_pieces: int = 0) -> int:
         staged.append(batch_size)
-        return real_stage(graph, table, spans, batch_size, num_pieces)
+        return real_stage(graph, table, rows, cached_lens, batch_size, num_pieces)
 
-    def device_work(self: Engine, ctx: object, use_graph: bool = True) -> None:
+    def device_work(self: Engine, batch: object, use_graph: bool = True) -> None:
         raise AssertionError("the model ran")
 
     monkeypatch.setattr(fi, "stage_decode_batch", stage)
-    monkeypatch.setattr(Engine, "run", device_work)
+    monkeypatch.setattr(Engine, "logits", device_work)
     times = host_step.host_step_ms(str(tiny_model_dir), batch_size=5, context_len=20, steps=4)
     assert len(times) == 4 and all(t > 0 for t in times)
     assert staged == [5] * 5  # the four timed steps, and the last, where every request finishes
@@ -385,10 +385,10 @@ def test_the_host_step_benchmark_runs_the_offline_workload_without_the_model(
     host_step = repo_script("benchmark/host_step.py")
     offline = repo_script("benchmark/offline.py")
 
-    def device_work(self: Engine, ctx: object, use_graph: bool = True) -> None:
+    def device_work(self: Engine, batch: object, use_graph: bool = True) -> None:
         raise AssertionError("the model ran")
 
-    monkeypatch.setattr(Engine, "run", device_work)
+    monkeypatch.setattr(Engine, "logits", device_work)
     seconds, outputs = host_step.offline_host_seconds(str(tiny_model_dir), num_requests=6,
                                                       min_len=4, max_len=12, seed=3)
     vocab = json.loads((tiny_model_dir / "config.json").read_text())["vocab_size"]

@@ -1,6 +1,6 @@
 """Attention backends: paged attention over the KV pool for batches of requests.
 
-- ``base``: the batch description (:class:`ReqSpan`, :class:`BatchLayout`), the per-batch
+- ``base``: the batch description (:class:`BatchLayout`), the per-batch
   :class:`AttnMetadata` and :class:`BaseAttnBackend` (``prepare`` once per batch, ``forward``
   once per layer).
 - ``torch_native``: :class:`TorchNativeBackend`, gathers the pages and attends in PyTorch; runs
@@ -23,8 +23,8 @@ from minisgl.attention.base import (
     AttnMetadata,
     BaseAttnBackend,
     BatchLayout,
-    ReqSpan,
     layout_of,
+    total_lens,
 )
 from minisgl.attention.torch_native import TorchNativeBackend
 from minisgl.kvcache.mha_pool import MHAKVPool
@@ -92,9 +92,9 @@ __all__ = [
     "AttnMetadata",
     "BaseAttnBackend",
     "BatchLayout",
-    "ReqSpan",
     "TorchNativeBackend",
     "create_attention_backend",
     "layout_of",
     "resolve_attention_backend",
+    "total_lens",
 ]

@@ -1,24 +1,11 @@
-"""What every paged attention backend shares: the batch description, its metadata, the protocol.
+"""What every paged attention backend shares: the batch it reads, its metadata, the base class.
 
-A forward pass of the engine runs many requests at once, their tokens packed into one flat
-sequence. For attention, a request is three numbers (:class:`ReqSpan`): the page-table row
-that maps its tokens to pool slots, how many of its tokens are already in the KV pool (its
-*cached* length: a reused prefix, or everything up to the previous decode step), and how many
-new tokens it brings in this pass. A batch is a list of those plus one flag, decode or not
-(:class:`BatchLayout`). Nothing here knows about the engine's request and batch classes; they
-describe themselves in these terms.
-
-A backend is used in two moves:
-
-1. :meth:`BaseAttnBackend.prepare` once per batch, before the model runs. It turns the layout
-   into tensors (:class:`AttnMetadata`): the pool slot of every new token, every token's
-   position, and whatever the backend's kernel wants to know about where each request's keys
-   live. A fused kernel also *plans* here: it decides how to split the work across the GPU.
-2. :meth:`BaseAttnBackend.forward` once per layer, called by the model through the
-   attention-backend seam (``minisgl.layers.attention``). It stores the layer's new keys and
-   values into the pool at the prepared slots, then lets each request's queries attend over
-   all of its keys, cached and new. Every layer reuses the same metadata: that is why it is
-   computed once.
+A batch is, per request, a page-table row, a cached length and a number of new tokens
+(:class:`BatchLayout`; the engine's ``Batch`` is one). A backend is used in two moves:
+:meth:`BaseAttnBackend.prepare` once per batch turns that into tensors (:class:`AttnMetadata`:
+each new token's slot and position, and whatever the kernel needs to find each request's keys;
+a fused kernel also plans its work there), and :meth:`BaseAttnBackend.forward` once per layer
+stores the layer's new K/V and attends. Chapter 6 tells the story.
 """
 
 from __future__ import annotations
@@ -26,7 +13,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 
@@ -46,79 +33,57 @@ class QueryRows:
     indptr: torch.Tensor  # [T + 1] int32, device: token t's rows are indptr[t] .. indptr[t+1]-1
 
 
-@dataclass(frozen=True)
-class ReqSpan:
-    """One request's share of a forward pass.
+class BatchLayout(Protocol):
+    """What an attention backend reads of a batch: per request, in the order its tokens are
+    packed, its page-table row, how many of its tokens are cached and how many it brings now.
 
-    Attributes:
-        row: the request's row in the page table (its ``table_idx``).
-        cached_len: tokens whose K/V are already in the pool; the new tokens sit at positions
-            ``cached_len .. cached_len + new_len - 1``.
-        new_len: tokens computed in this pass (the whole prompt, a chunk of it, or one decoded
-            token).
+    The engine's :class:`~minisgl.core.Batch` is one; :func:`layout_of` makes one from three
+    lists. ``is_decode`` marks a batch where every request brings one token after a cached past:
+    such a batch can use a decode kernel, and the engine may replay it as a CUDA graph.
     """
 
-    row: int
-    cached_len: int
-    new_len: int
+    size: int  # requests
+    num_tokens: int  # new tokens: the length T of the model's input
+    is_decode: bool
+    cached_lens: Sequence[int]
 
     @property
-    def total_len(self) -> int:
-        """Keys the request's queries attend over: the cached ones and the new ones."""
-        return self.cached_len + self.new_len
+    def rows(self) -> Sequence[int]: ...
+
+    @property
+    def new_lens(self) -> Sequence[int]: ...
 
 
 @dataclass(frozen=True)
-class BatchLayout:
-    """The requests of one forward pass, in the order their tokens are packed.
+class _Layout:
+    rows: list[int]
+    cached_lens: list[int]
+    new_lens: list[int]
+    is_decode: bool
+    size: int
+    num_tokens: int
 
-    ``is_decode`` marks a batch where every request brings exactly one token after a cached
-    past. Such a batch can use a decode kernel (one query per request), and it is the kind of
-    batch the engine replays as a CUDA graph.
-    """
 
-    spans: tuple[ReqSpan, ...]
-    is_decode: bool = False
+def layout_of(rows: Sequence[int], cached_lens: Sequence[int], new_lens: Sequence[int],
+              is_decode: bool = False) -> BatchLayout:
+    """A :class:`BatchLayout` from three parallel lists (one entry per request), checked."""
+    if not len(rows) == len(cached_lens) == len(new_lens) > 0:
+        raise ValueError(f"a batch needs at least one request, and rows, cached_lens and "
+                         f"new_lens one entry per request; got {len(rows)}, {len(cached_lens)} "
+                         f"and {len(new_lens)}")
+    for row, cached, new in zip(rows, cached_lens, new_lens):
+        if cached < 0 or new < 1 or (is_decode and new != 1):
+            raise ValueError(f"row {row}: cached_len {cached} must be >= 0 and new_len {new} "
+                             f">= 1 (exactly 1 in a decode batch)")
+    if len(set(rows)) != len(rows):  # two requests on one row would write the same slots
+        raise ValueError(f"page-table rows {list(rows)} appear more than once in one batch")
+    return _Layout(list(rows), list(cached_lens), list(new_lens), is_decode, len(rows),
+                   sum(new_lens))
 
-    def __post_init__(self) -> None:
-        object.__setattr__(self, "spans", tuple(self.spans))  # accept a list, store a tuple
-        if not self.spans:
-            raise ValueError("a batch needs at least one request")
-        for span in self.spans:
-            if span.cached_len < 0 or span.new_len < 1:
-                raise ValueError(f"{span}: cached_len must be >= 0 and new_len >= 1")
-            if self.is_decode and span.new_len != 1:
-                raise ValueError(f"{span}: a decode batch brings exactly one new token per "
-                                 f"request, got new_len={span.new_len}")
-        rows = self.rows
-        if len(set(rows)) != len(rows):
-            # Two spans on one row would write their new K/V to the same slots.
-            raise ValueError(f"page-table rows {rows} appear more than once in one batch")
 
-    @property
-    def num_reqs(self) -> int:
-        return len(self.spans)
-
-    @property
-    def num_tokens(self) -> int:
-        """New tokens in the pass: the length T of the model's input."""
-        return sum(span.new_len for span in self.spans)
-
-    @property
-    def rows(self) -> list[int]:
-        return [span.row for span in self.spans]
-
-    @property
-    def cached_lens(self) -> list[int]:
-        return [span.cached_len for span in self.spans]
-
-    @property
-    def new_lens(self) -> list[int]:
-        return [span.new_len for span in self.spans]
-
-    @property
-    def total_lens(self) -> list[int]:
-        return [span.total_len for span in self.spans]
+def total_lens(layout: BatchLayout) -> list[int]:
+    """Keys each request's queries attend over: its cached tokens and its new ones."""
+    return [c + n for c, n in zip(layout.cached_lens, layout.new_lens)]
 
 
 @dataclass
@@ -141,11 +106,6 @@ class AttnMetadata:
     out_loc: torch.Tensor
     positions: torch.Tensor
     last_indices: torch.Tensor
-
-    @property
-    def num_tokens(self) -> int:
-        """Tokens of the forward pass this metadata serves, padding included."""
-        return self.out_loc.shape[0]
 
 
 class BaseAttnBackend(ABC):
@@ -197,7 +157,7 @@ class BaseAttnBackend(ABC):
         host does not wait for; the per-token arrays are expanded there.
         """
         out_loc = self.page_table.batch_token_slots(layout.rows, layout.cached_lens,
-                                                    layout.total_lens)
+                                                    total_lens(layout))
         lens = torch.tensor([layout.cached_lens, layout.new_lens], dtype=torch.int64)
         lens = host_to_device(lens, self.device)
         positions, _ = expand_ranges(lens[0], lens[1], total=layout.num_tokens)
@@ -230,7 +190,7 @@ class BaseAttnBackend(ABC):
         Returns:
             ``[T, num_qo_heads, head_dim]`` in the dtype of ``q``.
         """
-        meta = self._metadata_for(q.shape[0])
+        meta = self._current(q.shape[0])
         # Store first: a new token attends to itself and to the new tokens before it, so its
         # own key must already be in the pool when the kernel reads the request's keys.
         self.kv_pool.store_kv(k, v, meta.out_loc, layer_id)
@@ -239,11 +199,15 @@ class BaseAttnBackend(ABC):
             q = q.index_select(0, rows.owners)
         return self._attend(q, layer_id, meta)
 
-    def _metadata_for(self, num_tokens: int) -> AttnMetadata:
-        meta = self.metadata
-        if num_tokens != meta.num_tokens:
+    def _current(self, num_tokens: int) -> AttnMetadata:
+        """The prepared batch's metadata, once ``num_tokens`` (the model's) is known to match."""
+        meta = self._metadata
+        if meta is None:
+            raise RuntimeError(f"the {self.name} attention backend has no batch: call "
+                               "prepare(layout) before running the model")
+        if num_tokens != meta.out_loc.shape[0]:
             raise ValueError(f"the model passed {num_tokens} tokens but the prepared batch has "
-                             f"{meta.num_tokens}; call prepare() for each batch")
+                             f"{meta.out_loc.shape[0]}; call prepare() for each batch")
         return meta
 
     # The split form of forward, for a layer whose fused kernel stores the keys and values
@@ -252,7 +216,7 @@ class BaseAttnBackend(ABC):
     def kv_destination(self, layer_id: int, num_tokens: int) -> KVDestination:
         """Layer ``layer_id``'s key and value caches, the slots of the batch's new tokens and
         the rows in which the kernel reads their queries."""
-        meta = self._metadata_for(num_tokens)
+        meta = self._current(num_tokens)
         k_cache, v_cache = self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id)
         rows = self._query_rows(meta)
         if rows is None:
@@ -264,7 +228,7 @@ class BaseAttnBackend(ABC):
         queries to the rows it named."""
         meta = self.metadata
         rows = self._query_rows(meta)
-        if q.shape[0] != (meta.num_tokens if rows is None else len(rows.owners)):
+        if q.shape[0] != (meta.out_loc.shape[0] if rows is None else len(rows.owners)):
             raise ValueError(f"attend_stored got {q.shape[0]} query rows; the prepared batch "
                              "reads the rows kv_destination named")
         return self._attend(q, layer_id, meta)
@@ -299,12 +263,3 @@ class BaseAttnBackend(ABC):
         return (f"{type(self).__name__}(heads {self.num_qo_heads}/{self.num_kv_heads} x "
                 f"{self.head_dim}, page_size={self.page_size}, device={self.device})")
 
-
-def layout_of(rows: Sequence[int], cached_lens: Sequence[int], new_lens: Sequence[int],
-              is_decode: bool = False) -> BatchLayout:
-    """A :class:`BatchLayout` from three parallel lists (one entry per request)."""
-    if not len(rows) == len(cached_lens) == len(new_lens):
-        raise ValueError(f"rows, cached_lens and new_lens must have one entry per request, got "
-                         f"{len(rows)}, {len(cached_lens)} and {len(new_lens)}")
-    spans = tuple(ReqSpan(r, c, n) for r, c, n in zip(rows, cached_lens, new_lens))
-    return BatchLayout(spans, is_decode=is_decode)

@@ -41,7 +41,7 @@ from minisgl.attention.base import (
     BaseAttnBackend,
     BatchLayout,
     QueryRows,
-    ReqSpan,
+    total_lens,
 )
 from minisgl.attention.pieces import cut_into_pieces, merge_pieces, piece_length
 from minisgl.attention.utils import (
@@ -168,8 +168,8 @@ class GraphBuffers:
                    host_qo_indptr=torch.arange(max_entries + 1, dtype=torch.int32))
 
 
-def stage_decode_batch(graph: GraphBuffers, page_table: PageTable, spans: Sequence[ReqSpan],
-                       batch_size: int, num_pieces: int = 0) -> int:
+def stage_decode_batch(graph: GraphBuffers, page_table: PageTable, rows: Sequence[int],
+                       cached_lens: Sequence[int], batch_size: int, num_pieces: int = 0) -> int:
     """Write a decode batch, padded to ``batch_size``, into the host mirrors of ``graph``.
 
     Numpy over the page table's host copy: a copy per request and a few vectorised operations,
@@ -179,9 +179,9 @@ def stage_decode_batch(graph: GraphBuffers, page_table: PageTable, spans: Sequen
     are one token in the pad page, and no request merges them. Returns how many page ids were
     written.
     """
-    size, num_real = page_table.page_size, len(spans)
-    rows = np.fromiter((span.row for span in spans), dtype=np.int64, count=num_real)
-    cached = np.fromiter((span.cached_len for span in spans), dtype=np.int64, count=num_real)
+    size, num_real = page_table.page_size, len(rows)
+    rows = np.fromiter(rows, dtype=np.int64, count=num_real)
+    cached = np.fromiter(cached_lens, dtype=np.int64, count=num_real)
     counts = np.ones(batch_size, dtype=np.int64)  # a padding entry: one page, one token
     counts[:num_real] = cached // size + 1  # the new token is at position cached_len
     last_lens = np.ones(batch_size, dtype=np.int64)
@@ -261,12 +261,13 @@ class FlashInferBackend(BaseAttnBackend):
 
     def _page_arrays(self, layout: BatchLayout) -> dict[str, torch.Tensor]:
         """The CSR description of where each request's keys are: pages, not token slots."""
-        num_pages = [pages_for(n, self.page_size) for n in layout.total_lens]
+        totals = total_lens(layout)
+        num_pages = [pages_for(n, self.page_size) for n in totals]
         return {
             "page_indptr": indptr_tensor(num_pages),
             "page_indices": gather_page_ids(self.page_table, layout.rows, num_pages),
-            "last_page_lens": torch.tensor([last_page_len(n, self.page_size)
-                                            for n in layout.total_lens], dtype=torch.int32),
+            "last_page_lens": torch.tensor([last_page_len(n, self.page_size) for n in totals],
+                                           dtype=torch.int32),
             "qo_indptr": indptr_tensor(layout.new_lens),
         }
 
@@ -274,7 +275,7 @@ class FlashInferBackend(BaseAttnBackend):
         """:meth:`_page_arrays` for a decode batch cut into pieces: one entry per piece."""
         arrays = self._page_arrays(layout)
         num_pages = np.diff(arrays["page_indptr"].numpy()).astype(np.int64)
-        piece = piece_length(num_pages, num_decode_pieces(layout.num_reqs))
+        piece = piece_length(num_pages, num_decode_pieces(layout.size))
         pages, last_lens, owners, piece_indptr = cut_into_pieces(
             num_pages, arrays["last_page_lens"].numpy().astype(np.int64), piece, self.page_size)
         arrays.update(page_indptr=indptr_tensor(pages.tolist()),
@@ -288,7 +289,7 @@ class FlashInferBackend(BaseAttnBackend):
     def _plan(self, layout: BatchLayout) -> FIMetadata:
         if not layout.is_decode:
             arrays, wrapper = self._page_arrays(layout), self._prefill
-        elif num_decode_pieces(layout.num_reqs):
+        elif num_decode_pieces(layout.size):
             arrays, wrapper = self._piece_arrays(layout), self._decode
         else:
             arrays, wrapper = self._page_arrays(layout), self._decode
@@ -393,15 +394,15 @@ class FlashInferBackend(BaseAttnBackend):
     def prepare_for_replay(self, layout: BatchLayout, batch_size: int) -> FIMetadata:
         """Point the graph captured for ``batch_size`` at the decode batch ``layout``.
 
-        Writes the batch, padded with ``batch_size - layout.num_reqs`` padding entries, into
+        Writes the batch, padded with ``batch_size - layout.size`` padding entries, into
         the graph's fixed buffers and plans its wrapper; allocates no device memory. The
         returned metadata (the same object at every replay of this size) describes the padded
         batch; its ``positions`` are padded with zeros.
         """
         if not layout.is_decode:
             raise ValueError("only decode batches are replayed as CUDA graphs")
-        if layout.num_reqs > batch_size:
-            raise ValueError(f"a batch of {layout.num_reqs} requests does not fit the graph "
+        if layout.size > batch_size:
+            raise ValueError(f"a batch of {layout.size} requests does not fit the graph "
                              f"captured for {batch_size}")
         return self._prepare_graph_batch(layout, batch_size)
 
@@ -410,19 +411,24 @@ class FlashInferBackend(BaseAttnBackend):
         # The staging may still be the source of the previous step's copies: the event that
         # guards plan()'s own pinned staging guards it too.
         self._plan_copied.synchronize()
-        self._stage_graph_batch(layout.spans if layout is not None else (), batch_size)
+        if layout is None:
+            self._stage_graph_batch((), (), batch_size)
+        else:
+            self._stage_graph_batch(layout.rows, layout.cached_lens, batch_size)
         meta.layout = layout
         self._run_plan(meta)  # copies page_indptr and last_page_lens into the fixed buffers
         self._metadata = meta
         return meta
 
-    def _stage_graph_batch(self, spans: Sequence[ReqSpan], batch_size: int) -> None:
+    def _stage_graph_batch(self, rows: Sequence[int], cached_lens: Sequence[int],
+                           batch_size: int) -> None:
         """Write the padded batch's arrays to the host staging (:func:`stage_decode_batch`);
         start their device copies, one per array."""
         graph = self._graph
         assert graph is not None
         num_pieces = num_decode_pieces(batch_size)
-        total = stage_decode_batch(graph, self.page_table, spans, batch_size, num_pieces)
+        total = stage_decode_batch(graph, self.page_table, rows, cached_lens, batch_size,
+                                   num_pieces)
         graph.token_fields.copy_(graph.host_token_fields, non_blocking=True)
         graph.page_indices[:total].copy_(graph.host_page_indices[:total], non_blocking=True)
         if num_pieces:

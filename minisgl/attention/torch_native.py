@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout
+from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout, total_lens
 from minisgl.attention.utils import indptr_of, padded_index
 from minisgl.utils.torch_utils import host_to_device
 
@@ -58,13 +58,12 @@ class TorchNativeBackend(BaseAttnBackend):
 
     def _plan(self, layout: BatchLayout) -> TorchNativeMetadata:
         # Every key a request attends over: positions 0 .. total_len - 1 of its row.
-        kv_slots = self.page_table.batch_token_slots(layout.rows, [0] * layout.num_reqs,
-                                                     layout.total_lens)
+        totals = total_lens(layout)
+        kv_slots = self.page_table.batch_token_slots(layout.rows, [0] * layout.size, totals)
         meta = TorchNativeMetadata(**self._new_token_fields(layout), kv_slots=kv_slots,
-                                   kv_indptr=indptr_of(layout.total_lens),
-                                   qo_indptr=indptr_of(layout.new_lens))
+                                   kv_indptr=indptr_of(totals), qo_indptr=indptr_of(layout.new_lens))
         if layout.is_decode:
-            index, valid = padded_index(layout.total_lens)
+            index, valid = padded_index(totals)
             meta.slot_table = kv_slots[host_to_device(index, self.device)]
             meta.slot_valid = host_to_device(valid, self.device)
         return meta
@@ -86,8 +85,8 @@ class TorchNativeBackend(BaseAttnBackend):
         qo, kv = meta.qo_indptr, meta.kv_indptr
         outputs = [
             causal_attention(q[qo[i]:qo[i + 1]], keys[kv[i]:kv[i + 1]],
-                             values[kv[i]:kv[i + 1]], num_cached=span.cached_len)
-            for i, span in enumerate(meta.layout.spans)
+                             values[kv[i]:kv[i + 1]], num_cached=cached)
+            for i, cached in enumerate(meta.layout.cached_lens)
         ]
         return torch.cat(outputs)
 

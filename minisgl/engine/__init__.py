@@ -3,8 +3,8 @@
 - ``sample``: batched sampling with per-request parameters.
 - ``simple_loop``: a one-sequence generation loop with a contiguous KV cache.
 - ``config``: :class:`~minisgl.engine.config.EngineConfig`, the engine's settings.
-- ``context``: :class:`~minisgl.engine.context.Context`, one forward pass made
-  ready to run.
+- ``token_pool``: :class:`~minisgl.engine.token_pool.TokenPool`, every running request's
+  token ids on the device.
 - ``engine``: :class:`~minisgl.engine.engine.Engine`, which loads the model, sizes
   the paged KV cache and runs one batched forward step at a time.
 - ``graph``: :class:`~minisgl.engine.graph.GraphRunner`, decode steps captured as

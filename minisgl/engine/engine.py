@@ -1,35 +1,13 @@
 """The engine: one batched forward step over the paged KV cache, and nothing more.
 
-The parts: a model that takes a flat sequence of tokens with their positions, a sampler, a KV
-pool split into pages, a page table, attention backends that read the pages. The
-:class:`Engine` puts them together and owns them:
-
-1. **start-up**: load the model, size the KV pool from what memory is left (free GPU memory
-   times ``memory_fraction``, or a fixed budget on a CPU), build the pool, the owner of its
-   pages and rows (:class:`~minisgl.kvcache.request_pages.RequestPages`: the page allocator and
-   the page table together) and the attention backend;
-2. **pages for requests**: not the engine's business beyond building their owner:
-   ``engine.pages.reserve(req)`` gives a request a row and the pages its next forward pass
-   writes to, ``engine.pages.release(req)`` takes them back. Whoever decides which requests
-   run (an example's loop, the scheduler) asks ``engine.pages``; the engine only
-   checks that every request of a batch has its pages;
-3. **a step**: :meth:`Engine.forward` packs a :class:`~minisgl.core.Batch` of requests into one
-   flat input, lets the attention backend prepare the batch's metadata (slots, positions, the
-   rows to score), runs the model once and samples one token per request, each with its own
-   sampling parameters.
-
-The input ids are not packed from the host's lists: the engine keeps every
-running request's tokens on the device, in a :class:`~minisgl.engine.token_pool.TokenPool`,
-writes each step's samples there and gathers the next step's input from it, so a step can be
-launched before the host has read the tokens it feeds.
-
-The engine decides nothing about *which* requests run together or when: that is the
-scheduler's job, which calls these methods; the engine's own examples and tests call them by
-hand.
-
-Under tensor parallelism every rank runs an engine of its own, on its own device,
-holding its share of the heads in its pool; the ranks agree on the pool's size, and rank 0's
-sampled tokens are everyone's.
+:class:`Engine` loads the model, sizes the KV pool from the memory left (free GPU memory times
+``memory_fraction``, or a fixed budget on a CPU), and builds the pool, the one owner of its pages
+and rows (``engine.pages``), the attention backend, the token pool that keeps every running
+request's token ids on the device, and the CUDA-graph runner. :meth:`Engine.forward` runs one
+:class:`~minisgl.core.Batch`: input ids from the token pool, the model (replayed from a graph
+when one serves the batch), one sampled token per request. Which requests run, and their
+lengths, are the caller's business. Under tensor parallelism each rank runs an engine over its
+share of the heads; rank 0's samples are everyone's. Chapter 7 tells the story.
 """
 
 from __future__ import annotations
@@ -37,17 +15,15 @@ from __future__ import annotations
 import dataclasses
 import gc
 from dataclasses import dataclass
-from typing import Protocol
 
 import torch
 
-from minisgl.attention import BatchLayout, ReqSpan, create_attention_backend
+from minisgl.attention import create_attention_backend
 from minisgl.attention.utils import pages_for
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
 from minisgl.distributed.group import broadcast_from_rank0, device_for_rank, min_over_ranks
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.context import Context
 from minisgl.engine.graph import GraphRunner, capture_batch_sizes, cuda_graph_disabled_reason
 from minisgl.engine.sample import make_generator, sample_batch
 from minisgl.engine.token_pool import TokenPool
@@ -124,16 +100,6 @@ def plan_kv_budget(budget_bytes: int, source: str, model_config: ModelConfig,
     return budget
 
 
-class DecodeGraphs(Protocol):
-    """What the engine asks of a CUDA-graph runner (``graph.GraphRunner`` is one)."""
-
-    def can_replay(self, ctx: Context) -> bool:
-        """Whether ``ctx`` is a decode batch small enough for a captured graph."""
-
-    def replay(self, ctx: Context) -> torch.Tensor:
-        """Run ``ctx`` through a captured graph; the ``[B, vocab]`` logits."""
-
-
 class Engine:
     """Loads a model and runs batched forward steps over a paged KV cache.
 
@@ -186,7 +152,7 @@ class Engine:
         # before the host has read the tokens the step before sampled.
         self.token_pool = TokenPool(config.max_running_reqs, self.max_seq_len, self.device)
         self._log_kv_budget()
-        self.graph_runner: DecodeGraphs | None = self._make_graph_runner()
+        self.graph_runner = self._make_graph_runner()
 
     def _model_max_seq_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -255,60 +221,41 @@ class Engine:
     # ----------------------------------------------------------------------- one forward step
     @torch.no_grad()
     def forward(self, batch: Batch, use_graph: bool = True) -> torch.Tensor:
-        """One step: every request of ``batch`` computes its new tokens and samples one more.
+        """One step: the model over every request's new tokens, and one sampled token each.
 
-        Afterwards the K/V of every token fed in this step are in the pool, so each request's
-        ``cached_len`` moves past them. The sampled token of a request that computed all it had
-        left is *in flight*: written into the token pool, where the request's next step reads
-        it, and counted in ``req.in_flight`` until the caller appends it
-        (:meth:`Req.append_token`) once it has the value on the host. A request that computed
-        only a chunk of its prompt sampled nothing meaningful and gains no token.
-        ``use_graph=False`` runs a decode step eagerly even where a CUDA graph could serve it.
+        Afterwards the K/V of every token fed are in the pool, and each sample is written into
+        the token pool after its request's tokens, where the next step reads it. The requests'
+        lengths are the caller's to move on (:meth:`Batch.advance`): the engine computes and
+        decides nothing. ``use_graph=False`` runs a decode step eagerly even where a CUDA
+        graph could serve it.
 
         Returns:
             ``[B]`` int64 next-token ids, one per request, in batch order, on the device.
         """
-        ctx = self.prepare(batch)
-        logits = self.run(ctx, use_graph=use_graph)
-        next_tokens = self.sample(batch, logits)
-        for req, computed, complete in zip(batch.reqs, batch.new_lens, batch.completes):
-            req.cached_len += computed
-            req.in_flight += complete  # its sample is its next token, not read yet
-        return next_tokens
+        return self.sample(batch, self.logits(batch, use_graph))
 
-    def prepare(self, batch: Batch) -> Context:
-        """Describe the batch to the attention backend and gather its input ids on the device.
+    @torch.no_grad()
+    def logits(self, batch: Batch, use_graph: bool = True) -> torch.Tensor:
+        """The ``[B, vocab]`` float32 logits of each request's last new token.
 
-        A seeded request gets its random generator here, at its first step: it belongs to the
-        request's run, not to its pages.
+        The input ids come from the token pool. A decode batch that a captured CUDA graph can
+        serve is replayed (unless ``use_graph`` is False); any other batch runs eagerly: the
+        backend plans it, and the model scores only the rows ``last_indices`` points at.
         """
-        for req in batch.reqs:
-            # Only the row: whether its pages cover every position is checked where the
-            # positions are turned into slots (the page table, or a graph's staging).
+        for req in batch.reqs:  # that its pages cover every position is checked with the slots
             if req.table_row is None:
                 raise ValueError(f"request {req.uid} has no pages for its {req.num_tokens} "
                                  "tokens: call engine.pages.reserve(req) before running it")
-            if req.params.seed is not None and req.generator is None:
-                req.generator = make_generator(req.params.seed, self.device)
-        layout = BatchLayout([ReqSpan(req.table_row, req.cached_len, new_len)
-                              for req, new_len in zip(batch.reqs, batch.new_lens)],
-                             is_decode=batch.is_decode)
-        return Context(batch=batch, layout=layout, input_ids=self.token_pool.input_ids(batch))
-
-    @torch.no_grad()
-    def run(self, ctx: Context, use_graph: bool = True) -> torch.Tensor:
-        """The model's logits for the last new token of each request: ``[B, vocab]`` float32.
-
-        A decode batch that a captured CUDA graph can serve is replayed unless
-        ``use_graph`` is False; every other batch runs eagerly: the backend plans the batch
-        (:meth:`~minisgl.attention.BaseAttnBackend.prepare`), and the model scores only the
-        rows ``last_indices`` points at.
-        """
-        if use_graph and self.graph_runner is not None and self.graph_runner.can_replay(ctx):
-            return self.graph_runner.replay(ctx)
-        meta = self.attn_backend.prepare(ctx.layout)
+        input_ids = self.token_pool.input_ids(batch)
+        if use_graph and self.graph_runner.can_replay(batch):
+            return self.graph_runner.replay(batch, input_ids)
+        meta = self.attn_backend.prepare(batch)
         with use_attention_backend(self.attn_backend):
-            return self.model.forward(ctx.input_ids, meta.positions, meta.last_indices)
+            return self.model.forward(input_ids, meta.positions, meta.last_indices)
+
+    def input_ids(self, batch: Batch) -> torch.Tensor:
+        """The ``[T]`` token ids ``batch`` feeds, on the device, gathered from the token pool."""
+        return self.token_pool.input_ids(batch)
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
         """One token per row of ``logits``, each with its request's parameters and generator,
@@ -318,6 +265,9 @@ class Engine:
         every rank's requests continue with the same token whatever their logits' last bits.
         """
         if self.tp.rank == 0:
+            for req in batch.reqs:  # a seeded request's own stream starts at its first sample
+                if req.params.seed is not None and req.generator is None:
+                    req.generator = make_generator(req.params.seed, self.device)
             tokens = sample_batch(logits, [req.params for req in batch.reqs],
                                   [req.generator for req in batch.reqs])
         else:

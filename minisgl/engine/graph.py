@@ -1,31 +1,13 @@
 """CUDA graphs for decode steps: record the kernels once, replay them every step.
 
-A decode step of a small model is short on the GPU but long on the CPU. Each layer launches a
-dozen kernels (norms, projections, rotary, attention, the MLP) and each launch costs the CPU a
-few microseconds of Python, PyTorch dispatch and driver work; for Qwen3-0.6B that is hundreds of
-launches per token. With a handful of requests the GPU finishes each kernel before the CPU has
-launched the next, and sits idle.
-
-A CUDA graph removes that cost. While *capturing*, the kernels the model launches are recorded
-instead of run, with their arguments, including the addresses of every tensor they read and
-write. *Replaying* the graph launches the whole recording with one call. The price: a graph
-knows nothing but those addresses and those shapes. So
-
-* the inputs live in **static buffers** (``input_ids``, and the attention backend's positions,
-  slots and page arrays), all made at capture; a replay copies the new batch into them first
-  and allocates nothing;
-* each graph has one **batch size**. We capture a list of sizes and **pad** a batch up to the
-  next captured size with dummy requests that read and write a spare KV page nobody owns;
-* only **decode** batches qualify: their shape depends on the number of requests alone, while a
-  prefill batch has as many shapes as there are prompt lengths (and is long enough on the GPU
-  that launch costs do not matter).
-
-The graphs of all sizes share one memory pool, captured from the largest down, so the memory of
-the intermediate tensors is paid once rather than once per size.
-
-Graphs are off on a CPU, when the ``cuda_graph`` setting says so, or when the attention backend
-cannot be captured (the torch backend builds new metadata tensors every step); the runner then
-says why, and the engine runs every step eagerly.
+A small model's decode step is short on the GPU and long on the CPU, which launches hundreds
+of kernels a token. A captured graph replays them all with one launch; the price is that it
+knows only the addresses and shapes it recorded. So the inputs live in static buffers made at
+capture (``input_ids``, the logits, and the attention backend's positions, slots and page
+arrays), one graph is captured per batch size, a batch is padded up to the next captured size
+with entries that read and write a spare page nobody owns, and only decode batches qualify.
+Graphs are off on a CPU, when ``cuda_graph`` says so, or when the backend cannot be captured;
+the runner then says why. Chapter 8 tells the story.
 """
 
 from __future__ import annotations
@@ -38,8 +20,8 @@ import torch
 from tqdm import tqdm
 
 from minisgl.attention import BaseAttnBackend
+from minisgl.core import Batch
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.context import Context
 from minisgl.layers.attention import use_attention_backend
 from minisgl.models.base import BaseLLMModel
 from minisgl.utils.logger import get_logger
@@ -193,46 +175,44 @@ class GraphRunner:
             # indices needed.
             self.logits[:bs] = self.model.forward(self.input_ids[:bs], positions)
 
-    def can_replay(self, ctx: Context) -> bool:
+    def can_replay(self, batch: Batch) -> bool:
         """A decode batch no larger than the largest captured size."""
-        return ctx.batch.is_decode and ctx.batch.size <= self.max_batch_size  # 0 when disabled
+        return batch.is_decode and batch.size <= self.max_batch_size  # 0 when disabled
 
-    def replay(self, ctx: Context) -> torch.Tensor:
-        """The ``[B, vocab]`` logits of the decode batch ``ctx``, by replaying a graph.
+    def replay(self, batch: Batch, input_ids: torch.Tensor) -> torch.Tensor:
+        """The ``[B, vocab]`` logits of the decode batch, by replaying a graph.
 
         The batch is padded to the next captured size. The result is a view of the static
         logits buffer: it is overwritten by the next replay, so use (or clone) it first.
         """
-        bs = self._load(ctx)
+        bs = self._load(batch, input_ids)
         self.graphs[bs].replay()
-        return self.logits[: ctx.batch.size]
+        return self.logits[: batch.size]
 
-    def run_padded_eagerly(self, ctx: Context) -> torch.Tensor:
+    def run_padded_eagerly(self, batch: Batch, input_ids: torch.Tensor) -> torch.Tensor:
         """What :meth:`replay` computes, launched kernel by kernel instead of from the graph.
 
         The same padded batch, the same buffers, the same attention plan: only the graph is
         missing. Tests use it to show that a replay computes exactly what the recorded
         launches compute.
         """
-        bs = self._load(ctx)
+        bs = self._load(batch, input_ids)
         with torch.no_grad():
             self._forward_padded(bs)
-        return self.logits[: ctx.batch.size]
+        return self.logits[: batch.size]
 
-    def _load(self, ctx: Context) -> int:
+    def _load(self, batch: Batch, input_ids: torch.Tensor) -> int:
         """Copy the batch into the static buffers, padded; returns the graph's batch size."""
-        if not self.can_replay(ctx):
-            raise ValueError(f"no captured graph serves a {ctx.batch.phase} batch of "
-                             f"{ctx.batch.size} (captured decode sizes: "
-                             f"{_short_list(self.batch_sizes) or 'none'})")
-        num_reqs = ctx.batch.size
-        bs = padded_batch_size(num_reqs, self.batch_sizes)
+        if not self.can_replay(batch):
+            raise ValueError(f"no captured graph serves a {batch.phase} batch of {batch.size} "
+                             f"(captured decode sizes: {_short_list(self.batch_sizes) or 'none'})")
+        bs = padded_batch_size(batch.size, self.batch_sizes)
         assert bs is not None  # can_replay checked the size
         # The backend writes the real entries' positions, slots and pages into its fixed
         # buffers and points the padding entries at the spare page; nothing is allocated.
-        self.attn_backend.prepare_for_replay(ctx.layout, bs)
-        self.input_ids[:num_reqs].copy_(ctx.input_ids)
-        self.input_ids[num_reqs:bs].zero_()
+        self.attn_backend.prepare_for_replay(batch, bs)
+        self.input_ids[: batch.size].copy_(input_ids)
+        self.input_ids[batch.size:bs].zero_()
         return bs
 
     def __repr__(self) -> str:

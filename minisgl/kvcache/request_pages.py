@@ -60,12 +60,10 @@ class RequestPages:
 
     def pages_needed(self, req: Req) -> int:
         """Pages :meth:`reserve` would take for ``req`` now (what admission control checks)."""
-        return self._pages_short(req.table_row, req.num_tokens)
-
-    def _pages_short(self, row: int | None, num_tokens: int) -> int:
+        row = req.table_row
         if row is None:
-            return self._pages_for(num_tokens)
-        return self.table.pages_needed(row, num_tokens)
+            return self._pages_for(req.num_tokens)
+        return self.table.pages_needed(row, req.num_tokens)
 
     def reserve(self, req: Req) -> int:
         """Make ``req``'s next forward pass possible: a row and pages for all its tokens.
@@ -99,7 +97,9 @@ class RequestPages:
             if num_tokens > self.max_seq_len:
                 raise ValueError(f"request {req.uid} has {num_tokens} tokens; the longest "
                                  f"sequence this cache holds is max_seq_len={self.max_seq_len}")
-            needs.append(self._pages_short(req.table_row, num_tokens))
+            row = req.table_row
+            needs.append(self._pages_for(num_tokens) if row is None
+                         else self.table.pages_needed(row, num_tokens))
         total = sum(needs)
         free = self._allocator.num_free
         if total > free:  # before taking a row: nothing to undo

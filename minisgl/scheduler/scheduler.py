@@ -207,7 +207,8 @@ class Scheduler:
                 + [req for req in self.prefill.waiting if req.table_row is not None])
 
     def _launch(self, batch: Batch) -> InFlight:
-        """Run ``batch`` on the engine and start copying its tokens to the host.
+        """Run ``batch`` on the engine, move its requests past it, and start copying its tokens
+        to the host.
 
         A request whose last token is now in flight leaves the running set at once: it
         finishes whatever it samples, so it must not run again. A prefilled request that
@@ -218,6 +219,7 @@ class Scheduler:
                 tokens = self.engine.forward(batch)
         else:
             tokens = self.engine.forward(batch)
+        batch.advance()  # lengths are the scheduler's: the engine only computed
         for req, complete in zip(batch.reqs, batch.completes):
             if not complete:  # only a chunk of its prompt ran
                 continue
@@ -240,7 +242,7 @@ class Scheduler:
                                         flight.wait(), strict=True):
             if not complete or req.table_row is None:  # a cut chunk, or aborted since launch
                 continue
-            if req.is_finished:  # a zombie: its real last token came from the batch before
+            if req.finish_reason is not None:  # a zombie: its real last token came from the batch before
                 req.in_flight -= 1
                 self._release(req)
                 continue

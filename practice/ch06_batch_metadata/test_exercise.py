@@ -17,7 +17,7 @@ import pytest
 import torch
 from batch_metadata import new_token_fields, page_arrays
 
-from minisgl.attention.base import BaseAttnBackend, BatchLayout, ReqSpan
+from minisgl.attention.base import BaseAttnBackend, layout_of
 from minisgl.attention.fi import FlashInferBackend
 from minisgl.attention.torch_native import TorchNativeBackend
 from minisgl.kvcache import MHAKVPool
@@ -39,7 +39,8 @@ def engine(spans: Sequence[Span], page_rows: Mapping[int, Sequence[int]],
         table.alloc_row()
     for row, pages in page_rows.items():
         table.append_pages(row, list(pages))
-    layout = BatchLayout(tuple(ReqSpan(*span) for span in spans))
+    rows, cached, new = (list(column) for column in zip(*spans))
+    layout = layout_of(rows, cached, new)
     meta = TorchNativeBackend(pool, table, num_qo_heads=1).prepare(layout)
     arrays = FlashInferBackend._page_arrays(SimpleNamespace(page_size=page_size, page_table=table),
                                             layout)

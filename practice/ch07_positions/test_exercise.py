@@ -87,10 +87,14 @@ def mixed_batch(engine: Engine) -> Batch:
                                 Req(2, prompt(5), params))
     for req in (decoding, chunked, fresh):
         engine.pages.reserve(req)
-    token = engine.forward(Batch([decoding], "prefill"))
+    batch = Batch([decoding], "prefill")
+    token = engine.forward(batch)
+    batch.advance()
     decoding.append_token(int(token[0]))
     # The first 6 tokens of the second prompt are computed ahead, as a chunked prefill would.
-    engine.forward(Batch([chunked], "prefill", chunk_lens=[6]))
+    batch = Batch([chunked], "prefill", chunk_lens=[6])
+    engine.forward(batch)
+    batch.advance()
     for req in (decoding, chunked, fresh):
         engine.pages.reserve(req)
     return Batch([decoding, chunked, fresh], "prefill")
@@ -99,13 +103,13 @@ def mixed_batch(engine: Engine) -> Batch:
 def test_your_arrays_equal_the_engines(engine: Engine) -> None:
     batch = mixed_batch(engine)
     try:
-        ctx = engine.prepare(batch)
-        meta = engine.attn_backend.prepare(ctx.layout)
+        input_ids = engine.input_ids(batch)
+        meta = engine.attn_backend.prepare(batch)
         cached = [r.cached_len for r in batch.reqs]
         new = [r.new_len for r in batch.reqs]
         assert (cached, new) == ([9, 6, 0], [1, 7, 5])
         assert pack_input_ids([r.token_ids for r in batch.reqs], cached).tolist() == \
-            ctx.input_ids.tolist(), "packed token ids differ from the engine's"
+            input_ids.tolist(), "packed token ids differ from the engine's"
         assert build_positions(cached, new).tolist() == meta.positions.tolist(), \
             "positions differ from the engine's"
         assert build_last_indices(new).tolist() == meta.last_indices.tolist(), \
@@ -118,10 +122,10 @@ def test_your_arrays_equal_the_engines(engine: Engine) -> None:
 def test_the_model_fed_your_arrays_gives_the_engines_logits(engine: Engine) -> None:
     batch = mixed_batch(engine)
     try:
-        expected = engine.run(engine.prepare(batch))
+        expected = engine.logits(batch)
         cached = [r.cached_len for r in batch.reqs]
         new = [r.new_len for r in batch.reqs]
-        engine.attn_backend.prepare(engine.prepare(batch).layout)  # the slots to store K/V in
+        engine.attn_backend.prepare(batch)  # the slots to store K/V in
         with use_attention_backend(engine.attn_backend), torch.no_grad():
             logits = engine.model.forward(
                 pack_input_ids([r.token_ids for r in batch.reqs], cached),

@@ -267,17 +267,30 @@ class Batch:
     ``"prefill"``: each request brings one or more new tokens (a whole prompt, or what is left
     of it after a cached prefix). ``"decode"``: each request brings exactly the one token it
     sampled last, after a cached past. The phase decides which attention kernel runs, and only
-    decode batches can be replayed as CUDA graphs (chapter 8), because their shape depends on
-    the number of requests alone.
+    decode batches can be replayed as CUDA graphs, because their shape depends on the number of
+    requests alone.
 
     ``chunk_lens`` lets a pass compute only the first ``chunk_lens[i]`` of request ``i``'s
-    uncomputed tokens instead of all of them (chapter 10 splits long prompts this way); None
-    means all of them.
+    uncomputed tokens instead of all of them (chapter 10 splits long prompts this way);
+    None means all of them.
+
+    The lengths a step needs are fixed when the batch is formed, because :meth:`advance` moves
+    each request's ``cached_len`` on after the launch: ``cached_lens``, ``new_lens`` (what each
+    request computes) and ``completes`` (whether that is everything it had left). Only a request
+    that completes samples its next token; a prompt cut by chunked prefill samples nothing
+    meaningful. With ``rows`` these are what an attention backend reads of the batch.
     """
 
     reqs: list[Req]
     phase: Phase
     chunk_lens: list[int] | None = None
+    new_lens: list[int] = field(init=False, repr=False)  # tokens each request computes
+    completes: list[bool] = field(init=False, repr=False)  # it computes all it had left
+    num_tokens: int = field(init=False, repr=False)  # sum(new_lens): the model's input length
+    cached_lens: list[int] = field(init=False, repr=False)  # each request's, before the pass
+    size: int = field(init=False, repr=False)  # requests
+    is_prefill: bool = field(init=False, repr=False)
+    is_decode: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.reqs = list(self.reqs)
@@ -287,51 +300,48 @@ class Batch:
             raise ValueError("a batch needs at least one request")
         if len({id(r) for r in self.reqs}) != len(self.reqs):
             raise ValueError("a request appears twice in one batch")
-        for req in self.reqs:
-            if req.is_finished:
+        left = [req.new_len for req in self.reqs]  # what each has left to compute
+        for req, n in zip(self.reqs, left):
+            if req.finish_reason is not None:
                 raise ValueError(f"request {req.uid} has finished ({req.finish_reason}); "
                                  "it cannot run again")
-            if req.new_len < 1:
+            if n < 1:
                 raise ValueError(f"request {req.uid} has nothing to compute "
                                  f"(cached_len {req.cached_len} = num_tokens {req.num_tokens})")
-            if self.phase == "decode" and (req.new_len != 1 or req.cached_len == 0):
+            if self.phase == "decode" and (n != 1 or req.cached_len == 0):
                 raise ValueError(f"request {req.uid} cannot decode: a decode step needs exactly "
-                                 f"one new token after a cached past, it has {req.new_len} new "
+                                 f"one new token after a cached past, it has {n} new "
                                  f"after {req.cached_len} cached (prefill it first)")
         if self.chunk_lens is not None:
             self.chunk_lens = list(self.chunk_lens)
             if len(self.chunk_lens) != len(self.reqs):
                 raise ValueError(f"chunk_lens has {len(self.chunk_lens)} entries for "
                                  f"{len(self.reqs)} requests")
-            for req, n in zip(self.reqs, self.chunk_lens):
-                if not 1 <= n <= req.new_len:
+            for req, n, most in zip(self.reqs, self.chunk_lens, left):
+                if not 1 <= n <= most:
                     raise ValueError(f"request {req.uid}: a chunk of {n} tokens must be "
-                                     f"between 1 and its {req.new_len} uncomputed tokens")
+                                     f"between 1 and its {most} uncomputed tokens")
+        self.new_lens = left if self.chunk_lens is None else list(self.chunk_lens)
+        self.completes = [n == m for n, m in zip(self.new_lens, left)]
+        self.num_tokens = sum(self.new_lens)
+        self.cached_lens = [req.cached_len for req in self.reqs]
+        self.size = len(self.reqs)
+        self.is_prefill, self.is_decode = self.phase == "prefill", self.phase == "decode"
 
     @property
-    def size(self) -> int:
-        """Requests in the batch."""
-        return len(self.reqs)
+    def rows(self) -> list[int | None]:
+        """Each request's page-table row (rows are handed out when pages are reserved)."""
+        return [req.table_row for req in self.reqs]
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.phase == "prefill"
+    def advance(self) -> None:
+        """Move every request past this batch's forward pass, once it has been launched.
 
-    @property
-    def is_decode(self) -> bool:
-        return self.phase == "decode"
-
-    @property
-    def new_lens(self) -> list[int]:
-        """Tokens each request computes in this pass."""
-        if self.chunk_lens is not None:
-            return list(self.chunk_lens)
-        return [req.new_len for req in self.reqs]
-
-    @property
-    def num_tokens(self) -> int:
-        """New tokens of all requests: the length ``T`` of the model's input."""
-        return sum(self.new_lens)
+        The K/V of the tokens it fed are in the pool now, so ``cached_len`` moves past them;
+        the host appends a request's sampled token with :meth:`Req.append_token`. Whoever runs
+        the batch (the scheduler, or a chapter's loop) calls this: the engine only computes.
+        """
+        for req, computed in zip(self.reqs, self.new_lens):
+            req.cached_len += computed
 
     def new_token_ids(self) -> list[int]:
         """The tokens this pass feeds, request after request, packed (no padding)."""

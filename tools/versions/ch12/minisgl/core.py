@@ -280,17 +280,18 @@ class Batch:
     ``"prefill"``: each request brings one or more new tokens (a whole prompt, or what is left
     of it after a cached prefix). ``"decode"``: each request brings exactly the one token it
     sampled last, after a cached past. The phase decides which attention kernel runs, and only
-    decode batches can be replayed as CUDA graphs (chapter 8), because their shape depends on
-    the number of requests alone.
+    decode batches can be replayed as CUDA graphs, because their shape depends on the number of
+    requests alone.
 
     ``chunk_lens`` lets a pass compute only the first ``chunk_lens[i]`` of request ``i``'s
-    uncomputed tokens instead of all of them (chapter 10 splits long prompts this way); None
-    means all of them.
+    uncomputed tokens instead of all of them (chunked prefill splits long prompts this way);
+    None means all of them.
 
-    Both lengths a step needs are fixed when the batch is formed, because the forward pass moves
-    each request's ``cached_len`` on: ``new_lens``, what each request computes, and
-    ``completes``, whether that is everything it had left. Only a request that completes
-    samples its next token; a prompt cut by chunked prefill samples nothing meaningful.
+    The lengths a step needs are fixed when the batch is formed, because :meth:`advance` moves
+    each request's ``cached_len`` on after the launch: ``cached_lens``, ``new_lens`` (what each
+    request computes) and ``completes`` (whether that is everything it had left). Only a request
+    that completes samples its next token; a prompt cut by chunked prefill samples nothing
+    meaningful. With ``rows`` these are what an attention backend reads of the batch.
     """
 
     reqs: list[Req]
@@ -298,6 +299,11 @@ class Batch:
     chunk_lens: list[int] | None = None
     new_lens: list[int] = field(init=False, repr=False)  # tokens each request computes
     completes: list[bool] = field(init=False, repr=False)  # it computes all it had left
+    num_tokens: int = field(init=False, repr=False)  # sum(new_lens): the model's input length
+    cached_lens: list[int] = field(init=False, repr=False)  # each request's, before the pass
+    size: int = field(init=False, repr=False)  # requests
+    is_prefill: bool = field(init=False, repr=False)
+    is_decode: bool = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         self.reqs = list(self.reqs)
@@ -309,7 +315,7 @@ class Batch:
             raise ValueError("a request appears twice in one batch")
         left = [req.new_len for req in self.reqs]  # what each has left to compute
         for req, n in zip(self.reqs, left):
-            if req.is_finished:
+            if req.finish_reason is not None:
                 raise ValueError(f"request {req.uid} has finished ({req.finish_reason}); "
                                  "it cannot run again")
             if n < 1:
@@ -330,24 +336,27 @@ class Batch:
                                      f"between 1 and its {most} uncomputed tokens")
         self.new_lens = left if self.chunk_lens is None else list(self.chunk_lens)
         self.completes = [n == m for n, m in zip(self.new_lens, left)]
+        self.num_tokens = sum(self.new_lens)
+        self.cached_lens = [req.cached_len for req in self.reqs]
+        self.size = len(self.reqs)
+        self.is_prefill, self.is_decode = self.phase == "prefill", self.phase == "decode"
 
     @property
-    def size(self) -> int:
-        """Requests in the batch."""
-        return len(self.reqs)
+    def rows(self) -> list[int | None]:
+        """Each request's page-table row (rows are handed out when pages are reserved)."""
+        return [req.table_row for req in self.reqs]
 
-    @property
-    def is_prefill(self) -> bool:
-        return self.phase == "prefill"
+    def advance(self) -> None:
+        """Move every request past this batch's forward pass, once it has been launched.
 
-    @property
-    def is_decode(self) -> bool:
-        return self.phase == "decode"
-
-    @property
-    def num_tokens(self) -> int:
-        """New tokens of all requests: the length ``T`` of the model's input."""
-        return sum(self.new_lens)
+        The K/V of the tokens it fed are in the pool now, so ``cached_len`` moves past them;
+        a request that computed all it had left sampled its next token, which is *in flight*
+        until the host appends it (:meth:`Req.append_token`). Whoever runs the batch (the
+        scheduler, or a chapter's loop) calls this: the engine only computes.
+        """
+        for req, computed, complete in zip(self.reqs, self.new_lens, self.completes):
+            req.cached_len += computed
+            req.in_flight += complete
 
     def new_token_ids(self) -> list[int]:
         """The tokens this pass feeds, request after request, packed (no padding)."""

@@ -31,11 +31,10 @@ from typing import Protocol
 
 import torch
 
-from minisgl.attention import BatchLayout, ReqSpan, create_attention_backend
+from minisgl.attention import create_attention_backend
 from minisgl.attention.utils import pages_for
 from minisgl.core import Batch
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.context import Context
 from minisgl.engine.graph import GraphRunner, capture_batch_sizes, cuda_graph_disabled_reason
 from minisgl.engine.sample import make_generator, sample_batch
 from minisgl.kvcache import MHAKVPool, RequestPages
@@ -111,13 +110,13 @@ def plan_kv_budget(budget_bytes: int, source: str, model_config: ModelConfig,
 
 
 class DecodeGraphs(Protocol):
-    """What the engine asks of a CUDA-graph runner (chapter 8 provides one)."""
+    """What the engine asks of a CUDA-graph runner (chapter 8's ``graph.GraphRunner``)."""
 
-    def can_replay(self, ctx: Context) -> bool:
-        """Whether ``ctx`` is a decode batch small enough for a captured graph."""
+    def can_replay(self, batch: Batch) -> bool:
+        """Whether ``batch`` is a decode batch small enough for a captured graph."""
 
-    def replay(self, ctx: Context) -> torch.Tensor:
-        """Run ``ctx`` through a captured graph; the ``[B, vocab]`` logits."""
+    def replay(self, batch: Batch, input_ids: torch.Tensor) -> torch.Tensor:
+        """Run ``batch`` through a captured graph; the ``[B, vocab]`` logits."""
 
 
 class Engine:
@@ -222,61 +221,48 @@ class Engine:
     # ----------------------------------------------------------------------- one forward step
     @torch.no_grad()
     def forward(self, batch: Batch, use_graph: bool = True) -> torch.Tensor:
-        """One step: every request of ``batch`` computes its new tokens and samples one more.
+        """One step: the model over every request's new tokens, and one sampled token each.
 
-        Afterwards the K/V of every token fed in this step are in the pool, so each request's
-        ``cached_len`` moves past them (up to its ``num_tokens``, unless the batch computed
-        only a chunk: then the token sampled for that request continues a partial prompt and
-        means nothing). The sampled tokens stay on the device; the caller appends them
-        (:meth:`Req.append_token`) when it brings them to the host. ``use_graph=False`` runs a
-        decode step eagerly even where a CUDA graph could serve it (chapter 8).
+        Afterwards the K/V of every token fed are in the pool. The requests' lengths are the
+        caller's to move on (:meth:`Batch.advance`): the engine computes and decides nothing.
+        ``use_graph=False`` runs a decode step eagerly even where a CUDA graph could serve it
+        (chapter 8).
 
         Returns:
-            ``[B]`` int64 next-token ids, one per request, in batch order.
+            ``[B]`` int64 next-token ids, one per request, in batch order, on the device.
         """
-        ctx = self.prepare(batch)
-        logits = self.run(ctx, use_graph=use_graph)
-        next_tokens = self.sample(batch, logits)
-        for req, computed in zip(batch.reqs, batch.new_lens):
-            req.cached_len += computed
-        return next_tokens
+        return self.sample(batch, self.logits(batch, use_graph))
 
-    def prepare(self, batch: Batch) -> Context:
-        """Pack the batch's new tokens and describe it to the attention backend.
+    @torch.no_grad()
+    def logits(self, batch: Batch, use_graph: bool = True) -> torch.Tensor:
+        """The ``[B, vocab]`` float32 logits of each request's last new token.
 
-        A seeded request gets its random generator here, at its first step: it belongs to the
-        request's run, not to its pages.
+        The input ids are packed from the requests' token lists. A decode batch that a captured CUDA
+        graph can serve is replayed (chapter 8) unless ``use_graph`` is False; any other batch runs
+        eagerly: the backend plans it (:meth:`~minisgl.attention.BaseAttnBackend.prepare`), and the
+        model scores only the rows ``last_indices`` points at.
         """
         for req in batch.reqs:
             if req.table_row is None or self.pages.pages_needed(req):
                 raise ValueError(f"request {req.uid} has no pages for its {req.num_tokens} "
                                  "tokens: call engine.pages.reserve(req) before running it")
-            if req.params.seed is not None and req.generator is None:
-                req.generator = make_generator(req.params.seed, self.device)
-        layout = BatchLayout([ReqSpan(req.table_row, req.cached_len, new_len)
-                              for req, new_len in zip(batch.reqs, batch.new_lens)],
-                             is_decode=batch.is_decode)
-        input_ids = torch.tensor(batch.new_token_ids(), dtype=torch.int64)
-        return Context(batch=batch, layout=layout,
-                       input_ids=input_ids.to(self.device, non_blocking=True))
-
-    @torch.no_grad()
-    def run(self, ctx: Context, use_graph: bool = True) -> torch.Tensor:
-        """The model's logits for the last new token of each request: ``[B, vocab]`` float32.
-
-        A decode batch that a captured CUDA graph can serve is replayed (chapter 8) unless
-        ``use_graph`` is False; every other batch runs eagerly: the backend plans the batch
-        (:meth:`~minisgl.attention.BaseAttnBackend.prepare`), and the model scores only the
-        rows ``last_indices`` points at.
-        """
-        if use_graph and self.graph_runner is not None and self.graph_runner.can_replay(ctx):
-            return self.graph_runner.replay(ctx)
-        meta = self.attn_backend.prepare(ctx.layout)
+        input_ids = self.input_ids(batch)
+        if use_graph and self.graph_runner is not None and self.graph_runner.can_replay(batch):
+            return self.graph_runner.replay(batch, input_ids)
+        meta = self.attn_backend.prepare(batch)
         with use_attention_backend(self.attn_backend):
-            return self.model.forward(ctx.input_ids, meta.positions, meta.last_indices)
+            return self.model.forward(input_ids, meta.positions, meta.last_indices)
+
+    def input_ids(self, batch: Batch) -> torch.Tensor:
+        """The ``[T]`` token ids ``batch`` feeds, packed from the requests' lists, on the device."""
+        ids = torch.tensor(batch.new_token_ids(), dtype=torch.int64)
+        return ids.to(self.device, non_blocking=True)
 
     def sample(self, batch: Batch, logits: torch.Tensor) -> torch.Tensor:
         """One token per row of ``logits``, each with its request's parameters and generator."""
+        for req in batch.reqs:  # a seeded request's own stream starts at its first sample
+            if req.params.seed is not None and req.generator is None:
+                req.generator = make_generator(req.params.seed, self.device)
         return sample_batch(logits, [req.params for req in batch.reqs],
                             [req.generator for req in batch.reqs])
 

@@ -191,8 +191,11 @@ class Scheduler:
         return self.cache.reserve(batch.reqs)
 
     def forward_batch(self, batch: Batch) -> torch.Tensor:
-        """Run the batch on the engine: the ``[B]`` sampled token ids, still on the device."""
-        return self.engine.forward(batch)
+        """Run the batch on the engine and move its requests past it: the ``[B]`` sampled token
+        ids, still on the device."""
+        tokens = self.engine.forward(batch)
+        batch.advance()
+        return tokens
 
     def process_batch(self, batch: Batch, next_tokens: torch.Tensor) -> list[Req]:
         """Append each request's new token; retire the finished ones. Returns them.

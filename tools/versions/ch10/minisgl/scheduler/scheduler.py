@@ -217,10 +217,13 @@ class Scheduler:
         return self.cache.reserve(batch.reqs)
 
     def forward_batch(self, batch: Batch) -> torch.Tensor:
-        """Run the batch on the engine: the ``[B]`` sampled token ids, still on the device."""
+        """Run the batch on the engine and move its requests past it: the ``[B]`` sampled token
+        ids, still on the device."""
         # A cut request's sample is thrown away: it must not move its random generator on.
         with unsampled(cut_reqs(batch)):
-            return self.engine.forward(batch)
+            tokens = self.engine.forward(batch)
+        batch.advance()
+        return tokens
 
     def process_batch(self, batch: Batch, next_tokens: torch.Tensor) -> list[Req]:
         """Append each request's new token; retire the finished ones. Returns them.
