@@ -81,8 +81,7 @@ def top_k_mask(sorted_probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[B, V]`` bool mask in sorted order: True for ranks ``0 .. k-1``.
     """
-    # Once a row is sorted, "the k best" is "rank < k": one comparison against a per-row
-    # threshold broadcast along the vocabulary, whatever k each row asked for.
+    # Once a row is sorted, "the k best" is "rank < k", whatever k each row asked for.
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
     return ranks[None, :] < top_k[:, None]
 
@@ -148,7 +147,6 @@ def filter_probs(probs: torch.Tensor, args: SamplingTensors) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
         keep_sorted = top_k_mask(sorted_probs, args.top_k)
         keep_sorted = top_p_mask(sorted_probs, keep_sorted, args.top_p)
-        # Send each decision back from sorted position to its token id.
         keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
     if args.needs_min_p:
         keep &= min_p_mask(probs, args.min_p)
