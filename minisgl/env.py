@@ -1,12 +1,10 @@
 """Every ``MINISGL_*`` environment variable, declared, parsed and validated in one place.
 
-An environment variable is input from outside the program, exactly like a command-line flag or
-an HTTP body, so it gets the same treatment: it is read at one edge, parsed into a typed value,
-and a value that cannot be used is rejected with an error that names the variable, repeats the
-value and says what is allowed. Nothing else in ``minisgl`` calls ``os.environ`` for a
-``MINISGL_*`` name; it calls :func:`read_env` and reads a field of the returned :class:`Env`.
-
-``python -m minisgl.env`` prints every variable with its current value and what it does.
+An environment variable is input from outside, like a flag: it is read at one edge, parsed into
+a typed value, and a bad value is rejected with an error that names the variable, the value and
+what is allowed. Nothing else in ``minisgl`` reads ``os.environ`` for a ``MINISGL_*`` name; it
+calls :func:`read_env`. ``python -m minisgl.env`` prints every variable, its value and what it
+does. Chapter 1 tells the story.
 """
 
 from __future__ import annotations

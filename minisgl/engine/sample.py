@@ -1,18 +1,10 @@
 """From logits to tokens: batched sampling with per-row parameters.
 
-Every step of generation ends here. The model hands over one row of logits per sequence and
-each row carries its own :class:`~minisgl.core.SamplingParams`. This module turns the rows into
-token ids in a few tensor operations over the whole batch:
-
-1. greedy rows take the argmax of their logits and stop there (no softmax at all);
-2. the other rows are divided by their temperature and pushed through a softmax;
-3. top-k, top-p and min-p become boolean masks computed from per-row thresholds, and the
-   surviving probabilities are renormalised (:func:`compute_probs`);
-4. one token per row is drawn with an *exponential race*, each seeded row using its own
-   ``torch.Generator`` so its draws never depend on which other rows share the batch.
-
-No Python loop runs over tokens; the only loop is over the seeded rows of a batch, one
-random-number call each.
+Each row of logits carries its own :class:`~minisgl.core.SamplingParams`. Greedy rows take the
+argmax and stop there; the others go through temperature and softmax, top-k, top-p and min-p as
+masks from per-row thresholds, and an *exponential race*, each seeded row drawing from its own
+``torch.Generator`` so its tokens never depend on the rest of the batch. The only Python loop is
+over the seeded rows. Chapter 4 tells the story.
 """
 
 from __future__ import annotations
@@ -30,10 +22,9 @@ from minisgl.utils.torch_utils import host_to_device
 class SamplingTensors:
     """The sampling parameters of a batch's rows, one tensor per parameter.
 
-    Turning a list of dataclasses into tensors once per batch is what lets every filter below
-    be a single masked tensor operation instead of a loop over rows. Which filters any row
-    uses at all is decided here too, on the host, from the parameters themselves: asking the
-    tensors would make the host wait for the device.
+    Every filter below is then one masked tensor operation, not a loop over rows. Which
+    filters any row uses is decided on the host, from the parameters: asking the tensors would
+    make the host wait for the device.
     """
 
     temperatures: torch.Tensor  # [B, 1] float32 (a column, to broadcast over the vocabulary)
@@ -90,8 +81,7 @@ def top_k_mask(sorted_probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[B, V]`` bool mask in sorted order: True for ranks ``0 .. k-1``.
     """
-    # Once a row is sorted, "the k best" is "rank < k": one comparison against a per-row
-    # threshold broadcast along the vocabulary, whatever k each row asked for.
+    # Once a row is sorted, "the k best" is "rank < k", whatever k each row asked for.
     ranks = torch.arange(sorted_probs.shape[-1], device=sorted_probs.device)
     return ranks[None, :] < top_k[:, None]
 
@@ -99,10 +89,9 @@ def top_k_mask(sorted_probs: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
 def top_p_mask(sorted_probs: torch.Tensor, keep: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
     """The nucleus of each sorted row, computed over the entries ``keep`` still allows.
 
-    The nucleus is the smallest prefix of the sorted row whose probability mass reaches
-    ``top_p``. Token ``i`` belongs to it exactly when the mass of the tokens ranked before it
-    is still below ``top_p``: then the prefix without ``i`` would not be enough. The top
-    token has nothing before it, so it is always kept.
+    The nucleus is the smallest prefix of the sorted row whose mass reaches ``top_p``: token
+    ``i`` belongs to it exactly when the mass ranked before it is still below ``top_p``, so the
+    top token is always kept.
 
     Args:
         sorted_probs: ``[B, V]`` probabilities, each row sorted in descending order.
@@ -134,9 +123,7 @@ def min_p_mask(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
     Returns:
         ``[B, V]`` bool mask in the same order as ``probs``.
     """
-    # The threshold moves with the model's confidence: a peaked row (max 0.9) cuts hard,
-    # a flat row (max 0.05) lets many candidates through. The most likely token always
-    # passes because min_p <= 1.
+    # The most likely token always passes because min_p <= 1.
     threshold = min_p[:, None] * probs.amax(dim=-1, keepdim=True)
     return probs >= threshold
 
@@ -160,7 +147,6 @@ def filter_probs(probs: torch.Tensor, args: SamplingTensors) -> torch.Tensor:
         sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
         keep_sorted = top_k_mask(sorted_probs, args.top_k)
         keep_sorted = top_p_mask(sorted_probs, keep_sorted, args.top_p)
-        # Send each decision back from sorted position to its token id.
         keep = torch.empty_like(keep_sorted).scatter_(-1, order, keep_sorted)
     if args.needs_min_p:
         keep &= min_p_mask(probs, args.min_p)
@@ -171,9 +157,8 @@ def filter_probs(probs: torch.Tensor, args: SamplingTensors) -> torch.Tensor:
 def compute_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch.Tensor:
     """The distribution each row's next token is drawn from.
 
-    Sampling rows get temperature, top-k, top-p and min-p applied; greedy rows get a one-hot
-    row at their argmax (the distribution greedy decoding "samples" from). Useful to inspect
-    and test the filters; :func:`sample_batch` never builds the greedy rows' one-hots.
+    Greedy rows get a one-hot row at their argmax. For inspecting and testing the filters;
+    :func:`sample_batch` never builds the one-hots.
 
     Args:
         logits: ``[B, V]`` logits, one row per sequence.
@@ -203,9 +188,8 @@ def _sampled_rows_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) 
 def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     """A random generator on ``device`` seeded with ``seed``, owned by one request.
 
-    A generation loop makes one per seeded request and passes it to every step, so the
-    request walks through its own random stream. (Re-seeding at every step would replay the
-    same noise each time.) The same seed reproduces the same tokens on the same device type;
+    A generation loop keeps one per seeded request across steps (re-seeding every step would
+    replay the same noise). The same seed reproduces the same tokens on the same device type;
     CPU and CUDA generators produce different streams.
     """
     generator = torch.Generator(device=device)
@@ -218,12 +202,11 @@ def sample_from_probs(
 ) -> torch.Tensor:
     """Draw one token per row with an exponential race.
 
-    Give every token an independent ``E ~ Exponential(1)`` and pick ``argmax(p / E)``.
-    ``E / p`` is exponential with rate ``p``, and the smallest of independent exponentials is
-    token ``i`` with probability ``p_i / sum(p)`` — so this samples exactly from ``probs``
-    (the Gumbel-max trick in another guise). Unlike ``torch.multinomial`` it needs only one
-    noise tensor and one argmax for the whole batch, and each row's noise can come from that
-    row's own generator.
+    Give every token an independent ``E ~ Exponential(1)`` and pick ``argmax(p / E)``: ``E / p``
+    is exponential with rate ``p``, and the smallest of independent exponentials is token ``i``
+    with probability ``p_i / sum(p)``, so this samples exactly from ``probs``. Unlike
+    ``torch.multinomial`` it is one noise tensor and one argmax for the batch, and each row's
+    noise can come from its own generator.
 
     Args:
         probs: ``[B, V]`` non-negative weights (need not sum to 1).

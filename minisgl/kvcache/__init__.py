@@ -1,13 +1,12 @@
 """The paged KV cache: the pool that stores keys and values, and the allocator of its pages.
 
-- ``base``: the interfaces: :class:`BaseKVPool` (storage addressed by token slot) and
-  :class:`BasePrefixCache` (the policy for keeping pages after their request ends).
-- ``mha_pool``: :class:`MHAKVPool`, one K and one V tensor per layer.
-- ``allocator``: :class:`PageAllocator`, the free list of page ids.
-- ``page_table``: :class:`PageTable`, which pages hold which request's tokens. It is KV-cache
-  state, read by the attention backends and the engine, so it lives here, below both.
-- ``request_pages``: :class:`RequestPages`, the one owner of the allocator and the
-  page table together: the only code that gives a request pages and a row, or takes them back.
+- ``base``: the interfaces :class:`BaseKVPool` and :class:`BasePrefixCache`.
+- ``mha_pool``: :class:`MHAKVPool`; ``allocator``: :class:`PageAllocator`.
+- ``page_table``: :class:`PageTable`, KV-cache state read by the attention backends and the
+  engine, so it lives here, below both.
+- ``request_pages``: :class:`RequestPages`, the only code that moves pages and rows.
+
+Chapter 5 tells the story; chapter 7 adds ``request_pages``.
 """
 
 from __future__ import annotations

@@ -1,11 +1,8 @@
 """Hands out the pages of the KV pool, and takes them back.
 
-The allocator knows nothing about tensors or requests: it owns the numbers ``0 ..
-num_pages - 1`` and remembers which of them are free. Allocation is all or nothing: a request
-that cannot get every page it asked for gets none, so a failed allocation never leaves pages
-stranded in a half-built request. Freeing checks every id first, so a bookkeeping bug (a page
-freed twice, an id that never existed) is reported where it happens instead of surfacing much
-later as two requests silently overwriting each other's keys and values.
+The allocator knows no tensors and no requests, only the page ids ``0 .. num_pages - 1``.
+Allocation is all or nothing, and freeing checks every id before it changes anything, so a
+double free is reported where it happens. Chapter 5 tells the story.
 """
 
 from __future__ import annotations
@@ -30,16 +27,14 @@ class OutOfPagesError(RuntimeError):
 class PageAllocator:
     """A free list over the page ids ``0 .. num_pages - 1``.
 
-    The free pages sit on a stack (a Python list whose end is the top), so taking or returning
-    ``n`` pages costs ``O(n)`` whatever the pool size. A byte per page records whether it is
-    free, which makes the double-free check ``O(1)`` per page.
+    Free pages sit on a stack (a list whose end is the top): ``n`` pages cost ``O(n)`` either
+    way. A byte per page makes the double-free check ``O(1)`` per page.
     """
 
     def __init__(self, num_pages: int) -> None:
         check_int("num_pages", num_pages, at_least=1)
         self._num_pages = num_pages
-        # Reversed, so that the first pops return 0, 1, 2, ...: a fresh pool hands out its
-        # pages in order, which makes printed page tables easy to read.
+        # Reversed, so a fresh pool hands out 0, 1, 2, ...: printed page tables read easily.
         self._free_stack: list[int] = list(range(num_pages - 1, -1, -1))
         self._is_free = bytearray([1]) * num_pages
 
@@ -83,10 +78,7 @@ class PageAllocator:
         return pages
 
     def free(self, pages: Sequence[int] | torch.Tensor) -> None:
-        """Return ``pages`` to the pool.
-
-        Every id is checked before anything changes, so a bad call leaves the allocator as it
-        was.
+        """Return ``pages`` to the pool; a bad call changes nothing.
 
         Raises:
             ValueError: an id outside ``0 .. num_pages - 1``, a page that is already free (a

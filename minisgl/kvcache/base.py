@@ -1,16 +1,10 @@
 """The two interfaces of the KV cache: where the vectors live, and who may reuse them.
 
-``BaseKVPool`` is the storage: every layer's keys and values, one row per *token slot*. The
-slots are grouped into fixed-size *pages*; page ``p`` owns the ``page_size`` consecutive slots
-``p * page_size .. p * page_size + page_size - 1``. The pool does not know which request a slot
-belongs to: it stores a vector where it is told to (``store_kv``) and hands back the rows it is
-asked for (``gather_kv``). Who owns which page is the business of the allocator
-(``allocator.py``) and of the page table (``page_table.py``).
-
-``BasePrefixCache`` is a policy that keeps the pages of finished requests alive so that a new
-request starting with the same tokens can reuse them: ``NaivePrefixCache`` keeps nothing,
-``RadixCache`` shares common prefixes in a radix tree. The scheduler talks to the interface
-only, so a new policy is a new class, not a change to the scheduler.
+``BaseKVPool`` stores every layer's keys and values, one row per *token slot*; page ``p`` owns
+slots ``p * page_size .. p * page_size + page_size - 1``. The pool does not know which request a
+slot belongs to: the allocator and the page table do. ``BasePrefixCache`` is the policy that
+keeps finished requests' pages for reuse; the scheduler talks only to this interface, so a new
+policy is a new class. Chapter 5 tells the story.
 """
 
 from __future__ import annotations
@@ -27,9 +21,8 @@ class BaseKVPool(ABC):
 
     A slot is one token's K (or V) vectors for all KV heads of one layer: ``[num_kv_heads,
     head_dim]`` numbers. ``k_cache(layer)`` is the ``[num_slots, num_kv_heads, head_dim]`` tensor
-    of that layer, and slot ``s`` is its row ``s``. Implementations differ in how they lay the
-    numbers out (this book has one, :class:`~minisgl.kvcache.mha_pool.MHAKVPool`; others exist
-    for compressed attention schemes), not in how they are addressed.
+    of that layer, and slot ``s`` is its row ``s``. Implementations differ in layout, not in
+    addressing.
     """
 
     # What every pool tells its readers, set by the implementation's constructor.
@@ -62,19 +55,16 @@ class BaseKVPool(ABC):
     def gather_kv(self, slots: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Read back the keys and values at ``slots``: two ``[len(slots), num_kv_heads, head_dim]``.
 
-        Indexing with a tensor copies the rows into a new, contiguous tensor: the order of
-        ``slots`` becomes the order of the result, wherever the pages sit in the pool. This is
-        how the simple (torch) attention backend turns a request's scattered pages back into
-        one sequence; the fused kernels read the pages in place instead.
+        A copy, in the order of ``slots``: how the torch attention backend reads a request's
+        scattered pages as one sequence. Fused kernels read the pages in place (:meth:`kv_pages`).
         """
         return self.k_cache(layer_id)[slots], self.v_cache(layer_id)[slots]
 
     def kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_id``'s K and V seen page by page: ``[num_pages, page_size, heads, dim]``.
 
-        The same memory as :meth:`k_cache` / :meth:`v_cache`, reshaped (no copy). Paged
-        attention kernels such as FlashInfer's take the cache in this form and a list of page
-        ids per request.
+        The same memory as :meth:`k_cache` / :meth:`v_cache`, reshaped (no copy): the form
+        paged attention kernels such as FlashInfer's take.
         """
         def by_page(t: torch.Tensor) -> torch.Tensor:
             return t.view(self.num_pages, self.page_size, *t.shape[1:])
@@ -117,21 +107,10 @@ class InsertResult:
 class BasePrefixCache(ABC):
     """A policy that keeps KV pages alive after their request is done, to share them later.
 
-    The scheduler talks to the cache in whole pages, in four moves:
-
-    1. ``match_prefix(tokens)`` when a request arrives: the longest cached prefix of its tokens,
-       and the pages that hold its K/V. The request copies those page ids into its page table
-       row and computes only the rest.
-    2. ``lock(handle)`` while the request runs, ``unlock(handle)`` when it is done: a locked
-       prefix is never evicted, because a running request is reading its pages.
-    3. ``insert(tokens, pages)`` when the request finishes: the cache takes over the pages of
-       the prefix it decides to keep; the caller frees the duplicates (``num_already_cached``)
-       and every page past ``handle.num_tokens``.
-    4. ``evict(num_pages)`` when the allocator runs short: unlocked cached pages go back.
-
-    The naive cache keeps nothing (every match is empty, every insert keeps nothing), which
-    makes the scheduler's bookkeeping the same with and without prefix sharing. The radix
-    cache keeps every shared prefix, evicting the least recently used first.
+    The scheduler talks to it in whole pages: ``match_prefix`` when a request arrives, ``lock``
+    while it runs (a locked prefix is never evicted), ``insert`` when it finishes (the cache
+    takes the pages it keeps; the caller frees the duplicates, ``num_already_cached``, and every
+    page past ``handle.num_tokens``), and ``evict`` when the allocator runs short.
     """
 
     @abstractmethod

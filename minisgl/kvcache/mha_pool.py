@@ -1,9 +1,8 @@
 """The KV pool for multi-head (and grouped-query) attention: one K and one V tensor per layer.
 
-The whole cache is allocated once, when the engine starts, as a single block of memory sized to
-what the device can spare. Requests never allocate KV memory of their own; they borrow pages of
-this block through the page allocator and give them back when they finish. That is what makes
-the memory use of the engine flat and predictable however requests come and go.
+The whole cache is one block allocated when the engine starts; requests borrow its pages
+through the allocator and never allocate KV memory of their own, so the engine's memory use
+stays flat. Chapter 5 tells the story.
 """
 
 from __future__ import annotations
@@ -44,10 +43,8 @@ class MHAKVPool(BaseKVPool):
             check_int(name, value, at_least=1)
         self.num_layers, self.num_kv_heads, self.head_dim = num_layers, num_kv_heads, head_dim
         self.num_pages, self.page_size, self.dtype = num_pages, page_size, dtype
-        # One allocation for everything: [K or V, layer, slot, head, feature]. A single block
-        # is one call to the allocator, and its size is exactly what the budget said.
-        # Zeros, not torch.empty: a slot that was never written (a padded batch entry, a bug)
-        # then reads as harmless zeros instead of leftover bytes that may decode as NaN.
+        # One block: [K or V, layer, slot, head, feature], exactly the budget's size. Zeros,
+        # not torch.empty: a slot never written (padding, a bug) reads as zeros, never NaN.
         self._kv = torch.zeros((2, num_layers, num_pages * page_size, num_kv_heads, head_dim),
                                dtype=dtype, device=device)
         self.device = self._kv.device
@@ -62,8 +59,7 @@ class MHAKVPool(BaseKVPool):
                  layer_id: int) -> None:
         """Write the new tokens' K/V (``[T, num_kv_heads, head_dim]``) to slots ``out_loc[:T]``.
 
-        ``out_loc`` comes from the page table (:meth:`PageTable.token_slots`). The write is a
-        scatter: the T rows land wherever their slots are, in any order, in one operation.
+        ``out_loc`` comes from :meth:`PageTable.token_slots`; the write is one scatter.
         """
         if k.shape != v.shape or k.shape[0] != out_loc.shape[0]:
             raise ValueError(f"store_kv: k {tuple(k.shape)}, v {tuple(v.shape)} and out_loc "
@@ -88,9 +84,8 @@ class MHAKVPool(BaseKVPool):
                              dtype: torch.dtype) -> int:
         """How many whole pages of ``page_size`` tokens fit in ``budget_bytes`` of memory.
 
-        A page costs ``page_size`` tokens' worth of K and V in every layer:
-        ``page_size * model_config.kv_bytes_per_token(dtype)`` bytes. What is left over after
-        the last whole page stays unused.
+        A page costs ``page_size * model_config.kv_bytes_per_token(dtype)`` bytes; what is left
+        after the last whole page stays unused.
         """
         check_int("page_size", page_size, at_least=1)
         check_int("budget_bytes", budget_bytes, at_least=0)

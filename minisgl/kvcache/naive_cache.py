@@ -1,13 +1,8 @@
 """The prefix cache that keeps nothing: every request computes its whole prompt.
 
-:class:`~minisgl.kvcache.base.BasePrefixCache` is the policy that decides which KV pages
-outlive their request so that a later request starting with the same tokens can reuse them.
-This is its simplest implementation: nothing is ever matched, nothing is ever kept, so every
-page a finished request held goes straight back to the allocator.
-
-Why have a class that does nothing? Because the scheduler then talks to a prefix cache in every
-case, through the same four moves (match, lock, insert, evict), and the radix cache slots in
-without changing one line of the scheduler's bookkeeping.
+Nothing is matched or kept, so a finished request's pages go straight back to the allocator.
+It exists so that the scheduler always talks to a prefix cache, and the radix cache slots in
+without a change to the scheduler. Chapter 9 tells the story.
 """
 
 from __future__ import annotations

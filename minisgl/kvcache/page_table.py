@@ -1,25 +1,11 @@
 """The page table: which pages of the KV pool hold which request's tokens.
 
-Each running request owns one *row* of a ``[max_reqs, max_pages_per_req]`` table of page ids.
-Entry ``j`` of a row is the page that holds the request's tokens ``j * page_size`` to
-``j * page_size + page_size - 1``. A token at position ``pos`` therefore lives in slot
-
-    page_ids[row, pos // page_size] * page_size + pos % page_size
-
-of the pool: the page it falls in, then the offset inside that page. The pages of one request
-can be anywhere in the pool and in any order; only the row remembers their sequence. That
-indirection is the whole trick of paged attention, and :func:`slots_of` is the one line that
-resolves it.
-
-The table lives on the same device as the pool, because attention kernels read it there. A copy
-of the whole table lives on the host as well, as one numpy array: the scheduler grows, checks
-and frees rows there, every step, and must never wait for the device to do it; a CUDA graph's
-replay reads a batch's page ids from it with a few vectorised operations. Pages appended to
-rows reach the device table together, in one copy, the next time the table is read (once per
-forward pass), and a batch's slots are computed on the device from a few numbers per request,
-never from a list per token.
-On a GPU that keeps the host's share of a step small and free of synchronisation, which is what
-lets overlap scheduling hide it under the device's work.
+Each running request owns one *row* of a ``[max_reqs, max_pages_per_req]`` table of page ids;
+the token at position ``pos`` lives in slot ``page_ids[row, pos // page_size] * page_size +
+pos % page_size`` of the pool (:func:`slots_of`). The table lives on the pool's device, where
+attention kernels read it, and as a numpy copy on the host, where the scheduler grows and frees
+rows without waiting for the device; appended pages reach the device table in one copy at its
+next read. Chapter 5 tells the story.
 """
 
 from __future__ import annotations
@@ -42,9 +28,7 @@ def slots_of(page_ids: torch.Tensor, rows: torch.Tensor, positions: torch.Tensor
              page_size: int) -> torch.Tensor:
     """Pool slot of each token: token ``i`` is at position ``positions[i]`` of row ``rows[i]``.
 
-    Two integer operations and one lookup, for all tokens of a batch at once: which page of
-    the row (``pos // page_size``), which page of the pool that is (the lookup), and where in
-    that page (``pos % page_size``). Returns int64, the dtype torch indexes with.
+    Returns int64, the dtype torch indexes with.
     """
     pages = page_ids[rows, positions // page_size].long()
     return pages * page_size + positions % page_size
@@ -55,10 +39,9 @@ def expand_ranges(starts: torch.Tensor, counts: torch.Tensor,
     """Every integer of the ranges ``starts[i] .. starts[i] + counts[i] - 1``, concatenated,
     and for each the index ``i`` of its range.
 
-    A fixed handful of tensor operations, on the device ``starts`` and ``counts`` live on, for
-    any number of ranges: the host sends two numbers per request, not one per token. ``total``
-    (``counts.sum()``, which the host knows) fixes the output's size up front, so the device
-    never has to report it back.
+    Runs on the device of ``starts`` and ``counts``: the host sends two numbers per range, not
+    one per token. ``total`` (``counts.sum()``, which the host knows) fixes the output's size,
+    so the device never has to report it back.
 
     >>> expand_ranges(torch.tensor([5, 0]), torch.tensor([3, 2]), total=5)
     (tensor([5, 6, 7, 0, 1]), tensor([0, 0, 0, 1, 1]))
@@ -118,8 +101,7 @@ class PageTable:
     def _write_appended(self) -> None:
         """Write every page appended since the last call into the device table, all at once.
 
-        One host tensor of (entry, page id) pairs, one copy that the host does not wait for,
-        one scatter: on a GPU, a row written as it grows would cost a copy, and a wait, per
+        One copy the host does not wait for, and one scatter, instead of a copy and a wait per
         request per step. Entries are never written twice between two calls (rows only grow,
         and ``free_row`` writes first), so the scatter has no conflicting duplicates.
         """
@@ -172,8 +154,7 @@ class PageTable:
         into ``out`` from the host copy; returns how many were written.
 
         The host twin of a paged kernel's ``indices`` array: it neither waits for the device
-        nor allocates device memory, which is what a CUDA graph's replay needs. Each request's
-        ids are one contiguous slice of its row, so the cost is one copy per request.
+        nor allocates device memory, which is what a CUDA graph's replay needs.
 
         Raises:
             ValueError: a row holds fewer pages than asked for.
@@ -199,11 +180,7 @@ class PageTable:
         return self.page_ids[row, : self.num_pages(row)]
 
     def pages_needed(self, row: int, num_tokens: int) -> int:
-        """How many more pages ``row`` needs so that it can map ``num_tokens`` tokens.
-
-        Pages are only ever added when a token spills past the last one: with 16-token pages,
-        a request decoding one token at a time asks for a page every 16 steps.
-        """
+        """How many more pages ``row`` needs so that it can map ``num_tokens`` tokens."""
         if num_tokens > self.max_tokens_per_req:
             raise ValueError(f"{num_tokens} tokens exceed the {self.max_tokens_per_req} that one "
                              f"request can hold ({self.max_pages_per_req} pages of "
@@ -222,8 +199,7 @@ class PageTable:
     def extend_rows(self, rows: Sequence[int], counts: Sequence[int],
                     pages: Sequence[int]) -> None:
         """:meth:`append_pages` for several rows at once: row ``rows[i]`` gets the next
-        ``counts[i]`` ids of ``pages``, in order. One numpy write for all of them, as a decode
-        step with one-token pages gives every request of the batch a page."""
+        ``counts[i]`` ids of ``pages``, in order, in one numpy write."""
         self._extend(rows, counts, pages)
 
     def _extend(self, rows: Sequence[int], counts: Sequence[int], pages: Sequence[int]) -> None:

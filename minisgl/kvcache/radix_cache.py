@@ -1,26 +1,10 @@
 """The radix cache: one copy of the KV pages of every prefix that requests share.
 
-Requests to a chat model often start alike: the same system prompt, the same few-shot
-examples, the same conversation so far with one more turn appended. The keys and values of a
-token depend only on the tokens before it, so two requests that share their first ``n`` tokens
-would compute the same K/V for those ``n`` tokens. This cache keeps the pages of finished
-requests in a *radix tree* keyed by token ids, so that a new request finds the longest prefix
-already computed, borrows its pages, and computes only the rest.
-
-The tree:
-
-- Each edge (stored in its child node) holds a run of tokens and the pages holding their K/V,
-  in *whole pages*: ``len(tokens) == len(pages) * page_size``. The path from the root to a node
-  spells a prefix; the pages along that path hold its K/V, in order.
-- The children of a node are keyed by the first page of their run. Two children never start
-  with the same page, so a walk down the tree follows at most one child per step.
-- Every node counts the running requests that read it (``lock_count``) and remembers when it
-  was last used (``last_used``, a logical clock). When the allocator runs short, the least
-  recently used leaves that nobody has locked are cut off and their pages given back.
-
-The cache talks to the scheduler through :class:`~minisgl.kvcache.base.BasePrefixCache`, which
-the naive cache implements by keeping nothing. The scheduler's bookkeeping is the same for both;
-this module changes only what is kept.
+A token's K/V depend only on the tokens before it, so requests that share a prefix can share
+its pages. The tree keeps finished requests' pages keyed by token ids: each edge holds a run of
+tokens in *whole pages* (``len(tokens) == len(pages) * page_size``), children are keyed by the
+first page of their run, and the least recently used unlocked leaves are evicted first.
+Chapter 11 tells the story.
 """
 
 from __future__ import annotations
@@ -84,11 +68,9 @@ class RadixHandle(CacheHandle):
 class RadixCache(BasePrefixCache):
     """A prefix cache that shares the KV pages of common prefixes through a radix tree.
 
-    The tree owns the pages it holds: they are not free in the allocator, and no request frees
-    them. A request borrows the pages of its matched prefix (and locks them) for as long as it
-    runs; when it is done, :meth:`insert` takes over the pages of whatever the tree lacked.
-    Pages leave the tree only through :meth:`evict`, which hands them back to the caller for
-    the allocator.
+    The tree owns the pages it holds: no request frees them. A request borrows (and locks) its
+    matched prefix's pages while it runs; :meth:`insert` takes over the pages the tree lacked.
+    Pages leave the tree only through :meth:`evict`, which hands them back to the caller.
 
     Args:
         page_size: token slots per KV page: the unit of matching, sharing and eviction.
@@ -142,10 +124,9 @@ class RadixCache(BasePrefixCache):
     def _walk(self, tokens: Tokens) -> RadixNode:
         """Follow ``tokens`` down the tree as far as whole pages agree; return the last node.
 
-        Every node on the way is stamped with a new tick of the clock. A page is shared or
-        not at all: a request keeps writing into its last, partly filled page as it decodes,
-        so a part page is never the cache's to give away. Tokens past the last whole page of
-        ``tokens`` are not looked at.
+        Every node on the way is stamped with a new tick of the clock. Tokens past the last
+        whole page are not looked at: a request keeps writing into its last, partly filled
+        page, so a part page is never the cache's to give away.
         """
         self._clock += 1
         page = self.page_size
@@ -174,12 +155,9 @@ class RadixCache(BasePrefixCache):
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
         """Cut ``node``'s edge after its first ``num_pages`` pages; return the new upper node.
 
-        ``node`` keeps the *lower* part of its run. It still ends where it ended, at the same
-        depth, so every handle that points at it still names the same prefix. The new upper
-        node takes over ``node``'s place under the parent (its run starts with the same page,
-        so it lands under the same key) and its lock count: every lock that passes through
-        ``node`` passes through its upper part too. Nothing is added to the cache or removed
-        from it, so the page counts do not change.
+        ``node`` keeps the *lower* part and its depth, so every handle on it still names the
+        same prefix. The upper node takes ``node``'s key under the parent and its lock count
+        (every lock through ``node`` passes through it too). The page counts do not change.
         """
         assert 0 < num_pages < node.num_pages, (num_pages, node.num_pages)
         assert node.parent is not None, "the root has no edge to split"
@@ -239,9 +217,8 @@ class RadixCache(BasePrefixCache):
     def lock(self, handle: CacheHandle) -> None:
         """Protect the prefix behind ``handle`` from eviction while a request reads it.
 
-        A request reads its whole prefix, so the lock covers every node from the handle's up
-        to the root. A node's pages move from the evictable count to the locked count when its
-        first lock arrives.
+        The lock covers every node from the handle's up to the root: a request reads its whole
+        prefix.
         """
         node = self._node_of(handle, "lock")
         while node.parent is not None:
@@ -289,10 +266,8 @@ class RadixCache(BasePrefixCache):
 
         Returns the freed page ids, for the caller to give back to the allocator. Whole nodes
         go, so a few more pages than asked may come back; fewer only when fewer are
-        evictable. Only leaves are cut: an inner node's pages are the start of its children's
-        prefixes, and a child cut off from the root could never be matched again. When the
-        last child of an unlocked node goes, that node becomes a leaf and joins the
-        candidates.
+        evictable. Only leaves are cut: a child cut off from the root could never be matched
+        again.
         """
         check_int("evict: num_pages", num_pages, at_least=0)
         if num_pages == 0:

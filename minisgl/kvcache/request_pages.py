@@ -1,25 +1,10 @@
 """The one owner of KV pages and page-table rows: every page a request gets or gives back.
 
-The KV cache has two pieces of bookkeeping: the :class:`~minisgl.kvcache.allocator.PageAllocator`
-knows which pages are free, the :class:`~minisgl.kvcache.page_table.PageTable` which pages each
-row maps. A page moves in both at once, or the two disagree: a page allocated and never
-appended leaks, a row freed without its pages going somewhere leaks them all. So one object
-holds both and is the only code that moves pages; the engine builds it, and the scheduler's
-prefix-cache policy, the examples and the tests ask it. A test parses ``minisgl/`` and fails if
-anything else allocates or frees a page or a row.
-
-What it answers, for a :class:`~minisgl.core.Req`:
-
-- :meth:`RequestPages.pages_needed`: how many pages the request's next forward pass lacks;
-- :meth:`RequestPages.reserve`: a row (if it has none) and those pages, all or nothing
-  (:meth:`RequestPages.reserve_all`: the same for a whole batch, in one allocation);
-- :meth:`RequestPages.release`: its row and every page back to the free list;
-- :meth:`RequestPages.open_row` and :meth:`RequestPages.close_row`: a row that starts with a
-  cached prefix's pages, and a row taken back with its pages handed to the caller, for a prefix
-  cache to keep some of them; :meth:`RequestPages.free_pages` returns the
-  rest, and whatever the cache evicts later.
-
-It decides nothing about *which* pages to keep or evict: that is the prefix cache's policy.
+A page moves in the :class:`~minisgl.kvcache.allocator.PageAllocator` and the
+:class:`~minisgl.kvcache.page_table.PageTable` at once, or the two disagree and pages leak. So
+one object holds both and is the only code that moves pages (``tests/test_page_ownership.py``
+fails if anything else allocates or frees a page or a row). It decides nothing about *which*
+pages to keep or evict: that is the prefix cache's policy. Chapter 7 tells the story.
 """
 
 from __future__ import annotations
@@ -69,9 +54,8 @@ class RequestPages:
         """Make ``req``'s next forward pass possible: a row and pages for all its tokens.
 
         A request without a row gets one; then its row grows to map all ``req.num_tokens``
-        tokens, the cached ones and those the next pass writes. With ``page_size`` 16 a decoding
-        request needs a new page every 16 steps and none in between. All or nothing: if the
-        pages are not there, nothing changes, not even the row.
+        tokens, the cached ones and those the next pass writes. All or nothing: if the pages
+        are not there, nothing changes, not even the row.
 
         Returns:
             The number of pages allocated.
@@ -85,8 +69,7 @@ class RequestPages:
 
     def reserve_all(self, reqs: Sequence[Req]) -> int:
         """:meth:`reserve` for every request of a batch: all of them or, if anything is
-        missing, none. The pages come from one allocation, which a step of hundreds of
-        decoding requests makes once instead of once per request.
+        missing, none. The pages come from one allocation.
 
         Returns:
             The number of pages allocated. Raises as :meth:`reserve` does.

@@ -1,6 +1,6 @@
 """The messages the engine's processes send each other, and their serialization.
 
-One request travels through four processes; each arrow is a ZMQ push/pull queue
+One request travels through four processes; each arrow is a ZMQ queue
 (``minisgl.utils.queues``) carrying one family of messages::
 
     API server --TokenizeRequest, AbortRequest--> tokenizer
@@ -8,13 +8,10 @@ One request travels through four processes; each arrow is a ZMQ push/pull queue
     scheduler  --DetokenizeRequest--------------> detokenizer
     detokenizer --UserReply---------------------> API server
 
-Modules are named for the process that *receives* their messages: ``tokenizer`` (the tokenizer
-and detokenizer workers), ``backend`` (the scheduler), ``frontend`` (the API server). ``utils``
-holds the one serializer they all share (:func:`dumps`, :func:`loads`).
-
-A request that a worker cannot serve ends with a :class:`RequestError`, carried by
-its last message: an :class:`AbortRequest` between the workers, a :class:`UserReply` to the API
-server.
+Modules are named for the process that *receives* their messages: ``tokenizer`` (both workers),
+``backend`` (the scheduler), ``frontend`` (the API server); ``utils`` holds the serializer. A
+request that fails ends with a :class:`RequestError` on its last message. Chapter 13 tells the
+story; chapter 16 adds the errors.
 """
 
 from __future__ import annotations

@@ -1,16 +1,9 @@
 """Messages the scheduler receives (the *backend*: the process that owns the model).
 
-Two kinds arrive, both from the tokenizer worker:
-
-- :class:`UserRequest`: a new request, already turned into token ids;
-- :class:`~minisgl.message.tokenizer.AbortRequest`: drop a request. It is defined with the
-  tokenizer's messages because the API server sends it there first; the tokenizer forwards it
-  unchanged, behind any request of the same uid it is still tokenizing, so the scheduler can
-  never see the abort before the request. It belongs to both families.
-
-Many messages can travel in one frame (``put_many`` on the queues of
-``minisgl.utils.queues``): the tokenizer sends everything it tokenized in one go, and the
-scheduler reads them all before its next step.
+Both kinds come from the tokenizer worker: :class:`UserRequest`, a new request as token ids, and
+:class:`~minisgl.message.tokenizer.AbortRequest`, defined with the tokenizer's messages because
+the API server sends it there first; forwarded behind any request of its uid, it never reaches
+the scheduler before that request. Chapter 13 tells the story.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Messages the API server receives: the text of each request, piece by piece.
 
-The detokenizer sends one :class:`UserReply` per generated token. The API server finds the
-waiting HTTP request by ``uid`` and either streams ``delta`` to the client at once or appends
-it to the full answer.
-
-A request can also end in an error (a prompt too long for the context, a worker
-that failed while serving it). Its last reply then carries a :class:`RequestError`: what the
-client is told, and with which HTTP status.
+The detokenizer sends one :class:`UserReply` per generated token; the API server finds the
+waiting HTTP request by ``uid``. A request that fails ends with a reply that carries a
+:class:`RequestError`: what the client is told, and with which HTTP status. Chapter 13 tells
+the story; chapter 16 adds the errors.
 """
 
 from __future__ import annotations
@@ -29,9 +26,8 @@ class FrontendMessage(Message, family=True):
 class TokenUsage:
     """How many tokens a finished request used (the OpenAI ``usage`` object).
 
-    It rides on the last message of a request only. Not a message itself: a value that two
-    messages carry (:class:`~minisgl.message.tokenizer.DetokenizeRequest` and
-    :class:`UserReply`).
+    Not a message itself: a value on the last message of a request
+    (:class:`~minisgl.message.tokenizer.DetokenizeRequest` and :class:`UserReply`).
     """
 
     prompt_tokens: int
@@ -47,10 +43,9 @@ class TokenUsage:
 class RequestError:
     """Why a request failed, as the client will be told.
 
-    A worker that cannot serve a request does not drop it: it sends this along the request's
-    normal path, as its last message, so that every process on the way forgets the request
-    and the API server answers the client. The fields are OpenAI's error object, plus the
-    HTTP status to answer with.
+    A worker that cannot serve a request sends this along the request's normal path, as its
+    last message, so that every process on the way forgets the request and the client hears
+    why. The fields are OpenAI's error object, plus the HTTP status.
 
     Attributes:
         message: what went wrong, for a person.

@@ -1,16 +1,10 @@
 """Messages the tokenizer workers receive: text to tokenize, and tokens to turn back into text.
 
-Two workers sit between the API server and the scheduler, one on each side of it:
-
-- the **tokenizer** receives :class:`TokenizeRequest` and :class:`AbortRequest` from the API
-  server and sends :class:`~minisgl.message.backend.UserRequest` (and the same abort) on to the
-  scheduler;
-- the **detokenizer** receives one :class:`DetokenizeRequest` per generated token from the
-  scheduler and sends :class:`~minisgl.message.frontend.UserReply` (new text) to the API server.
-  The scheduler also passes it every :class:`AbortRequest` it acted on, as the
-  last word on that request, so that the detokenizer can forget it.
-
-Each has its family, so each queue accepts exactly what its process handles.
+The **tokenizer** receives :class:`TokenizeRequest` and :class:`AbortRequest` from the API
+server. The **detokenizer** receives a :class:`DetokenizeRequest` per generated token from the
+scheduler, and every :class:`AbortRequest` the scheduler acted on, as the last word on that
+request. Each worker has its own family, so each queue accepts exactly what its process
+handles. Chapter 13 tells the story.
 """
 
 from __future__ import annotations
@@ -76,19 +70,14 @@ class TokenizeRequest(TokenizerMessage):
 class AbortRequest(TokenizerMessage, BackendMessage, DetokenizerMessage):
     """Drop request ``uid``: API server -> tokenizer -> scheduler, forwarded unchanged.
 
-    The API server sends it when a client goes away. Going through the tokenizer keeps it in
-    order behind the request it cancels: sent straight to the scheduler, it could overtake a
-    request still being tokenized, find nothing to cancel, and the request would run anyway.
+    Going through the tokenizer keeps it behind the request it cancels: sent straight to the
+    scheduler, it could overtake a request still being tokenized and cancel nothing. The
+    detokenizer sends one to the scheduler when a stop string ends a request; the scheduler
+    passes each abort that dropped a request on to the detokenizer, after its last token.
 
-    The detokenizer also sends one to the scheduler when a stop string ends a
-    request's text, and the scheduler passes on each abort that dropped a request to the
-    detokenizer, after that request's last token: nothing more will come for that uid.
-
-    A worker that cannot serve a request (the tokenizer: the chat template fails;
-    the scheduler: the prompt is longer than the context, or a step failed) sends an abort
-    that carries the ``error``. It travels the rest of the way like any abort, the scheduler
-    passes it on to the detokenizer even when it had nothing to drop, and the detokenizer
-    turns it into the request's last reply, so the client hears why.
+    A worker that cannot serve a request sends an abort that carries ``error``; the scheduler
+    passes it on even when it had nothing to drop, and the detokenizer turns it into the
+    request's last reply.
     """
 
     uid: int

@@ -1,25 +1,12 @@
 """One serializer for every message: dataclasses to msgpack bytes and back.
 
-A message crosses a process boundary as bytes. The sender turns a dataclass into a msgpack map
-that carries a *type tag* (the class name under the reserved key ``"__type__"``) next to its
-fields; the receiver looks the tag up among the registered classes and calls the class with the
-fields. Nothing else is needed: no schema file, no per-message code.
-
-What goes on the wire:
-
-- a registered dataclass: a map ``{"__type__": "ClassName", field: value, ...}``. Fields still
-  at their default value are left out (the receiver's constructor fills them back in), so the
-  message that streams one token per step stays a few dozen bytes and a default
-  :class:`~minisgl.core.SamplingParams` costs its tag alone;
-- a tuple: ``{"__type__": "tuple", "items": [...]}`` (msgpack alone would bring it back as a
-  list);
-- ``None``, bools, ints, floats, str, bytes, lists and dicts: msgpack's own types. A list of
-  token ids never enters Python code on the way: msgpack's C packer writes it directly, which is
-  what keeps a 100k-token prompt cheap.
-
-Every subclass of :class:`Message` is registered when its class statement runs; other value
-types that messages carry (``SamplingParams``) are registered with :func:`register_wire_type`.
-The key ``"__type__"`` is therefore reserved: a plain dict inside a message must not use it.
+A registered dataclass travels as a map ``{"__type__": "ClassName", field: value, ...}``; the
+receiver looks the tag up and calls the class with the fields. Fields at their default are left
+out (the constructor fills them back in), so a per-token message stays a few dozen bytes. A
+tuple travels tagged (msgpack would bring it back as a list); everything else is msgpack's own
+type, so a list of token ids is packed by msgpack's C code without entering Python. The key
+``"__type__"`` is reserved: a plain dict inside a message must not use it. Chapter 13 tells the
+story.
 """
 
 from __future__ import annotations
@@ -83,9 +70,9 @@ class Message:
 
     A message is a frozen dataclass that subclasses one *family*: the base class of everything
     one kind of process receives (``TokenizerMessage``, ``DetokenizerMessage``,
-    ``BackendMessage``, ``FrontendMessage``). A queue is typed with a family, so a message sent to the wrong process
-    is caught at once instead of confusing the receiver. A message that a worker forwards
-    unchanged belongs to two families at once (it subclasses both).
+    ``BackendMessage``, ``FrontendMessage``). A queue is typed with a family, so a message sent
+    to the wrong process is caught at once. A message that a worker forwards unchanged
+    subclasses both families.
 
     Subclasses register themselves under their class name; a family base says
     ``class BackendMessage(Message, family=True)`` and is not registered (it is never sent).

@@ -1,4 +1,7 @@
-"""The interface every model implements, and how its checkpoint names map to its parameters."""
+"""The interface every model implements, and how its checkpoint names map to its parameters.
+
+Chapter 3 tells the story.
+"""
 
 from __future__ import annotations
 
@@ -15,9 +18,8 @@ from minisgl.models.config import ModelConfig
 class BaseLLMModel(nn.Module, ABC):
     """A causal language model: token ids and their positions in, next-token logits out.
 
-    There is no batch dimension. The engine packs the tokens of all requests of a step into one
-    flat sequence of ``T`` tokens, and each token carries its own position; the attention
-    backend knows which tokens belong together. A single prompt is simply positions ``0..T-1``.
+    There is no batch dimension: the tokens of all requests of a step are one flat sequence of
+    ``T`` tokens, each with its own position; the attention backend knows which belong together.
     """
 
     def __init__(self, config: ModelConfig) -> None:

@@ -1,7 +1,5 @@
 """The pieces every Llama-family decoder shares, so that a model file only says how it differs.
 
-Llama, Qwen2, Qwen3 and Qwen3-MoE are the same network up to a few switches:
-
 =============  ==========  =========  ==========  ===================
 family         q/k/v bias  o bias     qk-norm     feed-forward
 =============  ==========  =========  ==========  ===================
@@ -11,11 +9,9 @@ Qwen3          no          no         yes         gated MLP
 Qwen3-MoE      no          no         yes         gated MLP or experts
 =============  ==========  =========  ==========  ===================
 
-:class:`DecoderOnlyLM` builds embedding, layers, final norm and LM head from a config; a family
-subclasses it and answers up to three questions: which config settings it refuses, which attention options
-(:class:`AttentionOptions`) it has, and which feed-forward block layer ``i`` gets. Module names
-are the checkpoints' (``model.layers.3.self_attn.o_proj``), so the loader's name mapping
-applies unchanged.
+A family subclasses :class:`DecoderOnlyLM` and overrides up to three hooks. Module names are the
+checkpoints' (``model.layers.3.self_attn.o_proj``), so the loader's name mapping applies
+unchanged. Chapter 18 tells the story.
 """
 
 from __future__ import annotations

@@ -1,15 +1,11 @@
 """A checkpoint's ``config.json``, parsed into the numbers the engine is built from.
 
-Every tensor shape in the engine comes from here: the embedding is ``vocab_size x hidden_size``,
-each layer's q/k/v projections are ``num_qo_heads * head_dim`` and ``num_kv_heads * head_dim``
-wide, the KV cache holds ``num_layers x 2 x num_kv_heads x head_dim`` numbers per token. So
-the config is parsed once, at the edge, checked for consistency, and frozen.
-
-The parser reads ``config.json`` itself rather than going through ``transformers.AutoConfig``:
-it is fast, it fills in no model-class defaults that we did not ask for, and it states exactly
-which keys the engine depends on. Both spellings that transformers has used for the rotary
-settings are accepted (``rope_theta`` + ``rope_scaling`` before version 5, ``rope_parameters``
-from version 5 on), and so are both spellings of the dtype (``torch_dtype``, ``dtype``).
+Every tensor shape in the engine comes from here, so the config is parsed once, at the edge,
+checked for consistency, and frozen. It reads the JSON itself rather than through
+``transformers.AutoConfig``: no model-class defaults filled in, and exactly the keys the engine
+depends on. Both transformers spellings of the rotary settings (``rope_theta`` +
+``rope_scaling``, or ``rope_parameters``) and of the dtype are accepted. Chapter 1 tells the
+story.
 """
 
 from __future__ import annotations

@@ -1,15 +1,9 @@
 """Loading a safetensors checkpoint into a model, one shard file at a time.
 
-A Hugging Face checkpoint is one ``model.safetensors`` file or, for larger models, several
-shards listed in ``model.safetensors.index.json``. Loading happens in two passes:
-
-1. **check the names** (cheap: a safetensors file starts with a JSON header listing its
-   tensors). Every parameter of the model must be filled by exactly the checkpoint tensors it
-   expects, and every checkpoint tensor must have a home. A mismatch stops here, before a
-   single byte of weights is read, with the names of the missing and unexpected tensors.
-2. **stream the tensors**: open one shard, hand its tensors one by one to the ``load_weight``
-   of the layer that owns them, close it, open the next. Peak host memory is one tensor, not
-   the whole model.
+Two passes. The names come first, from the shards' JSON headers: a checkpoint that does not fit
+the model fails before a byte of weights is read, naming the missing and unexpected tensors.
+Then the tensors stream one at a time to the ``load_weight`` of the layer that owns them, so
+peak host memory is about one tensor. Chapter 3 tells the story.
 """
 
 from __future__ import annotations

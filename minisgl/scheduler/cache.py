@@ -1,20 +1,11 @@
 """The cache manager: every KV page a request holds, from admission to release.
 
-Two things decide where a request's keys and values live: the engine's
-:class:`~minisgl.kvcache.request_pages.RequestPages` (which pages are free, which pages a
-request's row maps, in token order), the only code that moves a page, and a prefix cache (which
-pages outlive their request, to be shared by the next request with the same prefix). The
-:class:`CacheManager` is the prefix-cache *policy* between them: what a new request may reuse,
-what to keep when it finishes, what to evict to make room. It asks ``engine.pages`` for every
-page it hands out or takes back, so that the scheduler only ever says *what* happens to a
-request (it is admitted, it needs pages for its next step, it is done) and never *how* pages
-move.
-
-It runs with :class:`~minisgl.kvcache.naive_cache.NaivePrefixCache`, which keeps nothing, or
-with :class:`~minisgl.kvcache.radix_cache.RadixCache`, a radix tree. The bookkeeping below is
-the general one: a request may start with pages it borrowed from the cache, and when it
-finishes the cache may keep some of its pages. With the naive cache both are empty, and every
-page goes back to the allocator.
+:class:`CacheManager` is the prefix-cache *policy* between ``engine.pages`` (the only code that
+moves a page) and a prefix cache: what a new request may reuse, what to keep when it finishes,
+what to evict to make room. The scheduler only says *what* happens to a request, never *how*
+pages move. The bookkeeping is the general one (a request may start with borrowed pages, the
+cache may keep some of its pages); with the naive cache both are empty. Chapter 9 tells the
+story; chapter 11 adds the radix cache.
 """
 
 from __future__ import annotations
@@ -96,10 +87,9 @@ class CacheManager:
     def admit(self, req: Req, match: PrefixMatch) -> None:
         """Give ``req`` a page-table row that starts with the pages of its cached prefix.
 
-        The prefix must be locked already (:meth:`lock`), so that no eviction takes
-        its pages while ``req`` reads them; ``req.cached_len`` jumps past it: the prefill
-        computes only the rest. The pages for the rest are allocated by :meth:`reserve`, step by
-        step.
+        The prefix must be locked already (:meth:`lock`), so that no eviction takes its pages
+        while ``req`` reads them; ``req.cached_len`` jumps past it. The pages for the rest are
+        allocated by :meth:`reserve`, step by step.
         """
         if req.table_row is not None or req in self._handles:
             raise ValueError(f"request {req.uid} was admitted already")
@@ -111,10 +101,8 @@ class CacheManager:
         """Lock ``match``'s prefix at once, before anything can evict it or insert around it.
 
         Returns how many pages the lock took out of :attr:`available_pages`: a matched page
-        nobody had locked counted as evictable, so as room for anyone; locked, it is this
-        request's alone. The admission budget must charge the request for those pages too, or
-        it would promise them twice. Pages some running request had locked already were not
-        counted as available, and cost nothing. With the naive cache this is always 0.
+        nobody had locked counted as room for anyone, and the admission budget must charge the
+        request for it, or it would promise it twice. Pages already locked cost nothing.
         """
         evictable = self.prefix_cache.num_evictable_pages
         self.prefix_cache.lock(match.handle)
@@ -128,10 +116,9 @@ class CacheManager:
         """Pages for the next forward pass of every request in ``reqs`` (a batch); returns how
         many were allocated.
 
-        When too few pages are free, unlocked pages of the prefix cache are evicted first. The
-        scheduler admits requests only while their worst case fits, so after eviction the pages
-        are always there; running out here would be a bookkeeping bug, and ``engine.pages`` says
-        so (``OutOfPagesError``) instead of corrupting anyone's cache.
+        When too few pages are free, unlocked pages of the prefix cache are evicted first.
+        Admission guarantees the pages are then there; running out would be a bookkeeping bug,
+        reported as ``OutOfPagesError``.
         """
         try:
             return self.pages.reserve_all(reqs)
@@ -149,8 +136,8 @@ class CacheManager:
     def release(self, req: Req) -> int:
         """Take back ``req``'s row and pages (it finished or was aborted); returns pages freed.
 
-        The request's whole pages of computed K/V are offered to the prefix cache, which keeps
-        the ones it wants. In token order the row's pages are then:
+        Its whole pages of computed K/V are offered to the prefix cache. In token order the
+        row's pages are then:
 
         - ``[0, prefix)``: the cached prefix ``req`` started from: the cache's already; untouched;
         - ``[prefix, already)``: pages ``req`` computed that another request cached in the
@@ -158,9 +145,9 @@ class CacheManager:
         - ``[already, kept)``: pages the cache took over just now;
         - ``[kept, end)``: what the cache did not keep (and a last, partly filled page): freed.
 
-        With the naive cache ``prefix``, ``already`` and ``kept`` are all 0: every page is freed.
-        This is the only moment the prefix cache learns of a request's pages: a
-        request that arrives while another with the same prefix still runs computes it again.
+        With the naive cache ``prefix``, ``already`` and ``kept`` are all 0. The cache learns of
+        a request's pages only here: a request that arrives while another with the same prefix
+        still runs computes it again.
         """
         handle = self._handles.pop(req, None)
         if handle is None or req.table_row is None:

@@ -1,24 +1,10 @@
 """Chunked prefill: a prompt longer than what a step has room for is computed over several steps.
 
-The plain token budget (``prefill.PrefillBudget``) bends: the first request of a prefill batch
-is taken whatever its length, so one 10,000-token prompt makes one 10,000-token step, and every
-request already decoding waits for it. With chunked prefill
-(``SchedulerConfig.chunked_prefill``) the budget is a hard limit instead:
-
-- a prefill batch takes waiting requests first come, first served, while tokens are left, and
-  the one that does not fit whole is **cut**: it computes the head of its prompt that fits, the
-  *chunk*, and the step is full;
-- the cut request stays at the head of the waiting queue, **holding** its page-table row, its
-  pages and its promise of pages, and the next prefill batch starts with the next chunk of its
-  prompt. Only its last chunk samples a real first token; the token sampled after an earlier
-  chunk continues a half-read prompt and is thrown away;
-- between two chunks, the requests already decoding get a step (see
-  :meth:`~minisgl.scheduler.scheduler.Scheduler.schedule_next_batch`): a long prompt slows them
-  down, it no longer stops them.
-
-The K/V of a chunk's tokens are exactly those the whole prompt would have produced (each token
-attends to the same earlier tokens, some of them now read back from the cache), so the outputs
-do not change: only the step in which each token is computed does.
+With ``SchedulerConfig.chunked_prefill`` the token budget is a hard limit: the request that does
+not fit whole is **cut** to the head of its prompt that fits, and stays at the head of the
+waiting queue holding its row, its pages and its promise of pages. Decoding requests get a step
+between two chunks. Only the last chunk samples a real first token. A chunk's K/V are exactly
+those of the whole prompt, so outputs do not change. Chapter 10 tells the story.
 """
 
 from __future__ import annotations
@@ -37,9 +23,8 @@ from minisgl.scheduler.prefill import PrefillBudget
 class ChunkedPrefillBudget(PrefillBudget):
     """A prefill budget whose token limit is hard: a prompt that does not fit is cut to fit.
 
-    Rows and pages are checked as by the plain budget, for the whole request: a request cut
-    after its first chunk must be able to finish, so it is promised the pages of its whole
-    prompt and answer at once. Only the *tokens* of this step are cut.
+    Rows and pages are checked for the whole request: one cut after its first chunk must be
+    able to finish. Only the *tokens* of this step are cut.
     """
 
     def admits(self, new_tokens: int, pages: int, is_first: bool) -> bool:
@@ -75,11 +60,9 @@ def cut_reqs(batch: Batch) -> list[Req]:
 def unsampled(reqs: Sequence[Req]) -> Iterator[None]:
     """Run a step in which the tokens sampled for ``reqs`` are thrown away, as if never drawn.
 
-    A seeded request draws its samples from its own generator. A draw after a chunk would move
-    that generator on, and every later token of the request would differ from an unchunked
-    run; restoring the generator's state afterwards keeps its stream where it was. A request's
-    first step makes its generator (``Engine.prepare``): if that step is a cut chunk, the
-    generator is dropped again, and the next step makes it afresh from the seed.
+    A seeded request's draw after a chunk would move its generator on, and every later token
+    would differ from an unchunked run, so its state is restored. A generator made in this
+    step (``Engine.prepare``) is dropped, and the next step makes it afresh from the seed.
     """
     saved: list[tuple[Req, torch.Tensor | None]] = [
         (req, None if req.generator is None else req.generator.get_state()) for req in reqs]

@@ -1,11 +1,8 @@
 """The running requests, and the decode batch they form on every decode step.
 
-A request joins this set after its prefill (unless its very first token already finished it)
-and leaves it the step it finishes or when it is aborted. A decode step takes *all* of them:
-each brings the one token it sampled last and samples one more. Because the set changes between
-steps (new requests join after their prefill, finished ones leave at once, and their pages go
-straight to the next request), the batch is never padded with requests that are already done
-and never waits for the slowest one to finish: that is continuous batching.
+A request joins after its prefill and leaves the step it finishes or is aborted; a decode step
+takes all of them. Because the set changes between steps, a batch never carries finished
+requests nor waits for the slowest: continuous batching. Chapter 9 tells the story.
 """
 
 from __future__ import annotations

@@ -1,31 +1,13 @@
 """The scheduler as a process: requests in from the tokenizer, tokens out to the detokenizer.
 
-``LLM`` drives the scheduler from a loop in the caller's own process. Served,
-it runs in a process of its own, and its loop is :func:`run_scheduler`:
-
-1. wait for messages only when there is nothing to compute; otherwise take whatever has
-   arrived without waiting, so that a new request never stalls the running ones;
-2. add the new requests, abort the cancelled ones;
-3. run one step of the (overlapping) scheduler;
-4. send one frame holding a :class:`~minisgl.message.DetokenizeRequest` for every token the
-   step produced; the last token of a request carries its ``finish_reason`` and ``usage``.
-
-:class:`SchedulerIO` is the part of that loop that needs no socket (turning messages into
-requests, and a step's results into messages), so that a test can drive it directly.
-
-The scheduler publishes its state after every step in a
-:class:`~minisgl.utils.counters.SharedCounters` with the names :data:`SCHEDULER_COUNTERS`,
-which the API server reads for ``/metrics``.
-
-A request the scheduler cannot serve is answered, never dropped. A prompt longer
-than the context, or a token id outside the vocabulary, and every request of a step that
-raised, leave with an :class:`~minisgl.message.AbortRequest` carrying a
-:class:`~minisgl.message.RequestError`; the detokenizer turns it into the request's last
-reply, and the scheduler serves on.
-
-Under tensor parallelism this process is rank 0. Its scheduler passes every request
-and step on to the other ranks (:class:`~minisgl.scheduler.tp.RankFollowers`), and a step
-that fails ends the process instead: the ranks could no longer be trusted to agree.
+:func:`run_scheduler` waits for messages only when there is nothing to compute (a new request
+never stalls the running ones), runs one step, and sends one frame with a
+:class:`~minisgl.message.DetokenizeRequest` per token. :class:`SchedulerIO` is the part that
+needs no socket, so a test can drive it directly. A request the scheduler cannot serve leaves
+with an :class:`~minisgl.message.AbortRequest` carrying a :class:`~minisgl.message.RequestError`,
+never dropped. Under tensor parallelism this process is rank 0, and a failed step ends it: the
+ranks could no longer be trusted to agree. Chapter 14 tells the story; chapters 16 and 17 add
+errors and tensor parallelism.
 """
 
 from __future__ import annotations
@@ -98,15 +80,10 @@ class SchedulerIO:
     def receive(self, messages: list[BackendMessage]) -> list[DetokenizerMessage]:
         """Add and abort requests, in the order the messages came.
 
-        Returns the aborts to pass on to the detokenizer: one for each request an abort
-        actually dropped. It is the last message the detokenizer gets for that uid, so it can
-        forget the request. An abort that dropped nothing is not passed on: the request has
-        finished (its last token went out already) or finishes in the batch in flight (its
-        last token will).
-
-        An abort that carries an error is always passed on (a tokenizer could not
-        serve the request, which the scheduler never saw: the client must still hear why), and
-        a request the scheduler refuses leaves the same way, with its own error.
+        Returns the aborts to pass on to the detokenizer, as the last message for their uid:
+        one for each request an abort actually dropped (one that dropped nothing has sent, or
+        will send, its last token), every abort that carries an error (the client must hear
+        why), and one with its own error for each request the scheduler refuses.
         """
         forward: list[DetokenizerMessage] = []
         for message in messages:
@@ -160,10 +137,9 @@ class SchedulerIO:
     def step(self) -> list[DetokenizerMessage]:
         """Run one scheduler step; one message per token it produced.
 
-        With overlap a step reads the tokens of the batch launched the step
-        before, so the requests that may have a new token are those of this step's batch and
-        of the previous one. A request's ``output_ids`` hold only tokens the host has read:
-        one still on the device is not there yet.
+        With overlap a step reads the tokens of the batch launched the step before, so new
+        tokens may come from this step's batch and the previous one. ``output_ids`` hold only
+        tokens the host has read.
         """
         live = list(self.live)
         try:
@@ -210,11 +186,9 @@ class SchedulerIO:
     def _fail(self, uids: list[int], exc: Exception) -> list[DetokenizerMessage]:
         """A step raised: end every request that was live before it with an error.
 
-        Which request made the step fail cannot be told, and their state (tokens, pages) may
-        be half-updated, so all of them go: aborted (their pages freed), and an error for each
-        sent on to the detokenizer, which answers their clients. Requests that come later are
-        served as usual, unless steps keep failing: then the process gives up (the error is
-        raised) and the API server, seeing it gone, fails what is left.
+        Which request made it fail cannot be told, and their state may be half-updated, so all
+        of them are aborted, each with an error for its client. Later requests are served as
+        usual, unless :data:`MAX_FAILED_STEPS` steps in a row fail: then the error is raised.
         """
         self._failed_steps += 1
         logger.error("a scheduler step failed; failing its %d request(s)", len(uids),

@@ -1,23 +1,11 @@
 """The waiting queue, and the choice of which waiting requests the next prefill batch takes.
 
-A request that arrives waits here until the scheduler can *admit* it: give it a page-table row
-and promise it every KV page it could ever need. Admission happens when a prefill batch is
-formed, first come, first served, under three limits that a :class:`PrefillBudget` tracks:
-
-- **rows**: a page-table row per running request (``max_running_reqs`` in all);
-- **pages**: the request's worst case (prompt plus ``max_tokens``, see
-  :func:`~minisgl.scheduler.utils.lifetime_pages`) must fit in the pages not yet promised to
-  the requests already running;
-- **tokens**: the batch's prompt tokens must fit the per-step budget ``max_prefill_tokens``,
-  except for the batch's first request, which is always taken (a longer prompt would otherwise
-  wait forever; chunked prefill cuts it into chunks instead).
-
-With chunked prefill (``chunking.py``) the token budget is a hard limit: the request
-that does not fit whole computes the *chunk* of its prompt that does, and stays at the head of
-the queue, holding its row and pages, until a later batch has computed the rest.
-
-The queue stops at the first request that does not fit. A later, smaller request could have
-fitted, but letting it jump the queue again and again would starve the large one.
+A request is *admitted*, first come, first served, when it fits a :class:`PrefillBudget`: a
+free page-table row, its worst case of pages (:func:`~minisgl.scheduler.utils.lifetime_pages`)
+among those not yet promised, and its prompt tokens within ``max_prefill_tokens`` (except the
+batch's first request; ``chunking.py`` cuts that one instead). The queue stops at the first
+request that does not fit: letting smaller ones jump it again and again would starve a large
+one. Chapter 9 tells the story; chapters 10 and 11 add chunks and cached prefixes.
 """
 
 from __future__ import annotations
@@ -49,8 +37,7 @@ class PrefillBudget:
         """Whether a request that computes ``new_tokens`` and needs ``pages`` fits.
 
         Rows and pages are hard limits: break them and a running request would one day find
-        no page to write to. The token budget only shapes the batch, so the first request of a
-        batch may go over it.
+        no page to write to. Tokens only shape the batch: its first request may go over.
         """
         if self.rows < 1 or pages > self.pages:
             return False
@@ -114,8 +101,8 @@ class PrefillManager:
 
         Admitted requests leave the queue holding a page-table row (and any cached prefix);
         the scheduler reserves their pages before the batch runs. A request whose prompt the
-        budget cuts is the batch's last; it stays at the head of the queue, and
-        the batch's ``chunk_lens`` say how much of each prompt runs now.
+        budget cuts is the batch's last and stays at the head of the queue; the batch's
+        ``chunk_lens`` say how much of each prompt runs now.
         """
         admitted: list[Req] = []
         chunk_lens: list[int] = []

@@ -1,11 +1,8 @@
 """Small pieces the scheduler's parts share: a request's worst-case KV need, and a step's report.
 
-- :func:`lifetime_tokens` / :func:`lifetime_pages`: the most KV a request can ever occupy. The
-  scheduler admits a request only when that much is free, so a running request never finds the
-  pool empty halfway through its answer; :func:`output_room`: the most tokens a prompt leaves
-  room for.
-- :class:`StepResult`: what one :meth:`Scheduler.step` did (the batch, the pages, the queue and
-  the requests that finished), for callers that stream results and for examples that print them.
+:func:`lifetime_tokens` / :func:`lifetime_pages` are the most KV a request can ever occupy; the
+scheduler admits a request only when that much is free, so a running request never finds the
+pool empty. :class:`StepResult` is what one step did. Chapter 9 tells the story.
 """
 
 from __future__ import annotations

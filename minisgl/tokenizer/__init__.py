@@ -4,6 +4,8 @@
 - ``detokenize``: a stream of tokens back to text, a piece per token, never splitting a
   character, and cut at the request's stop strings;
 - ``server``: the two processes around them (:func:`run_tokenizer`, :func:`run_detokenizer`).
+
+Chapter 14 tells the story.
 """
 
 from __future__ import annotations

@@ -1,29 +1,12 @@
 """Turning a stream of tokens back into text, a piece per token: the detokenizer's job.
 
-The scheduler sends one token of a request at a time, and the client wants text as soon as it
-exists. Decoding each token alone is wrong twice over:
-
-- a byte-level tokenizer cuts text into bytes, not characters: "你" is three UTF-8 bytes and
-  may come as two or three tokens, and a token that ends halfway through a character decodes
-  to the replacement character U+FFFD ("�"). Sending that would put a "�" in the client's
-  text that the full decode does not have;
-- some tokenizers (SentencePiece's) decode a token differently alone than after its
-  neighbour (a leading space is dropped at the start of a text).
-
-:class:`DecodeStream` fixes both. It decodes a small window that starts a little *before* the
-new token (so the token is decoded in context), and returns the text beyond what was returned
-already, unless that text ends in "�", in which case it holds it back: the character is not
-complete yet. The pieces it returns, concatenated, are always the full decode of the tokens so
-far, up to the last complete character.
-
-Stop strings (``SamplingParams.stop``) are text, so they are applied here too:
-:class:`StopMatcher` finds the first stop string in the text, and holds back text that could
-be the start of one until the next piece says whether it is.
-
+A token decoded alone can end halfway through a character (U+FFFD, "�") or lose a leading
+space. :class:`DecodeStream` decodes a window that starts one piece back and holds back text
+ending in "�", so its pieces, joined, are always the full decode up to the last complete
+character. :class:`StopMatcher` cuts the text at the request's stop strings.
 :class:`DetokenizeManager` keeps one :class:`RequestText` per live request and turns each
-:class:`~minisgl.message.DetokenizeRequest` into the :class:`~minisgl.message.UserReply` the
-API server receives. It also ends a request with an error reply, when a worker
-dropped it with an error or when its tokens cannot be decoded.
+:class:`~minisgl.message.DetokenizeRequest` into a :class:`~minisgl.message.UserReply`.
+Chapter 14 tells the story; chapter 16 adds the error replies.
 """
 
 from __future__ import annotations
@@ -92,10 +75,9 @@ class DecodeStream:
 class StopMatcher:
     """Cuts a stream of text at the first of its stop strings.
 
-    Text is fed in pieces. A piece may complete a stop string that began pieces ago, so the
-    matcher holds back the end of the text that could still become one (a prefix of a stop
-    string) and releases it once the next piece rules that out. Nothing it has released can
-    then be part of a stop string.
+    A piece may complete a stop string that began pieces ago, so the matcher holds back the end
+    of the text that begins some stop string until the next piece rules it out. Nothing it has
+    released can be part of a stop string.
     """
 
     stop: tuple[str, ...]
@@ -212,9 +194,9 @@ class DetokenizeManager:
     def abort(self, uid: int, error: RequestError | None = None) -> UserReply | None:
         """Forget request ``uid``: the scheduler dropped it, and will send nothing more.
 
-        When a worker dropped it because of ``error``, its client has not heard
-        the end of it yet: returns the request's last reply, which carries the error. Unless
-        a stop string had ended its text already: that client has its last reply.
+        When a worker dropped it because of ``error``, returns the request's last reply, which
+        carries the error, unless a stop string had ended its text already: that client has
+        its last reply.
         """
         state = self.states.pop(uid, None)
         if error is None or (state is not None and state.stopped):
@@ -241,9 +223,8 @@ class DetokenizeManager:
         """Handle what the scheduler sent, in order.
 
         Returns the replies for the API server, and the aborts for the scheduler: one for each
-        request that a stop string has just ended, which the scheduler would otherwise run to
-        its ``max_tokens`` for nothing (and one for each request whose tokens could not be
-        decoded).
+        request that a stop string (or a decoding failure) has just ended, which the scheduler
+        would otherwise run to its ``max_tokens`` for nothing.
         """
         replies: list[UserReply] = []
         aborts: list[AbortRequest] = []

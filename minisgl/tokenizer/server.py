@@ -1,25 +1,12 @@
 """The tokenizer and detokenizer processes.
 
-Both are thin loops around the pure logic of ``tokenize.py`` and ``detokenize.py``: bind an
-inbox, load the checkpoint's tokenizer, report ready, then take every message that has arrived,
-handle it and send the results on in one frame::
-
-    API server  --TokenizeRequest, AbortRequest-----> tokenizer
-    tokenizer   --UserRequest, AbortRequest---------> scheduler
-    scheduler   --DetokenizeRequest, AbortRequest---> detokenizer
-    detokenizer --UserReply-------------------------> API server
-    detokenizer --AbortRequest (a stop string)------> scheduler
-
-There may be several tokenizers (the API server sends request ``uid`` to tokenizer
-``uid % N``, so an abort always follows its own request), and there is one detokenizer: it
-holds every request's text state.
-
-Each function is a process's main: it returns when the process gets SIGTERM or SIGINT, after
-closing its sockets (or when its parent has died).
-
-Neither worker drops a request it cannot serve. The tokenizer sends an
-:class:`AbortRequest` carrying a :class:`~minisgl.message.RequestError` in its place; the
-detokenizer turns such an abort, or an error of its own, into the request's last reply.
+Both are thin loops around ``tokenize.py`` and ``detokenize.py``: bind an inbox, load the
+tokenizer, report ready, then handle every message that has arrived and send the results on in
+one frame. Each function is a process's main and returns on SIGTERM or SIGINT. There may be
+several tokenizers (request ``uid`` goes to tokenizer ``uid % N``, so an abort follows its own
+request) and there is one detokenizer, which holds every request's text state. Neither worker
+drops a request it cannot serve: it ends it with a :class:`~minisgl.message.RequestError`.
+Chapter 14 tells the story; chapter 16 adds the errors.
 """
 
 from __future__ import annotations
@@ -58,13 +45,10 @@ def detokenizer_counters() -> SharedCounters:
 
 def tokenize_or_fail(manager: TokenizeManager,
                      request: TokenizeRequest) -> UserRequest | AbortRequest:
-    """The scheduler's request for ``request``, or an abort that carries why
-    there is none.
+    """The scheduler's request for ``request``, or an abort that carries why there is none.
 
-    The abort goes the request's normal way (scheduler, detokenizer, API server), so the
-    client gets an answer: HTTP 400 for a prompt the tokenizer rejects (no tokens, a
-    conversation the chat template refuses), 500 for a failure of the tokenizer's own. The
-    worker goes on with the next request either way.
+    The abort goes the request's normal way, so the client gets an answer: HTTP 400 for a
+    prompt the tokenizer rejects, 500 for a failure of the tokenizer's own.
     """
     param = "messages" if request.messages is not None else "prompt"
     try:

@@ -1,17 +1,10 @@
 """Turning a request into token ids: the tokenizer worker's whole job.
 
-A :class:`~minisgl.message.TokenizeRequest` holds its prompt in one of three forms, and
-:class:`TokenizeManager` has one rule for each:
-
-- ``text``: ``tokenizer.encode(text)``, exactly what the offline ``LLM`` does with a string
-  prompt, so the server and ``LLM`` feed the model the same ids;
-- ``messages``: a chat conversation, rendered by the checkpoint's chat template with
-  ``add_generation_prompt=True`` (the prompt ends with an open assistant turn for the model to
-  fill) and tokenized in the same call, exactly as ``transformers``' ``apply_chat_template``
-  does it;
-- ``input_ids``: already tokens: passed through as they are.
-
-No process, no queue here: the worker (``server.py``) feeds it messages.
+``text`` is ``tokenizer.encode(text)``, what the offline ``LLM`` does, so both feed the model
+the same ids; ``messages`` is rendered by the chat template and tokenized in the same call (an
+``encode`` of the rendered string would double the special tokens); ``input_ids`` pass through.
+No process and no queue here: the worker (``server.py``) feeds it messages. Chapter 14 tells the
+story.
 """
 
 from __future__ import annotations

@@ -1,9 +1,7 @@
 """Counters a worker publishes and another process reads, with no message.
 
-:class:`SharedCounters`: named integers in shared memory that a worker writes after each step
-and the API server reads for ``/metrics``. A queue would make the reader wait for the writer's
-next message and the writer send numbers nobody asked for; shared memory lets each side go at
-its own pace.
+A queue would make the reader wait for the writer's next message and the writer send numbers
+nobody asked for; shared memory lets each side go at its own pace. Chapter 14 tells the story.
 """
 
 from __future__ import annotations
@@ -16,10 +14,9 @@ from minisgl.utils.processes import SPAWN
 class SharedCounters:
     """Named 64-bit integers in shared memory: one process writes them, others read them.
 
-    The workers publish their state this way (the scheduler: requests running and waiting, KV
-    pages in use, tokens served) and the API server reads it for ``/metrics``, without a
-    message and without asking. Make it in the parent, before starting the worker, and pass it
-    to the worker as an argument: the memory is shared, not copied.
+    The scheduler publishes its state this way and the API server reads it for ``/metrics``.
+    Make it in the parent, before starting the worker, and pass it to the worker as an
+    argument: the memory is shared, not copied.
 
     A lock keeps a group of values written together (:meth:`update`) consistent for a reader
     that takes them together (:meth:`snapshot`).

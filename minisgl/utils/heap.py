@@ -1,13 +1,9 @@
 """Keep the garbage collector's full passes out of the step loop.
 
-CPython finds reference cycles by scanning the objects it tracks, youngest generations often
-and the oldest now and then. An engine holds hundreds of thousands of old objects from its
-start-up (modules, the model's layers, the Python side of its tensors and graphs), none of
-which will become garbage while it serves, and a full pass over them takes tens of
-milliseconds. In the step loop that is a pause in which the host prepares nothing, and under
-overlap scheduling the device runs dry. ``gc.freeze()`` moves every object alive now into a
-permanent generation that no pass scans; what is allocated afterwards is collected as before,
-and ``gc.unfreeze()`` hands the frozen objects back.
+An engine holds hundreds of thousands of objects from its start-up that will not become garbage
+while it serves; a full pass over them takes tens of milliseconds, in which the host prepares
+nothing and, under overlap scheduling, the device runs dry. ``gc.freeze()`` moves them into a
+generation no pass scans. Chapter 12 tells the story.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Finding a checkpoint (a local directory or a Hugging Face hub id) and reading its config.json.
 
-Every entry point of the engine (the server, ``LLM``, ``load_model``, the tokenizer) goes through
-:func:`resolve_model_path` once, at the edge, and from then on the engine only ever sees a local
-directory. The hub client is imported lazily, so a local run never imports it and a test never
-touches the network. A ``--model`` that reads as a local path (``./x``, ``/a/b``, ``models/x``)
-is never sent to the hub: when it does not exist, the error says how to make the tiny model.
-Without ``--model``, :func:`default_model` picks the book's model from the repository's
-``models/`` directory.
+Every entry point of the engine goes through :func:`resolve_model_path` once, at the edge; from
+then on the engine only sees a local directory. A ``--model`` that reads as a local path is
+never sent to the hub, and the hub client is imported only for a hub id. Chapter 1 tells the
+story.
 """
 
 from __future__ import annotations

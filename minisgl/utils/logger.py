@@ -1,9 +1,8 @@
 """One logging setup for the whole package: one format, one handler, the level from the environment.
 
-Every module does ``logger = get_logger(__name__)``. All of minisgl's loggers hang under the
-``minisgl`` logger, which owns the only handler, so one line of configuration decides the format
-and the level of every message the engine prints. Messages go to stderr: stdout belongs to the
-program that uses the engine (an example's results, a shell's answers).
+Every module does ``logger = get_logger(__name__)``; all loggers hang under ``minisgl``, which
+owns the only handler. Messages go to stderr: stdout belongs to the program that uses the
+engine. Chapter 1 tells the story.
 """
 
 from __future__ import annotations

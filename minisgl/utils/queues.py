@@ -1,20 +1,12 @@
 """The queues between the engine's processes.
 
-The served engine is four kinds of process (API server, tokenizer, scheduler, detokenizer). A
-queue is a one-way ZMQ PUSH -> PULL channel carrying one family of messages:
-:class:`ZmqPushQueue` / :class:`ZmqPullQueue` block (the workers' loops);
-:class:`ZmqAsyncPushQueue` / :class:`ZmqAsyncPullQueue` are awaited (the API server's event
-loop). :func:`ipc_address` makes a fresh ``ipc://`` address (a Unix socket file) in a private
-temporary directory.
-
-The codec is passed in with the type: a queue is typed with a class that has ``dumps`` and
-``loads`` (every :class:`minisgl.message.Message` family brings msgpack's), and writes and reads
-its frames with them. So this module, below ``message`` in the package order, imports no
-message, and both ends check that what they carry is of that class: a message sent to the wrong
-process fails at once, with both names in the error.
-
-A frame (one ZMQ message) holds one message or a list of them (``put_many``); the pulling side
-returns them one by one, so a receiver never unwraps batches itself.
+A queue is a one-way ZMQ PUSH -> PULL channel carrying one family of messages: the blocking
+:class:`ZmqPushQueue` / :class:`ZmqPullQueue` serve the workers' loops, the awaited
+:class:`ZmqAsyncPushQueue` / :class:`ZmqAsyncPullQueue` the API server's event loop. A queue is
+typed with a class that brings ``dumps`` and ``loads`` (a :class:`minisgl.message.Message`
+family), so this module imports no message, and both ends check what they carry. A frame holds
+one message or a list (``put_many``); the pulling side returns them one by one. Chapter 13 tells
+the story.
 """
 
 from __future__ import annotations
@@ -48,9 +40,8 @@ def ipc_address(name: str, directory: str | os.PathLike[str] | None = None) -> s
     """A fresh ``ipc://`` address for a queue called ``name``.
 
     The socket file lives in ``directory``, or else in a private temporary directory that this
-    process makes on first use and removes when it exits. A random suffix keeps two addresses
-    (and two servers on one machine) apart. Pass the address string to the child processes;
-    each opens its own end of the queue.
+    process makes on first use and removes when it exits. A random suffix keeps two servers on
+    one machine apart.
     """
     if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
         raise ValueError(f"ipc_address name must be letters, digits, '_', '.' or '-', "
@@ -249,8 +240,7 @@ class ZmqAsyncPushQueue(_Queue, Generic[T]):
 class ZmqAsyncPullQueue(_Queue, Generic[T]):
     """:class:`ZmqPullQueue` for an asyncio event loop: ``message = await queue.get()``.
 
-    While it waits, the event loop runs other coroutines (other HTTP requests): that is the
-    point of the async flavour. Use one queue from one event loop.
+    While it waits, the event loop runs other coroutines. Use one queue from one event loop.
     """
 
     def __init__(self, address: str, message_type: type[T], *, bind: bool) -> None:
