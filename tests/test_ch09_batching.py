@@ -15,6 +15,8 @@ What these tests pin down:
 
 from __future__ import annotations
 
+import dataclasses
+
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -33,10 +35,16 @@ from minisgl.scheduler.utils import StepResult, lifetime_pages
 PAGE_SIZE = 4
 
 
+# These tests describe the synchronous loop, which reads a batch's tokens in the step that
+# launches it; from chapter 12 on the scheduler overlaps unless told otherwise.
+SYNCHRONOUS = ({"overlap": False}
+               if "overlap" in {f.name for f in dataclasses.fields(SchedulerConfig)} else {})
+
+
 def make_scheduler(model_dir: Path, **options: object) -> Scheduler:
     settings: dict[str, object] = {"device": "cpu", "page_size": PAGE_SIZE, "num_pages": 256,
                                    "max_running_reqs": 8}
-    return Scheduler(SchedulerConfig(model_dir, **{**settings, **options}))
+    return Scheduler(SchedulerConfig(model_dir, **{**settings, **SYNCHRONOUS, **options}))
 
 
 def random_prompts(lengths: list[int], vocab_size: int = 2048, seed: int = 0) -> list[list[int]]:

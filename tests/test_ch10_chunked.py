@@ -19,6 +19,8 @@ axis (overlap scheduling) with one more ``parametrize`` line and one more option
 
 from __future__ import annotations
 
+import dataclasses
+
 import itertools
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -54,10 +56,16 @@ def one_thread() -> Iterator[None]:
     torch.set_num_threads(threads)
 
 
+# These tests describe the synchronous loop, which reads a batch's tokens in the step that
+# launches it; from chapter 12 on the scheduler overlaps unless told otherwise.
+SYNCHRONOUS = ({"overlap": False}
+               if "overlap" in {f.name for f in dataclasses.fields(SchedulerConfig)} else {})
+
+
 def make_scheduler(model_dir: Path, **options: object) -> Scheduler:
     settings: dict[str, object] = {"device": "cpu", "page_size": PAGE_SIZE,
                                    "num_pages": NUM_PAGES, "max_running_reqs": MAX_RUNNING}
-    return Scheduler(SchedulerConfig(model_dir, **{**settings, **options}))
+    return Scheduler(SchedulerConfig(model_dir, **{**settings, **SYNCHRONOUS, **options}))
 
 
 def chunked(model_dir: Path, budget: int, **options: object) -> Scheduler:
