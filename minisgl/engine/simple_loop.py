@@ -1,18 +1,11 @@
 """The simplest complete generation loop: one sequence, one token per step.
 
-Generation is a loop around the model: run the tokens so far, take the logits of the last
-position, pick a token, append it, repeat until a stop condition fires. Done naively, step
-``n`` re-runs all ``n`` tokens through every layer although only the last one is new. A *KV
-cache* removes that waste: each layer's keys and values for past tokens never change, so they
-are kept, and each decode step computes K/V for the one new token only and attends over the
-stored ones.
-
-:class:`ContiguousKVCache` is the cache in its plainest form, one contiguous
-``[max_len, num_kv_heads, head_dim]`` buffer per layer for a single sequence. It plugs into the
-model through the attention-backend seam of ``minisgl.layers.attention``, so the model code does
-not change at all. :func:`generate` runs the loop with the cache (prefill once, then decode) or
-without it (re-run everything at each step), which lets the example measure the difference.
-The engine proper replaces the one-sequence buffer by a paged pool shared by many requests.
+:class:`ContiguousKVCache` keeps each layer's past keys and values for a single sequence in one
+``[max_len, num_kv_heads, head_dim]`` buffer and plugs into the model through the
+attention-backend seam of ``minisgl.layers.attention``; :func:`generate` runs the loop with it
+(prefill once, then one new token per step) or without it (every step re-runs every token), so
+the example can measure the difference. Chapter 4 tells the story; the engine (chapter 7)
+replaces the one-sequence buffer by a paged pool shared by many requests.
 """
 
 from __future__ import annotations

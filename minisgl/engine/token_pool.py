@@ -1,26 +1,11 @@
 """The token pool: every running request's token ids, kept on the engine's device.
 
-A forward pass needs the ids of the tokens it feeds. Copying them from the host's lists
-(``prompt_ids + output_ids``) on every step means the host has to *know* every token before it
-can launch the step that feeds it. Overlap scheduling (``scheduler/overlap.py``) launches a step
-before the host has read the token the step before sampled, so the ids must come from somewhere
-the device writes itself.
-
-:class:`TokenPool` is that place: one ``[max_running_reqs, max_seq_len + 1]`` integer tensor on
-the device, indexed like the KV cache's page table, by a request's row and a token's position.
-
-- the host writes a request's prompt tokens as the passes that feed them are prepared (the
-  host knows those: the caller gave them);
-- right after sampling, each request's new token is written on the device at the position that
-  follows its fed tokens (a cut prefill chunk's sample continues a half-read prompt and is not
-  written);
-- a pass's input ids are gathered from it on the device, at ``(row, position)`` pairs that the
-  host computes from lengths alone.
-
-So the host never needs a token's value to launch the step that feeds it: it needs how long
-each request is. The engine owns the pool, next to the page table whose rows index it: the
-engine is what feeds tokens to the model and samples new ones, and nothing else reads or writes
-token values on the device.
+One ``[max_running_reqs, max_seq_len + 1]`` integer tensor, indexed like the page table by a
+request's row and a token's position. Prompt tokens are written from the host as the passes that
+feed them are prepared; each sample is written on the device right after sampling; a pass's
+input ids are gathered from it at positions the host computes from lengths alone. So a step can
+be launched before the host has read the token the step before sampled, which is what overlap
+scheduling needs. Chapter 12 tells the story.
 """
 
 from __future__ import annotations

@@ -1,30 +1,13 @@
-"""One scheduler per rank: rank 0 decides nothing alone, it only hears first.
+"""One scheduler per rank: every rank runs the same scheduler on the same inputs.
 
-Under tensor parallelism every rank holds a slice of every layer, so every forward pass needs
-every rank, in step: the same requests, in the same batch, with their tokens in the same KV
-pages (a page number is an index into each rank's own slice of the pool). Instead of one
-scheduler that tells the others what to do each step, each rank runs its own copy of the
-scheduler and they are kept identical by giving them identical inputs:
-
-- only rank 0 talks to the outside (the tokenizers, the detokenizer, ``LLM``'s caller). Each
-  request it accepts and each abort it applies is passed on, in order, to every other rank
-  (:class:`RankFollowers`), over a ZMQ queue per follower;
-- before each of its steps rank 0 sends a :class:`RankStep`; a follower runs one step when it
-  gets one (:func:`run_tp_follower`), and checks that it counts the same steps;
-- the scheduler is deterministic given its inputs, and every rank's KV pool has the same
-  number of pages (the engine takes the smallest any rank can hold), so every rank admits,
-  batches, pages and retires alike;
-- rank 0 samples and broadcasts its tokens (``Engine.sample``), so the requests' outputs, and
-  with them every later decision, agree too.
-
-Only rank 0 replies. A follower publishes its own gauges (``rank1_kv_pages_in_use`` ...), so
-``/metrics`` shows that every rank frees what it held.
-
-A failed step cannot be answered and forgotten here, as ``scheduler.io`` does with one rank: the
-ranks may have stopped at different collectives, and the next step would pair one rank's
-all-reduce with another's broadcast. A rank whose step fails exits (:class:`RankFailed`); the
-others' next collective then fails as well, and the API server, seeing its processes gone,
-answers every waiting request with 503.
+Under tensor parallelism every forward pass needs every rank, in step, with the same batch in
+the same pages. Instead of shipping batches, rank 0 (the only rank that talks to the outside)
+passes each accepted request, each abort and each step on to the other ranks
+(:class:`RankFollowers`, the ``followers`` of rank 0's :class:`Scheduler`); a follower repeats
+them (:func:`run_tp_follower`). The scheduler is deterministic, every rank's pool has the same
+pages, and rank 0's sampled tokens are broadcast, so every decision agrees. A rank whose step
+fails exits (:class:`RankFailed`) rather than risk pairing mismatched collectives. Chapter 17
+tells the story.
 """
 
 from __future__ import annotations
