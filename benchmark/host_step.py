@@ -55,17 +55,18 @@ def without_device_work(engine: Any) -> None:
     """
     import torch
 
-    from minisgl.attention.fi import GraphBuffers, num_decode_pieces, stage_decode_batch
+    from minisgl.attention.fi import GraphBuffers, stage_decode_batch
+    from minisgl.layers.fast import paths
 
     table = engine.pages.table
     max_batch = engine.config.max_running_reqs
     graph = GraphBuffers.allocate(max_batch, table.max_pages_per_req, pad_page=0,
                                   device=torch.device("cpu"),
-                                  max_pieces=num_decode_pieces(max_batch))
+                                  max_pieces=paths.decode_pieces(max_batch))
     def run(ctx: Any, use_graph: bool = True) -> torch.Tensor:
         spans = ctx.layout.spans
         if ctx.layout.is_decode:  # a large batch is cut into pieces, as a replay cuts it
-            stage_decode_batch(graph, table, spans, len(spans), num_decode_pieces(len(spans)))
+            stage_decode_batch(graph, table, spans, len(spans), paths.decode_pieces(len(spans)))
         return torch.zeros(len(spans), 1)
 
     engine.run = run
