@@ -9,7 +9,7 @@ seed), routes it with the engine's own router, and times every path on the same 
 * ``reference``: the per-expert loop (:func:`~minisgl.moe.reference.moe_reference`);
 * ``grouped``: the rows sorted by expert and one grouped matrix multiply per projection
   (:func:`~minisgl.moe.grouped.moe_grouped`, ``torch.nn.functional.grouped_mm``);
-* ``fused``: the Triton kernels (:func:`~minisgl.moe.fused.moe_fused`), eagerly and replayed
+* ``fused``: the Triton kernels (:func:`~minisgl.kernel.moe.moe_fused`), eagerly and replayed
   from a CUDA graph captured for that ``T`` (the way the engine runs a decode step).
 
 Each time is the median of ``--repeats`` runs, each run timed by CUDA events (on a CPU, by the
@@ -108,8 +108,9 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if min(token_counts) < 1 or args.repeats < 1:
         parser.error("token counts and --repeats must be >= 1")
 
-    from minisgl.moe.fused import fused_available, moe_fused
+    from minisgl.kernel.moe import fused_available
     from minisgl.moe.grouped import moe_grouped
+    from minisgl.moe.layer import moe_kernel
     from minisgl.moe.reference import moe_reference
     from minisgl.moe.router import route_topk
     from minisgl.utils.hf import load_hf_config
@@ -162,7 +163,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
         if T <= args.reference_max_tokens:
             paths["reference"] = lambda: moe_reference(x, gate_up, down, routing)
         if fused_ok:
-            paths["fused"] = lambda: moe_fused(x, gate_up, down, routing)
+            paths["fused"] = lambda: moe_kernel(x, gate_up, down, routing)
         outputs = {name: fn() for name, fn in paths.items()}
         for name, fn in paths.items():
             row[f"{name}_ms"] = timed_ms(fn, device, args.repeats)

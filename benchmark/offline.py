@@ -29,6 +29,7 @@ floor"). ``--out results.json`` writes everything, after every system, machine-r
 from __future__ import annotations
 
 import argparse
+import contextlib
 import gc
 import inspect
 import itertools
@@ -39,6 +40,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -739,18 +741,26 @@ def measure_arm(llm: Any, arm: Arm, args: argparse.Namespace, loads: dict[str, A
 LONG_OUTPUT_LEN = 8  # the long prompts' outputs: their point is the prefill
 
 
+def kernel_package() -> ModuleType | None:
+    """``minisgl.kernel`` (chapter 20), or None in a tree without it (nothing to switch)."""
+    try:
+        from minisgl import kernel
+    except ModuleNotFoundError:
+        return None
+    return kernel
+
+
 def fused_active(arm: Arm) -> bool:
     """Whether the arm's layers called the fused kernels (they need CUDA and bf16/fp16)."""
-    from minisgl.layers import fused
-
-    return arm.fused and any(status == "on" for status in fused.kernel_status().values())
+    kernel = kernel_package()
+    return (arm.fused and kernel is not None
+            and any(status == "on" for status in kernel.kernel_status().values()))
 
 
 def run_ablations(args: argparse.Namespace, names: Sequence[str], vocab_size: int,
                   emit: Callable[[AblationResult, bool], None]) -> None:
     """Every arm, grouped by engine so that each engine starts once; ``emit`` gets each
     result, and whether it is new or an earlier one that another ablation reads too."""
-    from minisgl.layers import fused
     from minisgl.llm import LLM
 
     loads = ablation_workloads(args, vocab_size)
@@ -764,7 +774,8 @@ def run_ablations(args: argparse.Namespace, names: Sequence[str], vocab_size: in
         print(f"ablations: an engine with {described}, fused kernels "
               f"{'on' if use_fused else 'off'}, for {', '.join(a.label for a in group)}",
               flush=True)
-        with fused.use_fused(use_fused):
+        kernel = kernel_package()
+        with kernel.use_fused(use_fused) if kernel else contextlib.nullcontext():
             # Rows (and captured graph sizes) for the largest batch the workloads make.
             rows = max(args.num_requests, args.short_requests + args.long_requests)
             llm = LLM(args.model, device=args.device, dtype=args.dtype,

@@ -14,7 +14,6 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import pytest
 import torch
 
@@ -27,8 +26,7 @@ from minisgl.attention import (
     total_lens,
 )
 from minisgl.attention.base import BaseAttnBackend
-from minisgl.attention.fi import PIECES_MIN_BATCH, import_flashinfer, num_decode_pieces
-from minisgl.attention.pieces import cut_into_pieces, piece_length
+from minisgl.attention.fi import import_flashinfer
 from minisgl.attention.utils import (
     gather_page_ids,
     indptr_of,
@@ -37,6 +35,7 @@ from minisgl.attention.utils import (
     pages_for,
 )
 from minisgl.kvcache import MHAKVPool
+from minisgl.layers import fast
 from minisgl.layers.attention import DenseCausalAttention, use_attention_backend
 from minisgl.models import load_model
 from minisgl.kvcache.page_table import PageTable
@@ -48,8 +47,6 @@ NUM_LAYERS = 2
 # page and on a page boundary, single-token prompts, chunks that cross several pages.
 PREFILL_CASE = [(0, 7), (5, 1), (17, 9), (0, 1), (32, 16), (3, 20)]
 DECODE_CASE = [(6, 1), (0, 1), (15, 1), (16, 1), (40, 1)]
-# A decode batch large enough to be cut into pieces, with mixed lengths.
-LARGE_DECODE_CASE = [((7 + 13 * i) % 90, 1) for i in range(PIECES_MIN_BATCH)]
 CPU_TOLERANCE = 1e-5
 # bfloat16 keeps 8 bits of mantissa: an output of size x is rounded by up to x / 256, and a
 # fused kernel also rounds the softmax probabilities to bfloat16 before the P @ V product. So
@@ -402,46 +399,6 @@ def test_missing_flashinfer_package_says_how_to_install_it(monkeypatch: pytest.M
         import_flashinfer()
 
 
-@pytest.mark.parametrize("seed", range(20))
-def test_piece_length_is_the_shortest_that_fits(seed: int) -> None:
-    rng = np.random.default_rng(seed)
-    num_pages = rng.integers(1, 200, size=rng.integers(1, 40))
-    max_pieces = int(rng.integers(len(num_pages), 5 * len(num_pages) + 1))
-    piece = piece_length(num_pages, max_pieces)
-    pieces = lambda length: int((-(-num_pages // length)).sum())
-    assert pieces(piece) <= max_pieces
-    assert piece == 1 or pieces(piece - 1) > max_pieces
-
-
-def test_piece_length_refuses_fewer_pieces_than_requests() -> None:
-    with pytest.raises(ValueError, match="3 requests cannot fit in 2 pieces"):
-        piece_length(np.array([4, 4, 4]), 2)
-
-
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_pieces_cover_each_request_in_order_and_full_pages(page_size: int) -> None:
-    rng = np.random.default_rng(page_size)
-    tokens = rng.integers(1, 300, size=30)
-    num_pages = -(-tokens // page_size)
-    last = tokens - (num_pages - 1) * page_size
-    piece = piece_length(num_pages, 4 * len(tokens))
-    pages, piece_last, owners, piece_indptr = cut_into_pieces(num_pages, last, piece, page_size)
-    assert pages.max() <= piece and pages.min() >= 1
-    for req in range(len(tokens)):
-        mine = slice(piece_indptr[req], piece_indptr[req + 1])
-        assert (owners[mine] == req).all()
-        assert pages[mine].sum() == num_pages[req]
-        # tokens: full pages, but for the request's own last page
-        assert (pages[mine] - 1) @ np.full(len(pages[mine]), page_size) + piece_last[mine].sum() \
-            == tokens[req]
-        assert piece_last[mine][-1] == last[req]
-
-
-def test_decode_batches_are_cut_into_pieces_from_the_threshold_on() -> None:
-    assert num_decode_pieces(PIECES_MIN_BATCH - 1) == 0
-    assert num_decode_pieces(PIECES_MIN_BATCH) >= 2 * PIECES_MIN_BATCH
-
-
 # ---------------------------------------------------------------------------------------------
 # GPU: torch-native on CUDA, FlashInfer prefill/decode and its CUDA-graph decode
 
@@ -482,94 +439,14 @@ def test_flashinfer_decode_equals_dense_in_bf16(page_size: int, num_qo_heads: in
 
 
 @pytest.mark.gpu
-def test_merged_pieces_equal_attention_over_whole_requests() -> None:
-    """merge_pieces against dense attention: each request's keys cut into pieces, each piece
-    attended alone (with its base-2 log-sum-exp), merged; spare rows past the last piece are
-    ignored."""
-    from minisgl.attention.pieces import merge_pieces
-
-    generator = torch.Generator().manual_seed(0)
-    lens, piece = [1, 7, 40, 3, 129], 8
-    heads, dim = HQ, HEAD_DIM
-    q = torch.randn(len(lens), heads, dim, generator=generator)
-    keys = [torch.randn(n, heads, dim, generator=generator) for n in lens]
-    values = [torch.randn(n, heads, dim, generator=generator) for n in lens]
-
-    def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = torch.einsum("hd,nhd->hn", q, k) * dim**-0.5
-        lse2 = torch.logsumexp(scores, dim=-1) / torch.log(torch.tensor(2.0))
-        return torch.einsum("hn,nhd->hd", scores.softmax(-1), v), lse2
-
-    outs, lses, piece_indptr = [], [], [0]
-    for req, n in enumerate(lens):
-        for start in range(0, n, piece):
-            out, lse = attend(q[req], keys[req][start:start + piece],
-                              values[req][start:start + piece])
-            outs.append(out), lses.append(lse)
-        piece_indptr.append(len(outs))
-    spare = 3
-    out = torch.cat([torch.stack(outs), torch.randn(spare, heads, dim)]).to("cuda", torch.bfloat16)
-    lse = torch.cat([torch.stack(lses), torch.full((spare, heads), 50.0)]).cuda()
-    merged = merge_pieces(out, lse, torch.tensor(piece_indptr, dtype=torch.int32, device="cuda"))
-    reference = torch.stack([attend(q[r], keys[r], values[r])[0] for r in range(len(lens))])
-    assert merged.shape == reference.shape and merged.dtype == torch.bfloat16
-    assert_bf16_close(merged.cpu(), reference, "merged pieces vs whole requests")
-
-
-@pytest.mark.gpu
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
-def test_flashinfer_decodes_a_large_batch_in_pieces_and_equals_dense(page_size: int) -> None:
-    s = make_scenario(LARGE_DECODE_CASE, page_size, is_decode=True, dtype=torch.bfloat16,
-                      device="cuda")
-    backend = flashinfer_backend(s)
-    errors = run_backend(backend, s)  # checks the bf16 band itself
-    pieces = backend.metadata.pieces
-    assert pieces is not None and pieces.owners.numel() > len(LARGE_DECODE_CASE)
-    small = make_scenario(DECODE_CASE, page_size, is_decode=True, dtype=torch.bfloat16,
-                          device="cuda")
-    small_backend = flashinfer_backend(small)
-    run_backend(small_backend, small)
-    assert small_backend.metadata.pieces is None
-    print(f"flashinfer decode of {len(LARGE_DECODE_CASE)} requests in "
-          f"{pieces.owners.numel()} pieces, page size {page_size}: max err {max(errors):.3e}")
+def test_flashinfer_cuda_graph_decode_replays_a_smaller_padded_batch(page_size: int) -> None:
+    check_graph_decode_replay(page_size, DECODE_CASE[:3], 4)  # three requests, one padding entry
 
 
-@pytest.mark.gpu
-def test_a_batch_in_pieces_names_a_query_row_per_piece_and_attends_from_them() -> None:
-    """The split form a fused prologue uses: kv_destination names the rows the kernel reads
-    (one per piece, token t's rows in order), and attend_stored over queries written there
-    equals dense attention and the one-call forward."""
-    s = make_scenario(LARGE_DECODE_CASE, 16, is_decode=True, dtype=torch.bfloat16,
-                      device="cuda")
-    backend = flashinfer_backend(s)
-    backend.prepare(s.layout)
-    q, k, v = s.new_tokens(0)
-    destination = backend.kv_destination(0, q.shape[0])
-    pieces = backend.metadata.pieces
-    assert pieces is not None and destination.query_rows is pieces.indptr
-    rows_per_token = torch.diff(destination.query_rows.long())
-    assert destination.num_query_rows == int(rows_per_token.sum()) > q.shape[0]
-    owners = torch.repeat_interleave(torch.arange(q.shape[0], device="cuda"), rows_per_token)
-    assert torch.equal(pieces.owners, owners)
-    destination.k_cache[destination.loc] = k  # what the prologue kernel writes
-    destination.v_cache[destination.loc] = v
-    with pytest.raises(ValueError, match="query rows"):
-        backend.attend_stored(q, 0)  # one row per token is not what the kernel reads
-    stored = backend.attend_stored(q[owners], 0)
-    assert stored.shape == q.shape
-    assert_bf16_close(stored.float().cpu(), s.reference(0).float().cpu(), "attend_stored")
-    assert torch.equal(stored, backend.forward(q, k, v, 0))
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("page_size", PAGE_SIZES)
-@pytest.mark.parametrize("case, graph_bs", [
-    (DECODE_CASE[:3], 4),  # three real requests, one padding entry
-    (LARGE_DECODE_CASE, PIECES_MIN_BATCH + 1),  # cut into pieces, some of them spares
-], ids=["whole", "pieces"])
-def test_flashinfer_cuda_graph_decode_replays_a_smaller_padded_batch(
-        page_size: int, case: list[tuple[int, int]], graph_bs: int) -> None:
+def check_graph_decode_replay(page_size: int, case: list[tuple[int, int]], graph_bs: int) -> None:
+    """Capture a decode of ``graph_bs`` entries, replay it for ``case``: equal to the same call
+    made eagerly, and within bf16 of the unpadded eager decode and of dense attention."""
     s = make_scenario(case, page_size, is_decode=True, dtype=torch.bfloat16, device="cuda")
     backend = flashinfer_backend(s)
     used = set(s.table.page_ids[s.table.page_ids >= 0].tolist())
@@ -589,7 +466,7 @@ def test_flashinfer_cuda_graph_decode_replays_a_smaller_padded_batch(
     meta = backend.prepare_for_replay(s.layout, graph_bs)
     assert meta.out_loc.shape[0] == graph_bs and meta.positions.tolist()[num_reqs:] == [0] * (
         graph_bs - num_reqs)
-    assert (meta.pieces is not None) == bool(num_decode_pieces(graph_bs))
+    assert (meta.pieces is not None) == bool(fast.paths.decode_pieces(graph_bs))
     q, k, v = s.new_tokens(0)
     static_q[:num_reqs], static_k[:num_reqs], static_v[:num_reqs] = q, k, v
     graph.replay()

@@ -223,51 +223,6 @@ def test_replay_staging_writes_the_arrays_an_eager_plan_builds() -> None:
             [pad_page * size] * pad
 
 
-@pytest.mark.parametrize("pieces_per_request", [1, 2, 4])
-def test_replay_staging_in_pieces_covers_each_request_once_in_order(
-        pieces_per_request: int) -> None:
-    """Staged in pieces, the kernel's entries are runs of each request's pages: one request's
-    runs, concatenated, are its pages in order, each run but the last made of full pages; the
-    entries left over are spares of one token in the pad page, which no request merges; and
-    the batch's pieces fill the graph's count whenever there are pages enough."""
-    from minisgl.attention.fi import GraphBuffers, stage_decode_batch
-    from minisgl.attention.utils import gather_page_ids, last_page_len, pages_for
-
-    size, width, pad_page = 4, 12, 99
-    table = PageTable(6, width, page_size=size)
-    graph = GraphBuffers.allocate(8, width, pad_page, torch.device("cpu"),
-                                  max_pieces=8 * pieces_per_request)
-    for rows, lens, batch_size in random_decode_batches(table, 60, seed=1):
-        num_pieces = pieces_per_request * batch_size
-        total = stage_decode_batch(graph, table, rows, [lens[row] for row in rows], batch_size,
-                                   num_pieces)
-        pad = batch_size - len(rows)
-        num_pages = [pages_for(lens[row] + 1, size) for row in rows] + [1] * pad
-        pages = gather_page_ids(table, rows, num_pages[: len(rows)]).tolist() + [pad_page] * pad
-        last_lens = [last_page_len(lens[row] + 1, size) for row in rows] + [1] * pad
-        indices = graph.host_page_indices[:total].tolist()
-        indptr = graph.host_page_indptr[: num_pieces + 1].tolist()
-        entry_last = graph.host_last_page_lens[:num_pieces].tolist()
-        owners = graph.host_piece_owners[:num_pieces].tolist()
-        piece_indptr = graph.host_piece_indptr[: batch_size + 1].tolist()
-        assert piece_indptr[0] == 0 and indptr[0] == 0
-        start = 0
-        for req in range(batch_size):
-            mine = range(piece_indptr[req], piece_indptr[req + 1])
-            assert len(mine) >= 1 and all(owners[p] == req for p in mine)
-            runs = [indices[indptr[p]: indptr[p + 1]] for p in mine]
-            assert sum(runs, []) == pages[start: start + num_pages[req]]
-            assert [entry_last[p] for p in mine] == [size] * (len(mine) - 1) + [last_lens[req]]
-            start += num_pages[req]
-        used = piece_indptr[batch_size]
-        spares = range(used, num_pieces)
-        assert total == start + len(spares)
-        assert [indices[indptr[p]: indptr[p + 1]] for p in spares] == [[pad_page]] * len(spares)
-        assert all(entry_last[p] == 1 for p in spares)
-        for row in rows:
-            lens[row] += 1
-
-
 # --------------------------------------------------------------------------------------------
 # On a GPU: replay against eager
 # --------------------------------------------------------------------------------------------
@@ -333,32 +288,6 @@ def test_tiny_replay_equals_eager_for_exact_and_padded_batches(tiny_model_dir: P
     assert engine.pages.num_used == 1, "one page is kept for the padding entries"
     check_replay_against_eager(engine, [1, 3, 8, 13])  # 3 -> 4 and 13 -> 16 are padded
     assert engine.pages.num_free == engine.kv_budget.num_pages - 1
-
-
-@pytest.mark.gpu
-def test_batches_cut_into_pieces_replay_and_equal_the_uncut_batch(
-        tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """From PIECES_MIN_BATCH requests the model's attention runs in pieces, the queries
-    written to a row per piece by the prologue kernel: eager, replayed (a padded graph, with
-    spare pieces) and against the same batch not cut."""
-    from minisgl.attention import fi
-
-    sizes = (1, 2, 4, 8, 16, fi.PIECES_MIN_BATCH + 7)
-    engine = graph_engine(tiny_model_dir, page_size=16, sizes=sizes)
-    check_replay_against_eager(engine, [fi.PIECES_MIN_BATCH, fi.PIECES_MIN_BATCH + 5], steps=2)
-    num_reqs = fi.PIECES_MIN_BATCH + 2
-    reqs = decode_batch(engine, ragged_prompts(num_reqs, engine.model_config.vocab_size, seed=9))
-    batch = Batch(reqs, "decode")
-    cut = engine.logits(batch, use_graph=False).clone()
-    assert engine.attn_backend.metadata.pieces is not None
-    monkeypatch.setattr(fi, "PIECES_MIN_BATCH", 10**6)
-    whole = engine.logits(batch, use_graph=False)
-    assert engine.attn_backend.metadata.pieces is None
-    tolerance = BF16_RELATIVE_TOLERANCE * float(whole.abs().max())
-    error = float((cut - whole).abs().max())
-    assert error <= tolerance, f"{num_reqs} requests in pieces: {error:.3f} > {tolerance:.3f}"
-    for req in reqs:
-        engine.pages.release(req)
 
 
 @pytest.mark.gpu

@@ -21,17 +21,20 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "minisgl"
 # - ``env`` holds the MINISGL_* variables, read by the logger in ``utils``; ``core`` (requests,
 #   batches, sampling settings: plain data that everything reads) checks its fields with
 #   ``utils.checks``, so it sits above ``utils``, which needs nothing of it.
+# - ``kernel`` holds GPU kernels beside the plain code they replace; it needs only torch and
+#   ``utils``, and the layers reach it through one seam (``layers/fast.py``), so it sits below.
 # - ``distributed`` needs tensors and a logger, and the layers shard across it: it sits between
 #   the two. ``message`` (the messages between processes and their codec) needs only core.
-# - ``moe`` holds the mixture-of-experts kernels that a model's blocks are built from, so it
+# - ``moe`` holds the mixture-of-experts layer that a model's blocks are built from, so it
 #   sits below ``models``, not above.
 # - ``kvcache`` (the pool, the page allocator and the page table) is state that attention
 #   reads; the engine owns one of each; the scheduler decides who gets which pages.
 # - ``shell`` drives a server's frontend from a terminal, so it sits above ``server``;
 #   ``__main__`` chooses between the two. ``llm`` (the offline API) needs only the scheduler.
 PACKAGE_ORDER = (
-    "env", "utils", "core", "distributed", "message", "layers", "moe", "models", "kvcache",
-    "attention", "engine", "scheduler", "tokenizer", "server", "shell", "llm", "__main__",
+    "env", "utils", "kernel", "core", "distributed", "message", "layers", "moe", "models",
+    "kvcache", "attention", "engine", "scheduler", "tokenizer", "server", "shell", "llm",
+    "__main__",
 )
 
 

@@ -19,18 +19,8 @@ import torch
 
 from minisgl.kvcache.mha_pool import MHAKVPool
 from minisgl.kvcache.page_table import PageTable, expand_ranges
-from minisgl.layers.fused import KVDestination
+from minisgl.layers.fast import KVDestination, QueryRows
 from minisgl.utils.torch_utils import host_to_device
-
-
-@dataclass
-class QueryRows:
-    """A kernel that reads the queries in rows of its own: row ``r`` holds the query of token
-    ``owners[r]``. A decode batch cut into pieces (:mod:`minisgl.attention.pieces`) is one:
-    each piece of a request is a row with the request's query."""
-
-    owners: torch.Tensor  # [R] int64, device: the token whose query each row holds
-    indptr: torch.Tensor  # [T + 1] int32, device: token t's rows are indptr[t] .. indptr[t+1]-1
 
 
 class BatchLayout(Protocol):
@@ -210,9 +200,9 @@ class BaseAttnBackend(ABC):
                              f"{meta.out_loc.shape[0]}; call prepare() for each batch")
         return meta
 
-    # The split form of forward, for a layer whose fused kernel stores the keys and values
-    # itself on the way from the qkv projection (:mod:`minisgl.layers.qk_prologue`): it asks where they
-    # go, writes them there, and then only asks for attention.
+    # The split form of forward, for a layer whose kernel stores the keys and values itself on
+    # the way from the qkv projection (minisgl.layers.fast): it asks where they go, writes them
+    # there, and then only asks for attention.
     def kv_destination(self, layer_id: int, num_tokens: int) -> KVDestination:
         """Layer ``layer_id``'s key and value caches, the slots of the batch's new tokens and
         the rows in which the kernel reads their queries."""

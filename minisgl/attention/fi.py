@@ -1,29 +1,17 @@
-"""Paged attention with FlashInfer's fused kernels (CUDA only).
+"""Paged attention with FlashInfer's kernels (CUDA only); chapter 6 tells the story.
 
-FlashInfer reads the KV pool where it lies. It takes the cache of one layer as pages
-(``[num_pages, page_size, num_kv_heads, head_dim]``, the "NHD" layout, which is exactly
-:meth:`MHAKVPool.kv_pages`) and, for the batch, three small arrays in CSR form:
-
-* ``indices``: the page ids, request after request, in token order;
-* ``indptr`` (``[B + 1]``): request ``i`` owns entries ``indptr[i] .. indptr[i + 1] - 1`` of
-  ``indices``;
-* ``last_page_len`` (``[B]``): how many tokens of each request's last page are in use.
-
-Queries are packed too (``qo_indptr``). Its wrappers work in two steps: ``plan`` looks at the
-lengths once per batch on the host and decides how to split the work into thread blocks;
-``run`` is then called by every layer and only launches kernels. That split is why the engine's
-backend interface has a ``prepare`` per batch and a ``forward`` per layer.
-
-Two wrappers serve two kinds of batch: ``BatchPrefillWithPagedKVCacheWrapper`` for batches with
-several new tokens per request (causal mask aligned to the end of each sequence, so a cached
-prefix comes for free), and ``BatchDecodeWithPagedKVCacheWrapper`` for one new token per
-request. Decode can run inside a CUDA graph (:mod:`minisgl.engine.graph`) when its wrapper is built with
-``use_cuda_graph=True`` over buffers that never move; :meth:`FlashInferBackend.init_graph_buffers`
-allocates them. A large decode batch is cut into pieces of equal length first
-(:mod:`minisgl.attention.pieces`, :func:`num_decode_pieces`).
-
-``flashinfer`` is imported when a backend is built, not when this module is, so the package
-imports on machines without it.
+FlashInfer reads the KV pool where it lies: one layer's cache as pages (the "NHD" layout of
+:meth:`MHAKVPool.kv_pages`) and, for the batch, CSR arrays: ``indices`` (the page ids, request
+after request), ``indptr`` (``[B + 1]``: request ``i`` owns entries ``indptr[i] ..
+indptr[i + 1] - 1``), ``last_page_len`` (``[B]``) and, for queries, ``qo_indptr``. Its
+wrappers ``plan`` once per batch on the host (how to split the work into thread blocks) and
+``run`` once per layer: hence the backend's ``prepare`` per batch and ``forward`` per layer.
+The prefill wrapper serves batches with several new tokens per request (causal mask aligned
+to each sequence's end), the decode wrapper one token per request; decode also runs inside a
+CUDA graph over fixed buffers (:meth:`FlashInferBackend.init_graph_buffers`). Where
+:mod:`minisgl.layers.fast` has kernels (chapter 20), a large decode batch is cut into pieces,
+each an entry of the kernel, merged after it. ``flashinfer`` is imported when a backend is
+built, so the package imports on machines without it.
 """
 
 from __future__ import annotations
@@ -36,14 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minisgl.attention.base import (
-    AttnMetadata,
-    BaseAttnBackend,
-    BatchLayout,
-    QueryRows,
-    total_lens,
-)
-from minisgl.attention.pieces import cut_into_pieces, merge_pieces, piece_length
+from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout, total_lens
 from minisgl.attention.utils import (
     gather_page_ids,
     indptr_tensor,
@@ -52,6 +33,8 @@ from minisgl.attention.utils import (
 )
 from minisgl.kvcache.mha_pool import MHAKVPool
 from minisgl.kvcache.page_table import PageTable
+from minisgl.layers import fast
+from minisgl.layers.fast import QueryRows
 from minisgl.utils.logger import get_logger
 from minisgl.utils.torch_utils import host_to_device
 
@@ -62,25 +45,6 @@ logger = get_logger(__name__)
 WORKSPACE_BYTES = 128 * 2**20
 SUPPORTED_HEAD_DIMS = (64, 128, 256)  # head sizes FlashInfer's kernels are built for
 SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)
-# From this many requests a decode batch is cut into pieces (minisgl.attention.pieces): below it
-# FlashInfer's own split of long contexts keeps every block busy. See num_decode_pieces.
-PIECES_MIN_BATCH = 65
-PIECES_PER_REQUEST = 4  # a batch of B requests becomes at most 4 * B pieces
-
-
-def num_decode_pieces(batch_size: int) -> int:
-    """How many pieces a decode batch of ``batch_size`` requests is cut into; 0 for none.
-
-    FlashInfer's decode plan sizes its work to one wave of thread blocks: it cuts long contexts
-    into pieces of one maximum length, as many as the wave holds. A few requests leave room to
-    cut finely. From about 65 there is little room left, and the longest request decides how
-    long the step takes; from there the backend cuts the batch itself
-    (:mod:`minisgl.attention.pieces`), into ``PIECES_PER_REQUEST`` pieces a request on
-    average, and merges them after the kernel.
-    """
-    return PIECES_PER_REQUEST * batch_size if batch_size >= PIECES_MIN_BATCH else 0
-
-
 def import_flashinfer() -> ModuleType:
     """``import flashinfer``, or an error that says how to get it."""
     try:
@@ -96,8 +60,8 @@ def import_flashinfer() -> ModuleType:
 class FIMetadata(AttnMetadata):
     """Where each request's keys are, as pages, and the wrapper planned for this batch.
 
-    The kernel's ``E`` entries are the batch's requests or, when ``pieces`` is set, their
-    pieces: each piece reads its request's query in a row of its own.
+    The kernel's ``E`` entries are the batch's requests (or, with ``pieces``, the pieces
+    :mod:`minisgl.layers.fast` cut them into, each reading its query from a row of its own).
     """
 
     page_indptr: torch.Tensor  # [E + 1] int32, host
@@ -116,8 +80,8 @@ class GraphBuffers:
     writing the new batch's arrays *into these same tensors*: every one of them is made here,
     once, and a replay only copies into it. The host builds a batch's arrays in the pinned
     ``host_*`` mirrors; one asynchronous copy per array moves them to the device, and nothing
-    is allocated on the device per step. The kernel's entries are requests, or pieces for a
-    batch cut into them: up to ``max_entries`` of either.
+    is allocated on the device per step. The kernel's entries are requests (or pieces, for a
+    batch :mod:`minisgl.layers.fast` cuts into them): up to ``max_entries`` of either.
     """
 
     max_batch_size: int
@@ -174,10 +138,8 @@ def stage_decode_batch(graph: GraphBuffers, page_table: PageTable, rows: Sequenc
 
     Numpy over the page table's host copy: a copy per request and a few vectorised operations,
     nothing allocated on the device, and the device never waited for. Each padding entry is one
-    token in the pad page. With ``num_pieces``, the kernel's entries are the batch cut into
-    pieces (:mod:`minisgl.attention.pieces`), exactly ``num_pieces`` of them: the spare ones
-    are one token in the pad page, and no request merges them. Returns how many page ids were
-    written.
+    token in the pad page. Returns how many page ids were written. (``num_pieces``: the
+    entries are pieces instead, :func:`stage_pieces`.)
     """
     size, num_real = page_table.page_size, len(rows)
     rows = np.fromiter(rows, dtype=np.int64, count=num_real)
@@ -194,13 +156,22 @@ def stage_decode_batch(graph: GraphBuffers, page_table: PageTable, rows: Sequenc
     fields[0, :num_real], fields[0, num_real:batch_size] = cached, 0
     fields[1, :num_real] = page_table.host_slots(rows, cached)
     fields[1, num_real:batch_size] = graph.pad_page * size
+    if num_pieces:
+        return stage_pieces(graph, counts, last_lens, size, num_pieces, total)
+    np.cumsum(counts, out=graph.host_page_indptr.numpy()[1: batch_size + 1])
+    graph.host_last_page_lens.numpy()[:batch_size] = last_lens
+    return total
+
+
+def stage_pieces(graph: GraphBuffers, counts: np.ndarray, last_lens: np.ndarray,
+                 page_size: int, num_pieces: int, total: int) -> int:
+    """:func:`stage_decode_batch`'s entries when :mod:`minisgl.layers.fast` cuts the batch into
+    exactly ``num_pieces`` pieces: the spare ones are one token in the pad page, and no request
+    merges them. The page ids stay the requests' own; ``total`` of them are written."""
+    pages, piece_last_lens, owners, piece_indptr = fast.paths.cut_into_pieces(
+        counts, last_lens, page_size, num_pieces)
+    indices, batch_size = graph.host_page_indices.numpy(), len(counts)
     indptr, entry_last_lens = graph.host_page_indptr.numpy(), graph.host_last_page_lens.numpy()
-    if not num_pieces:
-        np.cumsum(counts, out=indptr[1: batch_size + 1])
-        entry_last_lens[:batch_size] = last_lens
-        return total
-    piece = piece_length(counts, num_pieces)
-    pages, piece_last_lens, owners, piece_indptr = cut_into_pieces(counts, last_lens, piece, size)
     used = len(pages)
     pages = np.concatenate([pages, np.ones(num_pieces - used, dtype=np.int64)])  # the spares
     indices[total: total + num_pieces - used] = graph.pad_page
@@ -210,6 +181,13 @@ def stage_decode_batch(graph: GraphBuffers, page_table: PageTable, rows: Sequenc
     owners_out[:used], owners_out[used:num_pieces] = owners, 0
     graph.host_piece_indptr.numpy()[: batch_size + 1] = piece_indptr
     return total + num_pieces - used
+
+
+def copy_pieces(graph: GraphBuffers, batch_size: int, num_pieces: int) -> None:
+    """Start the device copies of what :func:`stage_pieces` staged."""
+    graph.piece_owners[:num_pieces].copy_(graph.host_piece_owners[:num_pieces], non_blocking=True)
+    graph.piece_indptr[: batch_size + 1].copy_(graph.host_piece_indptr[: batch_size + 1],
+                                               non_blocking=True)
 
 
 class FlashInferBackend(BaseAttnBackend):
@@ -272,12 +250,13 @@ class FlashInferBackend(BaseAttnBackend):
         }
 
     def _piece_arrays(self, layout: BatchLayout) -> dict[str, Any]:
-        """:meth:`_page_arrays` for a decode batch cut into pieces: one entry per piece."""
+        """:meth:`_page_arrays` for a decode batch :mod:`minisgl.layers.fast` cuts into pieces:
+        one entry per piece."""
         arrays = self._page_arrays(layout)
         num_pages = np.diff(arrays["page_indptr"].numpy()).astype(np.int64)
-        piece = piece_length(num_pages, num_decode_pieces(layout.size))
-        pages, last_lens, owners, piece_indptr = cut_into_pieces(
-            num_pages, arrays["last_page_lens"].numpy().astype(np.int64), piece, self.page_size)
+        pages, last_lens, owners, piece_indptr = fast.paths.cut_into_pieces(
+            num_pages, arrays["last_page_lens"].numpy().astype(np.int64), self.page_size,
+            fast.paths.decode_pieces(layout.size))
         arrays.update(page_indptr=indptr_tensor(pages.tolist()),
                       last_page_lens=torch.from_numpy(last_lens.astype(np.int32)),
                       pieces=QueryRows(
@@ -289,7 +268,7 @@ class FlashInferBackend(BaseAttnBackend):
     def _plan(self, layout: BatchLayout) -> FIMetadata:
         if not layout.is_decode:
             arrays, wrapper = self._page_arrays(layout), self._prefill
-        elif num_decode_pieces(layout.size):
+        elif fast.paths.decode_pieces(layout.size):
             arrays, wrapper = self._piece_arrays(layout), self._decode
         else:
             arrays, wrapper = self._page_arrays(layout), self._decode
@@ -317,12 +296,16 @@ class FlashInferBackend(BaseAttnBackend):
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
         assert isinstance(meta, FIMetadata)
         kv_pages = self.kv_pool.kv_pages(layer_id)  # the layer's pool page by page: no copy
-        if meta.pieces is None:
-            return meta.wrapper.run(q.contiguous(), kv_pages)
-        # q holds a row per piece (_query_rows); the merge weighs the pieces' outputs by their
-        # log-sum-exp into each request's output.
-        out, lse = meta.wrapper.run(q, kv_pages, return_lse=True)
-        return merge_pieces(out, lse, meta.pieces.indptr)
+        if meta.pieces is not None:
+            return self._attend_in_pieces(q, kv_pages, meta.wrapper, meta.pieces)
+        return meta.wrapper.run(q.contiguous(), kv_pages)
+
+    def _attend_in_pieces(self, q: torch.Tensor, kv_pages: torch.Tensor, wrapper: Any,
+                          pieces: QueryRows) -> torch.Tensor:
+        """``q`` holds a row per piece (:meth:`_query_rows`); the merge weighs the pieces'
+        outputs by their log-sum-exp into each request's output."""
+        out, lse = wrapper.run(q, kv_pages, return_lse=True)
+        return fast.paths.merge_pieces(out, lse, pieces.indptr)
 
     def _query_rows(self, meta: AttnMetadata) -> QueryRows | None:
         assert isinstance(meta, FIMetadata)
@@ -348,7 +331,7 @@ class FlashInferBackend(BaseAttnBackend):
                              f"table's {self.page_table.max_reqs} rows")
         self._graph = GraphBuffers.allocate(max_batch_size, self.page_table.max_pages_per_req,
                                             pad_page, self.device,
-                                            max_pieces=num_decode_pieces(max_batch_size))
+                                            max_pieces=fast.paths.decode_pieces(max_batch_size))
 
     def _graph_metadata(self, batch_size: int) -> FIMetadata:
         """The metadata of one captured batch size: views of the fixed buffers, made once.
@@ -363,7 +346,7 @@ class FlashInferBackend(BaseAttnBackend):
             raise ValueError(f"batch_size {batch_size} must be between 1 and the "
                              f"max_batch_size {graph.max_batch_size} given to init_graph_buffers")
         if batch_size not in self._graph_metadata_by_size:
-            num_pieces = num_decode_pieces(batch_size)
+            num_pieces = fast.paths.decode_pieces(batch_size)
             entries = num_pieces or batch_size  # the kernel's requests: pieces, or the batch's
             wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, kv_layout="NHD", use_cuda_graph=True,
@@ -426,16 +409,13 @@ class FlashInferBackend(BaseAttnBackend):
         start their device copies, one per array."""
         graph = self._graph
         assert graph is not None
-        num_pieces = num_decode_pieces(batch_size)
+        num_pieces = fast.paths.decode_pieces(batch_size)
         total = stage_decode_batch(graph, self.page_table, rows, cached_lens, batch_size,
                                    num_pieces)
         graph.token_fields.copy_(graph.host_token_fields, non_blocking=True)
         graph.page_indices[:total].copy_(graph.host_page_indices[:total], non_blocking=True)
         if num_pieces:
-            graph.piece_owners[:num_pieces].copy_(graph.host_piece_owners[:num_pieces],
-                                                  non_blocking=True)
-            graph.piece_indptr[: batch_size + 1].copy_(
-                graph.host_piece_indptr[: batch_size + 1], non_blocking=True)
+            copy_pieces(graph, batch_size, num_pieces)
 
 
 def check_flashinfer_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:

@@ -19,14 +19,14 @@ import torch
 from minisgl.core import SamplingParams
 from minisgl.distributed import get_tp_info
 from minisgl.engine.sample import make_generator, sample_batch
-from minisgl.layers.attention import use_attention_backend
+from minisgl.layers.attention import AttentionBackend, use_attention_backend
 from minisgl.layers.base import local_kv_heads
 from minisgl.models.base import BaseLLMModel
 
 FinishReason = Literal["stop", "length"]
 
 
-class ContiguousKVCache:
+class ContiguousKVCache(AttentionBackend):
     """An attention backend that keeps one sequence's keys and values between steps.
 
     Buffers ``k_cache`` and ``v_cache`` are ``[num_layers, max_len, num_kv_heads, head_dim]``.

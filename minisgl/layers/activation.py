@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from . import fused
+from . import fast
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
@@ -15,11 +15,11 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     (:class:`~minisgl.layers.linear.MergedColumnParallelLinear`), so they arrive side by side
     in one tensor of width ``2 * intermediate``; this returns width ``intermediate``.
     ``silu(g) = g * sigmoid(g)``: the gate decides, per feature, how much of ``up`` passes.
-    On CUDA in float16/bfloat16 it is one FlashInfer kernel instead of two plus a temporary.
     """
     if x.shape[-1] % 2 != 0:
         raise ValueError(f"silu_and_mul needs an even last dimension, got shape {tuple(x.shape)}")
-    if fused.can_silu_and_mul(x):
-        return fused.silu_and_mul(x)
+    out = fast.paths.silu_and_mul(x)
+    if out is not None:
+        return out
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up

@@ -25,8 +25,9 @@ from torch import nn
 
 from minisgl.distributed import get_tp_info
 
-from . import fused
+from . import fast
 from .base import divide, local_kv_heads
+from .fast import KVDestination
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
@@ -43,8 +44,19 @@ class AttentionBackend(Protocol):
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
     ) -> torch.Tensor: ...
 
+    # The split form, for a layer whose kernel (minisgl.layers.fast) stores the new keys and
+    # values itself on the way from the qkv projection.
+    def kv_destination(self, layer_id: int, num_tokens: int) -> KVDestination | None:
+        """Where the kernel may write this layer's new K/V and queries; None (this default):
+        the backend keeps no pool there, so the layer hands them to :meth:`forward`."""
+        return None
 
-class DenseCausalAttention:
+    def attend_stored(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """:meth:`forward` after the new K/V were written to :meth:`kv_destination`."""
+        raise NotImplementedError(f"{type(self).__name__} names no KV destination")
+
+
+class DenseCausalAttention(AttentionBackend):
     """The reference backend: one sequence, causal mask, no cache.
 
     Token ``t`` attends to tokens ``0..t`` of the same forward pass. Keys and values are shared
@@ -123,9 +135,9 @@ class AttentionLayer(nn.Module):
 
     def forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``qkv`` [T, (Hq + 2*Hkv) * D] and ``positions`` [T] -> attention output [T, Hq * D]."""
-        fused_out = self._fused_forward(qkv, positions)
-        if fused_out is not None:
-            return fused_out
+        fast_out = self._fast_forward(qkv, positions)
+        if fast_out is not None:
+            return fast_out
         num_tokens = qkv.shape[0]
         q_size, kv_size = self.num_qo_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
@@ -140,13 +152,11 @@ class AttentionLayer(nn.Module):
         out = get_attention_backend().forward(q, k, v, self.layer_id)
         return out.reshape(num_tokens, q_size)
 
-    def _fused_forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
-        """The same steps with one kernel before attention (CUDA, 16-bit); None elsewhere.
-
-        A backend with a KV pool offers ``kv_destination(layer_id, num_tokens)``
-        (:class:`~minisgl.layers.fused.KVDestination`: its caches of this layer, the new tokens'
-        slots, the query rows its kernel reads): the kernel then writes the keys and values
-        there itself, and the backend only attends (``attend_stored``).
+    def _fast_forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
+        """The same steps with one kernel before attention, where :mod:`.fast` has one; None
+        elsewhere. A backend with a KV pool names a :class:`~minisgl.layers.fast.KVDestination`
+        (its caches of this layer, the new tokens' slots, the query rows its kernel reads): the
+        kernel then writes the keys and values there itself, and the backend only attends.
         """
         has_norm = self.q_norm is not None and self.k_norm is not None
         if has_norm != (self.q_norm is not None or self.k_norm is not None):
@@ -155,19 +165,15 @@ class AttentionLayer(nn.Module):
             return None
         weights = (self.q_norm.weight, self.k_norm.weight) if has_norm else None
         cos_sin = self.rope.cos_sin_cache
-        if not fused.can_qk_prologue(qkv, positions, cos_sin, self.head_dim, weights):
+        if not fast.paths.can_qk_prologue(qkv, positions, cos_sin, self.head_dim, weights):
             return None
         backend = get_attention_backend()
-        destination = getattr(backend, "kv_destination", None)
-        kv_dst = destination(self.layer_id, qkv.shape[0]) if destination is not None else None
-        if kv_dst is not None and not fused.can_store_into(kv_dst.k_cache, kv_dst.v_cache,
-                                                           self.head_dim):
-            kv_dst = None  # the backend stores them itself, from k and v
+        kv_dst = backend.kv_destination(self.layer_id, qkv.shape[0])
         eps = self.q_norm.eps if has_norm else 0.0
-        q, k, v = fused.qk_prologue(qkv, positions, self.num_qo_heads, self.num_kv_heads,
-                                    self.head_dim, cos_sin, weights, eps, kv_dst)
-        if kv_dst is not None:
+        q, k, v = fast.paths.qk_prologue(qkv, positions, self.num_qo_heads, self.num_kv_heads,
+                                         self.head_dim, cos_sin, weights, eps, kv_dst)
+        if k is None or v is None:  # stored where kv_dst said
             out = backend.attend_stored(q, self.layer_id)
-        else:
+        else:  # the caches did not suit the kernel: the backend stores k and v itself
             out = backend.forward(q, k, v, self.layer_id)
         return out.reshape(qkv.shape[0], self.num_qo_heads * self.head_dim)

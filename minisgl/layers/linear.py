@@ -22,7 +22,7 @@ import torch.nn.functional as F
 
 from minisgl.distributed import all_reduce, get_tp_info
 
-from . import fused
+from . import fast
 from .base import (
     BaseLayer,
     ShardId,
@@ -37,21 +37,15 @@ from .base import (
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
            out_dtype: torch.dtype | None = None) -> torch.Tensor:
-    """``x @ weight.T (+ bias)``: one Triton kernel for a single row on a GPU (a batch-1 decode
-    step, where cuBLAS reads some of these shapes far below bandwidth), ``F.linear`` otherwise.
+    """``x @ weight.T (+ bias)``, in ``out_dtype`` when given (float32 for the LM head's logits).
 
-    ``out_dtype`` asks for the product in another dtype than ``x``'s (float32 for the LM head's
-    logits). On a GPU the matrix kernel writes it so, from its float32 sums: no rounding to 16
-    bits, and no second pass over the ``[T, vocab]`` result to convert it.
+    A kernel behind :mod:`~minisgl.layers.fast` may take the product; ``F.linear`` otherwise.
     """
-    if fused.can_gemv(x, weight):
-        y = fused.gemv(x, weight, out_dtype)
-    elif out_dtype not in (None, x.dtype) and fused.can_mm_float32(x, out_dtype):
-        y = torch.mm(x, weight.t(), out_dtype=out_dtype)
-    else:
-        y = F.linear(x, weight, bias)
-        return y if out_dtype is None else y.to(out_dtype)
-    return y if bias is None else y + bias
+    y = fast.paths.matmul(x, weight, out_dtype)
+    if y is not None:
+        return y if bias is None else y + bias
+    y = F.linear(x, weight, bias)
+    return y if out_dtype is None else y.to(out_dtype)
 
 
 class _LinearBase(BaseLayer):

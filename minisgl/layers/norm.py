@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from . import fused
+from . import fast
 from .base import BaseLayer, new_parameter
 
 
@@ -38,13 +38,13 @@ class RMSNorm(BaseLayer):
 
         The two-output form is the pre-norm residual pattern of a decoder layer: the sum is the
         new residual stream (kept for the next skip connection) and its normalised copy is the
-        input of the next sub-layer. On CUDA in float16/bfloat16 either form is one FlashInfer
-        kernel, and the residual form works in place: it returns ``x`` itself, overwritten with
-        the normalised sum, and ``residual``, overwritten with the sum. So pass tensors you no
+        input of the next sub-layer. A kernel behind :mod:`~minisgl.layers.fast` may do either
+        form in place (returning ``x`` and ``residual``, overwritten), so pass tensors you no
         longer need, and use what is returned.
         """
-        if fused.can_rmsnorm(x, self.weight, residual):
-            return fused.rmsnorm(x, self.weight, self.eps, residual)
+        out = fast.paths.rmsnorm(x, self.weight, self.eps, residual)
+        if out is not None:
+            return out
         if residual is None:
             return self._normalize(x)
         summed = x + residual

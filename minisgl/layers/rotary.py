@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from . import fused
+from . import fast
 
 
 def default_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -96,12 +96,10 @@ class RotaryEmbedding(nn.Module):
 
         ``q`` and ``k`` may be [T, H*head_dim] or [T, H, head_dim] (with different H for q and
         k under grouped-query attention); the results have the input shapes. Positions must be
-        below ``max_position``. On CUDA in float16/bfloat16 one FlashInfer kernel rotates both
-        IN PLACE and returns ``q`` and ``k`` themselves; elsewhere the inputs are left alone.
-        Either way, use the returned tensors.
+        below ``max_position``. A kernel behind :mod:`~minisgl.layers.fast` may rotate both in
+        place and return ``q`` and ``k`` themselves, so use the returned tensors.
         """
-        if fused.can_rope(positions, q, k, self.cos_sin_cache, self.head_dim):
-            fused.rope_inplace(positions, q, k, self.cos_sin_cache, self.head_dim)
+        if fast.paths.rope_inplace(positions, q, k, self.cos_sin_cache, self.head_dim):
             return q, k
         cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim/2], shared by heads
         sin = self.sin_cache[positions].unsqueeze(1)

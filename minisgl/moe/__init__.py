@@ -4,8 +4,8 @@
 * :mod:`~minisgl.moe.reference`: a loop over the experts, the reference;
 * :mod:`~minisgl.moe.grouped`: tokens sorted by expert, one grouped matrix multiply (the CPU
   path);
-* :mod:`~minisgl.moe.fused`: Triton kernels that need no host synchronisation (the GPU path,
-  inside CUDA graphs);
+* ``fused``: kernels that need no host synchronisation (the GPU path, inside CUDA graphs),
+  where :mod:`minisgl.layers.fast` has them (:mod:`minisgl.kernel.moe`);
 * :mod:`~minisgl.moe.layer`: the stacked expert weights, their loading and tensor-parallel
   split, and the sparse block a decoder layer uses.
 """

@@ -20,21 +20,32 @@ from collections.abc import Callable, Iterator
 import torch
 
 from minisgl.distributed import all_reduce
+from minisgl.layers import fast, silu_and_mul
 from minisgl.layers.base import BaseLayer, ShardId, copy_checked, divide, new_parameter, take_slice
 from minisgl.layers.linear import ReplicatedLinear
-from minisgl.moe.fused import fused_available, moe_fused
 from minisgl.moe.grouped import moe_grouped
 from minisgl.moe.reference import moe_reference
 from minisgl.moe.router import Routing, route_topk
 
 MoEFunction = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, Routing], torch.Tensor]
+
+
+def moe_kernel(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
+               routing: Routing) -> torch.Tensor:
+    """The mixture of experts as the kernels behind :mod:`minisgl.layers.fast` compute it."""
+    if not fast.paths.can_moe(x):
+        raise RuntimeError(f"no mixture-of-experts kernel takes a {x.dtype} tensor on "
+                           f"{x.device} here; use the grouped implementation")
+    return fast.paths.moe(x, gate_up, down, routing.expert_ids, routing.weights, silu_and_mul)
+
+
 MOE_IMPLS: dict[str, MoEFunction] = {
     "reference": moe_reference,
     "grouped": moe_grouped,
-    "fused": moe_fused,
+    "fused": moe_kernel,
 }
 
-# "auto": the fused Triton kernels on a GPU, the grouped path elsewhere.
+# "auto": a kernel where the seam has one (a GPU, chapter 20), the grouped path elsewhere.
 _current_impl = "auto"
 
 
@@ -42,7 +53,7 @@ def moe_function(x: torch.Tensor) -> MoEFunction:
     """The MoE computation in effect for an input like ``x``."""
     if _current_impl != "auto":
         return MOE_IMPLS[_current_impl]
-    return moe_fused if fused_available(x) else moe_grouped
+    return moe_kernel if fast.paths.can_moe(x) else moe_grouped
 
 
 @contextlib.contextmanager

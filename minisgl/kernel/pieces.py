@@ -1,22 +1,16 @@
 """Decode attention in pieces of equal length, so that no long context holds up a step.
 
-A decode kernel reads every request's keys once, in thread blocks of one request and one KV
-head. When the requests' contexts differ in length, so does the blocks' work: the step lasts as
-long as the longest request, and the SMs that served short ones wait. FlashInfer's decode plan
-splits long contexts only as far as one wave of blocks allows, which leaves a large batch
-almost unsplit.
-
-The cure is the split of flash-decoding, made before the kernel sees the batch. Each request's
-pages are cut into *pieces* of at most one common length, and every piece goes to the kernel as
-a request of its own, reading its request's query from a row of its own (the backend's
-``QueryRows``, which the qk prologue fills). A piece's result is the attention
-over its keys alone, with its log-sum-exp; softmax over all of a request's keys is then one
-exact merge of its pieces: each partial output weighted by ``2 ** (lse - max lse)`` (FlashInfer
-writes the log-sum-exp in base 2), the weights normalised.
-
-:func:`piece_length` picks the length, :func:`cut_into_pieces` describes the pieces as the
-kernel's ragged arrays (numpy, on the host, once per step), and :func:`merge_pieces` merges on
-the device, once per layer.
+A decode kernel runs thread blocks of one request and one KV head: with mixed lengths the step
+lasts as long as the longest request, and FlashInfer's plan splits long contexts only as far as
+one wave of blocks allows, which leaves a large batch almost unsplit. So each request's pages
+are cut into *pieces* of at most one common length (flash-decoding's split, made before the
+kernel), each piece a request of its own that reads its query from a row of its own (the
+layers' ``QueryRows``, filled by the qk prologue). Softmax over a request's keys is then one
+exact merge of its pieces' outputs, weighted by ``2 ** (lse - max lse)`` (FlashInfer writes
+base-2 log-sum-exps). It replaces the plain one-entry-per-request decode of
+:class:`~minisgl.attention.fi.FlashInferBackend`; :func:`merge_pieces_reference` is the merge in
+PyTorch. :func:`num_decode_pieces` decides, :func:`cut_into_pieces` describes the pieces (numpy,
+on the host, once per step), :func:`merge_pieces` merges on the device, once per layer.
 """
 
 from __future__ import annotations
@@ -24,7 +18,25 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from minisgl.utils.triton_compat import tl, triton
+from minisgl.kernel.triton_compat import tl, triton
+
+Pieces = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # what cut_into_pieces returns
+
+# From this many requests a decode batch is cut into pieces: below it FlashInfer's own split of
+# long contexts keeps every block busy. See num_decode_pieces.
+PIECES_MIN_BATCH = 65
+PIECES_PER_REQUEST = 4  # a batch of B requests becomes at most 4 * B pieces
+
+
+def num_decode_pieces(batch_size: int) -> int:
+    """How many pieces a decode batch of ``batch_size`` requests is cut into; 0 for none.
+
+    FlashInfer's decode plan sizes its work to one wave of thread blocks, cutting long contexts
+    into as many pieces as the wave holds. A few requests leave room to cut finely; from about
+    65 there is little left, and the longest request decides the step. From there the batch is
+    cut here, into ``PIECES_PER_REQUEST`` pieces a request on average, merged after the kernel.
+    """
+    return PIECES_PER_REQUEST * batch_size if batch_size >= PIECES_MIN_BATCH else 0
 
 
 def piece_length(num_pages: np.ndarray, max_pieces: int) -> int:
@@ -49,7 +61,7 @@ def piece_length(num_pages: np.ndarray, max_pieces: int) -> int:
 
 
 def cut_into_pieces(num_pages: np.ndarray, last_page_lens: np.ndarray, piece: int,
-                    page_size: int) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+                    page_size: int) -> Pieces:
     """Cut each request's pages into runs of at most ``piece`` pages, in order.
 
     A piece is a slice of its request's pages, so the kernel's page ids stay the requests' own,
@@ -128,4 +140,18 @@ def merge_pieces(out: torch.Tensor, lse: torch.Tensor, piece_indptr: torch.Tenso
     _merge_pieces_kernel[(num_reqs, num_heads)](out, lse, piece_indptr, merged,
                                                 NUM_HEADS=num_heads, HEAD_DIM=head_dim,
                                                 num_warps=1)
+    return merged
+
+
+def merge_pieces_reference(out: torch.Tensor, lse: torch.Tensor,
+                           piece_indptr: torch.Tensor) -> torch.Tensor:
+    """:func:`merge_pieces` in PyTorch: a softmax over each request's pieces' log-sum-exps."""
+    num_reqs = piece_indptr.shape[0] - 1
+    merged = torch.empty(num_reqs, *out.shape[1:], dtype=out.dtype, device=out.device)
+    for req, (first, end) in enumerate(zip(piece_indptr[:-1].tolist(),
+                                           piece_indptr[1:].tolist())):
+        lse_req = lse[first:end].float()  # [pieces, H]
+        weights = torch.exp2(lse_req - lse_req.max(dim=0).values)
+        weights = weights / weights.sum(dim=0)
+        merged[req] = (weights[..., None] * out[first:end].float()).sum(dim=0).to(out.dtype)
     return merged

@@ -1,33 +1,25 @@
 """Mixture of experts on a GPU: one Triton kernel per projection, safe inside a CUDA graph.
 
-The grouped path sorts the (token, expert) pairs and learns each expert's row count on the
-host; a CUDA graph cannot do that (it replays fixed launches with fixed sizes). So here every
-size is fixed by ``T`` alone, and the per-expert layout is computed on the GPU:
-
-1. :func:`align_by_expert` sorts the pairs by expert and pads each expert's run of rows to a
-   multiple of ``block_m``, so that every block of ``block_m`` rows belongs to one expert. The
-   padded list has room for the worst case (every expert padded), and its length is a tensor,
-   never a Python number.
-2. :func:`_expert_matmul_kernel` runs one program per (block of rows, block of output columns).
-   A program reads its block's expert, gathers its rows of the input, multiplies them by that
-   expert's weights with ``tl.dot`` (bf16 in, float32 accumulation), optionally scales each row
-   by its routing weight and scatters the rows back to their pair's place. Programs past the
-   real end of the padded list return at once.
-
-The kernel runs twice, for gate/up and for down, with the SiLU gate in between; the top_k rows
-of each token are summed last. The kernel exists only where Triton does
-(:mod:`minisgl.utils.triton_compat`), and runs only when a GPU asks.
+It replaces :func:`~minisgl.moe.grouped.moe_grouped` and equals
+:func:`~minisgl.moe.reference.moe_reference`. The grouped path learns each expert's row count
+on the host, which a CUDA graph cannot do; here every size is fixed by ``T`` alone:
+:func:`align_by_expert` sorts the (token, expert) pairs by expert on the GPU and pads each
+expert's run to a multiple of ``block_m`` (room for the worst case; the used length stays a
+tensor), then :func:`_expert_matmul_kernel` runs one program per (block of rows, block of
+output columns): it gathers its rows, multiplies them by its block's expert with ``tl.dot``
+(16-bit in, float32 sums), optionally scales them by their routing weights and scatters them
+back. It runs for gate/up and for down, with the SiLU gate between; each token's top_k rows
+are summed last. The kernel exists only where Triton does (:mod:`.triton_compat`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
-from minisgl.layers import silu_and_mul
-from minisgl.moe.router import Routing
-from minisgl.utils.triton_compat import tl, triton
+from minisgl.kernel.triton_compat import tl, triton
 
 BLOCK_N = 64
 BLOCK_K = 64
@@ -136,17 +128,21 @@ def _expert_matmul(a: torch.Tensor, weights: torch.Tensor, aligned: AlignedRows,
 
 
 def moe_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-              routing: Routing) -> torch.Tensor:
-    """The same sum as the reference, in two kernel launches plus the gate and the final sum."""
+              expert_ids: torch.Tensor, weights: torch.Tensor,
+              silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """The same sum as the reference, in two kernel launches plus the gate and the final sum.
+
+    ``expert_ids`` and ``weights`` ([T, top_k]) are the router's choice (``Routing``);
+    ``silu_and_mul`` is the layers' gate, passed in because this package sits below them."""
     if not fused_available(x):
         raise RuntimeError(f"moe_fused needs a bfloat16 or float16 CUDA tensor and Triton, got "
                            f"{x.dtype} on {x.device}; use moe_grouped instead")
-    num_tokens, top_k = routing.expert_ids.shape
+    num_tokens, top_k = expert_ids.shape
     num_pairs = num_tokens * top_k
     # Small blocks when there are few rows (decode), larger ones for prefill.
     block_m = 16 if num_pairs <= 1024 else 64
-    aligned = align_by_expert(routing.expert_ids, gate_up.shape[0], block_m)
+    aligned = align_by_expert(expert_ids, gate_up.shape[0], block_m)
     hidden = silu_and_mul(_expert_matmul(x, gate_up, aligned, num_pairs, top_k, None))
-    pair_weights = routing.weights.flatten().float().contiguous()
+    pair_weights = weights.flatten().float().contiguous()
     y = _expert_matmul(hidden, down, aligned, num_pairs, 1, pair_weights)
     return y.view(num_tokens, top_k, -1).float().sum(dim=1).to(x.dtype)
