@@ -82,8 +82,10 @@ LARGE_DECODE_CASE = [((7 + 13 * i) % 90, 1) for i in range(PIECES_MIN_BATCH)]
 
 
 def test_without_the_kernel_package_the_seam_takes_no_call() -> None:
-    """With ``minisgl.kernel`` hidden, a fresh interpreter gets the plain answers everywhere."""
-    probe = ("import sys; sys.modules['minisgl.kernel'] = None\n"
+    """With ``minisgl.kernel`` hidden, a fresh interpreter gets the plain answers everywhere,
+    even where a CUDA GPU is (the probe says there is one)."""
+    probe = ("import sys, torch; sys.modules['minisgl.kernel'] = None\n"
+             "torch.cuda.is_available = lambda: True\n"
              "from minisgl.layers import fast\n"
              "print(type(fast.paths).__name__, fast.paths.decode_pieces(1000))")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True,
@@ -91,8 +93,13 @@ def test_without_the_kernel_package_the_seam_takes_no_call() -> None:
     assert out.stdout.split() == ["PlainPaths", "0"]
 
 
-def test_the_kernels_answer_the_seam_when_the_package_is_there() -> None:
-    assert type(fast.paths).__name__ == "Kernels"
+def test_the_kernels_answer_the_seam_where_a_gpu_is(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the package and a CUDA GPU the kernels answer; with no GPU the plain answers do,
+    since no kernel could take a call."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert type(fast._kernels_or_plain()).__name__ == "Kernels"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert type(fast._kernels_or_plain()).__name__ == "PlainPaths"
     plain = PlainPaths()
     x = torch.randn(2, 8)
     assert plain.rmsnorm(x, torch.ones(8), EPS, None) is None and plain.matmul(x, x, None) is None

@@ -5,7 +5,7 @@ that runs anywhere and is the reference. Each caller first offers its call to :d
 and runs its own code when the answer is None, False or 0 ("no kernel takes this call").
 :class:`PlainPaths`, the answer without ``minisgl/kernel/``, takes none. Chapter 20's package
 ``minisgl.kernel`` answers with GPU kernels, each beside the plain code it replaces; it is
-used whenever it is there. :class:`KVDestination` and :class:`QueryRows` are what a fused
+used whenever it is there and a CUDA GPU is. :class:`KVDestination` and :class:`QueryRows` are what a fused
 prologue and a decode cut into pieces exchange with the backend.
 """
 
@@ -102,6 +102,8 @@ class PlainPaths(FastPaths):
 
 
 def _kernels_or_plain() -> FastPaths:
+    if not torch.cuda.is_available():  # every kernel needs a CUDA GPU: none would take a call
+        return PlainPaths()
     try:
         from minisgl.kernel import KERNELS
     except ModuleNotFoundError as exc:
