@@ -41,6 +41,7 @@ from minisgl.distributed.group import (
     free_loopback_address,
     init_tp_group,
 )
+from minisgl.distributed.peers import failure_reason
 from minisgl.message import AbortRequest, BackendMessage, Message, UserRequest
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
@@ -149,7 +150,8 @@ class TPLeaderScheduler(OverlapScheduler):
         try:
             return super().step()
         except Exception as exc:
-            raise RankFailed(f"step {self.num_steps} failed on rank 0") from exc
+            raise RankFailed(f"step {self.num_steps} failed on rank 0: "
+                             f"{failure_reason(exc)}") from exc
 
     def _tell(self, message: FollowerMessage) -> None:
         for queue in self._followers:
@@ -209,7 +211,8 @@ def follow_step(scheduler: OverlapScheduler, message: RankStep, rank: int) -> No
     try:
         scheduler.step()
     except Exception as exc:
-        raise RankFailed(f"step {message.step} failed on rank {rank}") from exc
+        raise RankFailed(f"step {message.step} failed on rank {rank}: "
+                         f"{failure_reason(exc)}") from exc
 
 
 def apply_input(scheduler: OverlapScheduler, message: BackendMessage) -> None:
