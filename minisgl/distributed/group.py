@@ -4,8 +4,8 @@ The layers read two numbers (``TPInfo``) and call one hook (``all_reduce``). Thi
 them real with ``torch.distributed``:
 
 - **rendezvous**: every rank calls :func:`init_tp_group` with the same ``tcp://127.0.0.1:PORT``
-  address (:func:`free_loopback_address` picks a port nobody listens on). Rank 0 listens there,
-  the others connect, and the call returns once all ``size`` ranks have arrived;
+  address (:func:`free_loopback_address` picks a port nobody listens on); it returns once all
+  ``size`` ranks have arrived, or fails as soon as one has exited (:mod:`.peers`);
 - **backend**: gloo when the ranks run on the CPU (their tensors are in host memory), NCCL when
   each rank has a GPU (rank ``r`` uses ``cuda:r``, :func:`device_for_rank`);
 - **collectives**: the sum the layers need is registered with
@@ -33,9 +33,9 @@ from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
 
-# A rank that waits longer than this in one collective gives up with an error instead of hanging
-# for ever (a peer stuck for good). Loading a large checkpoint happens before the first
-# collective, so this bounds waiting for a step, not for start-up.
+# A rank that waits longer than this in the rendezvous or in one collective gives up with an
+# error instead of hanging for ever (a peer alive but stuck for good). A peer that exits is not
+# waited for: the watch of peers.py aborts the group at once.
 COLLECTIVE_TIMEOUT_S = 600.0
 
 

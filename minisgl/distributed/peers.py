@@ -9,7 +9,8 @@
 - **abort** (:func:`abort_tp_group`): what the watch calls when a rank exits, the same on every
   backend. Every collective this rank calls from then on raises :class:`PeerExited`; under
   NCCL the communicator is aborted too, which wakes a rank blocked in a collective with the
-  dead one. Gloo needs no more: its socket to the dead rank fails the collective first.
+  dead one (a host waiting for the device, in ``.item()`` or an event, returns then too).
+  Gloo needs no more: its socket to the dead rank fails the collective first.
 """
 
 from __future__ import annotations
@@ -66,6 +67,11 @@ def abort_tp_group(reason: str) -> None:
             dist.group.WORLD.abort()
         except Exception:  # a backend without abort: the check below still holds
             logger.exception("the process group could not be aborted")
+
+
+def group_aborted() -> bool:
+    """The group was aborted: a rank has exited."""
+    return _abort_reason is not None
 
 
 def check_not_aborted() -> None:

@@ -41,7 +41,7 @@ from minisgl.distributed.group import (
     free_loopback_address,
     init_tp_group,
 )
-from minisgl.distributed.peers import failure_reason
+from minisgl.distributed.peers import failure_reason, group_aborted
 from minisgl.message import AbortRequest, BackendMessage, Message, UserRequest
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
@@ -154,6 +154,8 @@ class TPLeaderScheduler(OverlapScheduler):
                              f"{failure_reason(exc)}") from exc
 
     def _tell(self, message: FollowerMessage) -> None:
+        if group_aborted():  # a rank has exited: a queue nobody reads would block once full
+            return
         for queue in self._followers:
             queue.put(message)
 

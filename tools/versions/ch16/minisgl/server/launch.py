@@ -16,7 +16,8 @@ Start-up order (:func:`launch`):
    locally);
 3. start the workers with spawn (scheduler first: loading the model takes longest) and wait
    until each has reported ready, or stop them all and report the one that failed;
-4. serve HTTP with uvicorn (or run the shell) until SIGINT or SIGTERM;
+4. serve HTTP with uvicorn (or run the shell) until SIGINT or SIGTERM, or until a worker dies
+   (then exit with status 1, after answering 503 for ``WORKER_DIED_GRACE_S`` seconds);
 5. stop every worker, whatever the way out: a normal return, a signal or an error.
 
 Chapter 16: the workers live in process groups of their own, so a Ctrl-C in the terminal
