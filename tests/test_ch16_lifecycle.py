@@ -1340,7 +1340,10 @@ def test_a_dead_worker_fails_the_waiting_requests_at_once(tiny_model_dir: Path,
         assert health.status_code == 503 and "scheduler" in health.json()["reason"]
         refused = post(server, "/v1/completions", prompt="anyone there?", max_tokens=2)
         assert refused.status_code == 503
-        assert server.stop(signal.SIGTERM, timeout_s=30) == 128 + signal.SIGTERM
+        # then the server exits by itself, non-zero: whatever supervises it starts a new one
+        server.proc.wait(15)
+        assert time.monotonic() - killed < 15, "the server outlived its scheduler"
+        assert server.stop(None) == 1
         assert_all_gone(server)
     finally:
         server.stop()

@@ -492,8 +492,11 @@ def test_sigterm_stops_every_rank(servers: dict[int, Server]) -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_rank_gives_503s_and_the_server_still_stops_cleanly(
+def test_a_killed_rank_gives_503s_and_the_server_exits_on_its_own(
         tiny_model_dir: Path, tmp_path: Path) -> None:
+    """Rank 1 killed mid-request: both waiting requests end with 503 (stream: an error
+    event), a new one is refused with 503, rank 0's watch aborts the group (the path NCCL
+    needs, driven here on gloo), and the server exits non-zero, all within seconds."""
     server = start_server(tiny_model_dir, tmp_path / "server.log", 2)
     try:
         server.wait_ready()
@@ -508,7 +511,7 @@ def test_a_killed_rank_gives_503s_and_the_server_still_stops_cleanly(
         server.wait_for(lambda m: m["minisgl_rank1_running"] == 2)
         # the stream has begun (a stream's headers wait for its first reply, chapter 16)
         wait_until(lambda: len(results.get(0, [])) > 0, timeout_s=30)
-        rank0 = psutil.Process(server.worker_pid("scheduler"))
+        server.workers()  # every worker noted in the server's family, for left_behind
         killed = time.monotonic()
         psutil.Process(server.worker_pid("scheduler-rank1")).kill()
         for thread in (stream, waiter):
@@ -518,15 +521,128 @@ def test_a_killed_rank_gives_503s_and_the_server_still_stops_cleanly(
         assert "scheduler" in whole[0].json()["error"]["message"]
         assert results[0][-1] == "data: [DONE]"
         assert json.loads(results[0][-2][len("data: "):])["error"]["code"] == "worker_died"
-        # Rank 0 does not hang in its all-reduce: the dead peer's socket fails it, and it exits.
-        assert not still_running([rank0], wait_s=15), "rank 0 hangs on its dead peer"
         refused = httpx.post(f"{server.url}/v1/completions", timeout=30,
                              json={"prompt": "anyone?", "max_tokens": 2})
         assert refused.status_code == 503
-        assert server.stop(signal.SIGTERM, timeout_s=30) == 128 + signal.SIGTERM
+        server.proc.wait(15)
+        exited_s = time.monotonic() - killed
+        assert exited_s < 15, f"the server took {exited_s:.1f} s to exit"
+        assert server.stop(None) == 1
         assert not server.left_behind, f"left behind: {[p.pid for p in server.left_behind]}"
+        log = server.log_text()
+        assert re.search(r"aborting the tensor-parallel group: rank 1 \(pid \d+\) has exited",
+                         log), "rank 0's watch did not abort the group"
+        assert "the server cannot serve without it, and stops" in log
     finally:
         server.stop()
+
+
+# =========================================================================== faults at start-up
+NO_GUARD_SCRIPT = """
+import sys
+from minisgl.llm import LLM
+print("starting", flush=True)
+LLM(sys.argv[1], device="cpu", tp=2, num_pages=64)
+"""
+
+
+def run_watching_descendants(cmd: list[str], timeout_s: float
+                             ) -> tuple[subprocess.Popen[str], float, list[psutil.Process]]:
+    """Run ``cmd``; seconds from its first line of output to its exit, and every process
+    seen under it meanwhile."""
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            env=dict(os.environ, OMP_NUM_THREADS="1"))
+    seen: dict[int, psutil.Process] = {}
+    try:
+        assert proc.stdout.readline().strip() == "starting"
+        started = time.monotonic()
+        while proc.poll() is None and time.monotonic() - started < timeout_s:
+            try:
+                for child in psutil.Process(proc.pid).children(recursive=True):
+                    seen.setdefault(child.pid, child)
+            except psutil.Error:
+                pass
+            time.sleep(0.05)
+        proc.wait(5)
+        return proc, time.monotonic() - started, list(seen.values())
+    finally:
+        proc.kill()
+
+
+@pytest.mark.slow
+def test_a_script_without_the_main_guard_fails_at_once_naming_the_guard(
+        tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The spawned rank imports the script again and would start a rank of its own: it exits
+    instead, and LLM(tp=2) raises at once with the hint (not after the 600 s rendezvous)."""
+    script = tmp_path / "no_guard.py"
+    script.write_text(NO_GUARD_SCRIPT)
+    proc, took_s, seen = run_watching_descendants(
+        [sys.executable, str(script), str(tiny_model_dir)], timeout_s=60)
+    err = proc.stderr.read()
+    assert proc.returncode == 1
+    assert took_s < 15, f"LLM(tp=2) took {took_s:.1f} s to fail"
+    assert "WorkerFailed: worker minisgl-scheduler-rank1" in err
+    assert "bootstrapping phase" in err and 'if __name__ == "__main__":' in err
+    assert not still_running(seen, wait_s=5), "a process outlived the script"
+
+
+def new_children(before: set[int]) -> list[psutil.Process]:
+    """This process's spawned children that were not there before (the resource tracker is
+    a child too, but no rank)."""
+    found = []
+    for child in psutil.Process().children():
+        try:
+            cmdline = " ".join(child.cmdline())
+        except psutil.Error:
+            continue
+        if child.pid not in before and "spawn_main" in cmdline:
+            found.append(child)
+    return found
+
+
+def test_a_rank_killed_before_it_joins_fails_llm_at_once(tiny_model_dir: Path) -> None:
+    from minisgl.utils.processes import WorkerFailed
+
+    before = {child.pid for child in psutil.Process().children()}
+    ranks: list[psutil.Process] = []
+
+    def kill_rank1() -> None:  # as soon as it exists: long before it can join
+        deadline = time.monotonic() + 30
+        while not ranks and time.monotonic() < deadline:
+            ranks.extend(new_children(before))
+            time.sleep(0.01)
+        for rank in ranks:
+            rank.kill()
+
+    killer = threading.Thread(target=kill_rank1, daemon=True)
+    killer.start()
+    started = time.monotonic()
+    with pytest.raises(WorkerFailed, match="rank1 .* was killed by SIGKILL"):
+        LLM(tiny_model_dir, tp=2, **LLM_OPTIONS)
+    took_s = time.monotonic() - started
+    killer.join(5)
+    assert ranks, "rank 1 was never seen"
+    assert took_s < 15, f"LLM(tp=2) took {took_s:.1f} s to fail"
+    assert not still_running(ranks + new_children(before), wait_s=5)
+
+
+def test_a_rank_killed_while_generating_fails_generate_at_once(tiny_model_dir: Path) -> None:
+    """Rank 0 is this process: its collective with the dead rank fails (gloo's socket), its
+    watch names the rank and how it ended, and closing the LLM leaves no process."""
+    from minisgl.scheduler.tp import RankFailed
+
+    llm = LLM(tiny_model_dir, tp=2, **LLM_OPTIONS)
+    rank1 = psutil.Process(llm._followers[0].pid)
+    try:
+        killer = threading.Timer(1.0, rank1.kill)
+        killer.start()
+        started = time.monotonic()
+        with pytest.raises(RankFailed, match=r"rank 1 \(pid \d+\) was killed by SIGKILL"):
+            llm.generate([[1, 2, 3]] * 2, SamplingParams(max_tokens=600, ignore_eos=True))
+        assert time.monotonic() - started < 15
+    finally:
+        llm.close()
+    assert not still_running([rank1], wait_s=5)
 
 
 # =========================================================================== NCCL

@@ -4,8 +4,8 @@ The layers read two numbers (``TPInfo``) and call one hook (``all_reduce``). Thi
 them real with ``torch.distributed``:
 
 - **rendezvous**: every rank calls :func:`init_tp_group` with the same ``tcp://127.0.0.1:PORT``
-  address (:func:`free_loopback_address` picks a port nobody listens on). Rank 0 listens there,
-  the others connect, and the call returns once all ``size`` ranks have arrived;
+  address (:func:`free_loopback_address` picks a port nobody listens on); it returns once all
+  ``size`` ranks have arrived, or fails as soon as one has exited (:mod:`.peers`);
 - **backend**: gloo when the ranks run on the CPU (their tensors are in host memory), NCCL when
   each rank has a GPU (rank ``r`` uses ``cuda:r``, :func:`device_for_rank`);
 - **collectives**: the sum the layers need is registered with
@@ -27,14 +27,15 @@ import torch
 import torch.distributed as dist
 
 from minisgl.distributed.info import TPInfo, get_tp_info, set_all_reduce, set_tp_info
+from minisgl.distributed.peers import check_not_aborted, rendezvous, stop_watching, watch_peers
 from minisgl.utils.checks import check_int
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
 
-# A rank that waits longer than this in one collective gives up with an error instead of hanging
-# for ever (a peer stuck for good). Loading a large checkpoint happens before the first
-# collective, so this bounds waiting for a step, not for start-up.
+# A rank that waits longer than this in the rendezvous or in one collective gives up with an
+# error instead of hanging for ever (a peer alive but stuck for good). A peer that exits is not
+# waited for: the watch of peers.py aborts the group at once.
 COLLECTIVE_TIMEOUT_S = 600.0
 
 
@@ -106,9 +107,12 @@ def init_tp_group(rank: int, size: int, device: torch.device, init_address: str)
     backend = "nccl" if device.type == "cuda" else "gloo"
     if device.type == "cuda":
         torch.cuda.set_device(device)  # NCCL binds each rank's communicator to its GPU
-    dist.init_process_group(backend, init_method=init_address, rank=rank, world_size=size,
+    # Our own rendezvous, not torch's: it gives up at once when a rank exits before joining.
+    store, pids = rendezvous(rank, size, init_address, COLLECTIVE_TIMEOUT_S)
+    dist.init_process_group(backend, store=store, rank=rank, world_size=size,
                             timeout=timedelta(seconds=COLLECTIVE_TIMEOUT_S),
                             **({"device_id": device} if device.type == "cuda" else {}))
+    watch_peers(pids, rank)  # from now on a rank that exits aborts the group
     set_tp_info(rank, size)
     set_all_reduce(_sum_over_ranks)
     global _device
@@ -126,6 +130,7 @@ def _sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
     """The layers' all-reduce: ``x`` summed element-wise over the ranks, in place."""
     if not x.is_contiguous():  # collectives read and write one flat block of memory
         x = x.contiguous()
+    check_not_aborted()
     dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x
 
@@ -136,6 +141,7 @@ _device: torch.device | None = None  # this rank's device while it belongs to a 
 def destroy_tp_group() -> None:
     """Leave the group; this process is a single rank again (``TPInfo(0, 1)``, no hook)."""
     global _device
+    stop_watching()
     if dist.is_initialized():
         dist.destroy_process_group()
     set_all_reduce(None)
@@ -148,6 +154,7 @@ def min_over_ranks(value: int) -> int:
     if get_tp_info().size == 1:
         return value
     t = torch.tensor([value], dtype=torch.int64, device=_device)
+    check_not_aborted()
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())
 
@@ -155,5 +162,6 @@ def min_over_ranks(value: int) -> int:
 def broadcast_from_rank0(x: torch.Tensor) -> torch.Tensor:
     """Rank 0's ``x`` on every rank (in place; every rank passes a tensor of the same shape)."""
     if get_tp_info().size > 1:
+        check_not_aborted()
         dist.broadcast(x, src=0)
     return x

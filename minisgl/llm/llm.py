@@ -29,6 +29,7 @@ from typing import Any
 from tqdm import tqdm
 
 from minisgl.core import Req, SamplingParams
+from minisgl.distributed.peers import watching_started_ranks
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.tp import TPLaunch, check_tp, close_leader, run_tp_follower, start_leader
@@ -36,13 +37,21 @@ from minisgl.utils.checks import is_int
 from minisgl.utils.heap import frozen_heap
 from minisgl.utils.hf import resolve_model_path
 from minisgl.utils.logger import get_logger
-from minisgl.utils.processes import new_ready_queue, start_process, stop_processes, wait_ready
+from minisgl.utils.processes import (
+    WorkerFailed,
+    new_ready_queue,
+    start_process,
+    stop_processes,
+    wait_ready,
+)
 from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)
 
 # How long LLM(tp=N) waits for its other ranks to load the model and report ready.
 TP_STARTUP_TIMEOUT_S = 600.0
+# How long a failed start waits for the other ranks' own reports before it gives its own.
+RANK_REPORT_WAIT_S = 2.0
 # A progress bar is worth its lines on stderr only for batches that take a while.
 PROGRESS_MIN_PROMPTS = 32
 
@@ -84,7 +93,11 @@ class LLM:
         self._next_uid = 0  # uids stay unique across generate() calls
 
     def _start_tp(self, config: SchedulerConfig, tp: int) -> Scheduler:
-        """Start ranks 1..tp-1, become rank 0, and wait until every rank has loaded."""
+        """Start ranks 1..tp-1, become rank 0, and wait until every rank has loaded.
+
+        A rank that fails or exits on the way ends the wait at once: it aborts the group
+        (``watching_started_ranks``), and its own error is raised, not rank 0's.
+        """
         launch = TPLaunch.new(tp)
         ready = new_ready_queue()
         scheduler = None
@@ -93,12 +106,18 @@ class LLM:
                 self._followers.append(start_process(
                     run_tp_follower, f"minisgl-scheduler-rank{rank}", args=(config, launch, rank),
                     kwargs={"ready": ready}, own_process_group=True))
-            scheduler = start_leader(config, launch)  # returns once every rank joined
-            wait_ready(ready, self._followers, timeout_s=TP_STARTUP_TIMEOUT_S)
-        except BaseException:
+            with watching_started_ranks(self._followers):
+                scheduler = start_leader(config, launch)  # returns once every rank joined
+                wait_ready(ready, self._followers, timeout_s=TP_STARTUP_TIMEOUT_S)
+        except BaseException as exc:
+            # Rank 0's error is often only the echo of another rank's (a collective whose peer
+            # died): the other rank's own report, if there is one, says what went wrong.
+            failed = _rank_failure(ready, self._followers) if _is_echo(exc) else None
             stop_processes(self._followers)
             if scheduler is not None:
                 close_leader(scheduler)
+            if failed is not None:
+                raise failed from exc
             raise
         return scheduler
 
@@ -196,6 +215,23 @@ class LLM:
 
     def __repr__(self) -> str:
         return f"LLM({self.scheduler.engine!r})"
+
+
+def _is_echo(exc: BaseException) -> bool:
+    """Rank 0 failed, but not on its own account: not a worker's report, not Ctrl-C."""
+    return isinstance(exc, Exception) and not isinstance(exc, WorkerFailed)
+
+
+def _rank_failure(ready: Any, followers: list[BaseProcess]) -> WorkerFailed | None:
+    """The start-up error of a rank that failed or exited, if one did (rank 0 waits up to
+    ``RANK_REPORT_WAIT_S`` seconds for it); None if every rank still runs."""
+    try:
+        wait_ready(ready, followers, timeout_s=RANK_REPORT_WAIT_S)
+    except WorkerFailed as failed:
+        return failed
+    except RuntimeError:  # none failed or exited within the wait
+        return None
+    return None
 
 
 def _as_list(prompts: Sequence[Prompt]) -> list[Prompt]:

@@ -38,6 +38,9 @@ class Followers(Protocol):
 
     def stepping(self, step: int) -> None: ...
 
+    def failed(self, step: int, exc: Exception) -> BaseException:
+        """What a failed step raises: the ranks may now disagree, so not a plain error."""
+
 
 class Scheduler:
     """Forms batches from requests that come and go, and runs them on an engine.
@@ -156,8 +159,15 @@ class Scheduler:
 
         Returns an idle result (``phase`` None) when no batch could be launched.
         """
-        if self.followers is not None:
-            self.followers.stepping(self.num_steps)
+        if self.followers is None:
+            return self._step()
+        self.followers.stepping(self.num_steps)
+        try:
+            return self._step()
+        except Exception as exc:
+            raise self.followers.failed(self.num_steps, exc) from exc
+
+    def _step(self) -> StepResult:
         batch = self.schedule_next_batch()
         new_pages, launched = 0, None
         if batch is not None:

@@ -24,6 +24,7 @@ from minisgl.distributed.group import (
     free_loopback_address,
     init_tp_group,
 )
+from minisgl.distributed.peers import failure_reason, group_aborted
 from minisgl.message import AbortRequest, BackendMessage, Message, UserRequest
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
@@ -118,7 +119,12 @@ class RankFollowers:
     def stepping(self, step: int) -> None:
         self._tell(RankStep(step))
 
+    def failed(self, step: int, exc: Exception) -> BaseException:
+        return RankFailed(f"step {step} failed on rank 0: {failure_reason(exc)}")
+
     def _tell(self, message: FollowerMessage) -> None:
+        if group_aborted():  # a rank has exited: a queue nobody reads would block once full
+            return
         for queue in self._queues:
             queue.put(message)
 
@@ -193,7 +199,8 @@ def follow_step(scheduler: Scheduler, message: RankStep, rank: int) -> None:
     try:
         scheduler.step()
     except Exception as exc:
-        raise RankFailed(f"step {message.step} failed on rank {rank}") from exc
+        raise RankFailed(f"step {message.step} failed on rank {rank}: "
+                         f"{failure_reason(exc)}") from exc
 
 
 def apply_input(scheduler: Scheduler, message: BackendMessage) -> None:

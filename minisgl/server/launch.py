@@ -16,7 +16,8 @@ Start-up order (:func:`launch`):
    locally);
 3. start the workers with spawn (scheduler first: loading the model takes longest) and wait
    until each has reported ready, or stop them all and report the one that failed;
-4. serve HTTP with uvicorn (or run the shell) until SIGINT or SIGTERM;
+4. serve HTTP with uvicorn (or run the shell) until SIGINT or SIGTERM, or until a worker dies
+   (then exit with status 1, after answering 503 for ``WORKER_DIED_GRACE_S`` seconds);
 5. stop every worker, whatever the way out: a normal return, a signal or an error.
 
 With ``--tp N`` the scheduler is N processes, one per rank: the one above is rank
@@ -38,6 +39,7 @@ import dataclasses
 import os
 import signal
 import socket
+import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -73,6 +75,10 @@ UVICORN_GRACE_S = 5.0
 # Exit statuses by the shell's convention: 128 + the signal's number.
 EXIT_SIGINT = 128 + signal.SIGINT
 EXIT_SIGTERM = 128 + signal.SIGTERM
+# A worker died while serving: the server answers with 503 for this long, then exits with
+# EXIT_WORKER_DIED, and whatever supervises it can start a new one.
+WORKER_DIED_GRACE_S = 2.0
+EXIT_WORKER_DIED = 1
 
 
 @dataclass
@@ -202,8 +208,11 @@ def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
                                  "max_seq_len", config.get("max_position_embeddings")),
                              metrics=workers.snapshot, health=workers.health)
             logger.info("minisgl serving %s on %s", args.model_name, args.url)
-            serve_http(app, listener, args.shutdown_timeout_s)
+            serve_http(app, listener, args.shutdown_timeout_s, health=workers.health)
             return 0
+        except WorkerDied as exc:
+            logger.error("%s: the server cannot serve without it, and stops", exc)
+            return EXIT_WORKER_DIED
         except KeyboardInterrupt:
             logger.info("interrupted (SIGINT): shutting down")
             return EXIT_SIGINT
@@ -259,8 +268,10 @@ def bind_port(host: str, port: int) -> socket.socket:
     return sock
 
 
-def serve_http(app: Any, sock: socket.socket, shutdown_timeout_s: float = 5.0) -> None:
-    """Run uvicorn on ``sock`` until SIGINT or SIGTERM.
+def serve_http(app: Any, sock: socket.socket, shutdown_timeout_s: float = 5.0,
+               health: Callable[[], str | None] | None = None) -> None:
+    """Run uvicorn on ``sock`` until SIGINT or SIGTERM, or until ``health`` says a worker has
+    died (then :class:`WorkerDied` is raised, ``WORKER_DIED_GRACE_S`` seconds later).
 
     uvicorn catches both signals to shut down gracefully, then raises the signal again with
     our handlers back in place, so the launcher's clean-up runs after it.
@@ -268,7 +279,7 @@ def serve_http(app: Any, sock: socket.socket, shutdown_timeout_s: float = 5.0) -
     config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
                             lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout_s + UVICORN_GRACE_S)
-    server = OrderlyServer(config, app, shutdown_timeout_s)
+    server = OrderlyServer(config, app, shutdown_timeout_s, health)
     server.run(sockets=[sock])
     # uvicorn raises the signal again as it returns, but a SIGINT raised then goes through
     # asyncio's own SIGINT handler, and in rare runs no KeyboardInterrupt came out of it (the
@@ -277,6 +288,8 @@ def serve_http(app: Any, sock: socket.socket, shutdown_timeout_s: float = 5.0) -
         raise KeyboardInterrupt
     if server.stopped_by == signal.SIGTERM:
         raise _Terminated
+    if server.worker_died is not None:
+        raise WorkerDied(server.worker_died)
 
 
 class OrderlyServer(uvicorn.Server):
@@ -290,12 +303,27 @@ class OrderlyServer(uvicorn.Server):
     second Ctrl-C ends them at once.
     """
 
-    def __init__(self, config: uvicorn.Config, app: Any, shutdown_timeout_s: float) -> None:
+    def __init__(self, config: uvicorn.Config, app: Any, shutdown_timeout_s: float,
+                 health: Callable[[], str | None] | None = None) -> None:
         super().__init__(config)
+        self._health = health
+        self.worker_died: str | None = None  # which worker died, once one has
+        self._died_at = 0.0
         self._app = app
         self._shutdown_timeout_s = shutdown_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stopped_by: int | None = None  # the first signal that stopped the server
+
+    async def on_tick(self, counter: int) -> bool:
+        """uvicorn's tick (10 a second): a dead worker stops the server, after a grace in
+        which the frontend's watchdog answers every waiting and new request with 503."""
+        if self.worker_died is None and self._health is not None:
+            self.worker_died = self._health()
+            self._died_at = time.monotonic()
+        if self.worker_died is not None and \
+                time.monotonic() - self._died_at > WORKER_DIED_GRACE_S:
+            return True
+        return await super().on_tick(counter)
 
     def _end_requests(self) -> None:
         frontend = getattr(self._app.state, "frontend", None)
@@ -322,6 +350,10 @@ class OrderlyServer(uvicorn.Server):
         super().handle_exit(sig, frame)
         if self.force_exit and self._loop is not None:  # a second Ctrl-C: no more waiting
             self._loop.call_soon_threadsafe(self._end_requests)
+
+
+class WorkerDied(Exception):
+    """A worker process exited while the server was serving."""
 
 
 # --------------------------------------------------------------------------- signals

@@ -31,6 +31,7 @@ from typing import Any, TypeVar
 
 from minisgl.utils.logger import get_logger
 from minisgl.utils.queues import ZmqPullQueue
+from minisgl.utils.watch import EXIT_STARTED_WHILE_IMPORTING, GUARD_HINT, describe_exit
 
 logger = get_logger(__name__)
 
@@ -65,6 +66,7 @@ def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...
     """
     if not name:
         raise ValueError("a process needs a name: its log lines show it")
+    _refuse_while_importing(name)
     if own_process_group:
         args, target = (target, *args), _run_in_own_process_group
     process = SPAWN.Process(target=target, name=name, args=args, kwargs=dict(kwargs or {}),
@@ -72,6 +74,17 @@ def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...
     process.start()
     logger.debug("started process %s (pid %d)", name, process.pid)
     return process
+
+
+def _refuse_while_importing(name: str) -> None:
+    """A spawned child imports its parent's main module again; a script without the
+    ``if __name__ == "__main__":`` guard then starts its workers a second time, from inside the
+    child, and Python refuses. End the child here with a code of its own, which tells the
+    parent why (no report queue exists yet this early); the parent fails at once, with a hint."""
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # spawn's bootstrap
+        logger.error("not starting %s: this process is still importing its parent's main "
+                     "module; %s", name, GUARD_HINT)
+        raise SystemExit(EXIT_STARTED_WHILE_IMPORTING)
 
 
 def _run_in_own_process_group(target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -149,8 +162,9 @@ def wait_ready(queue: multiprocessing.Queue, processes: Sequence[BaseProcess],
         timeout_s: the most seconds to wait in all (loading a large model takes a while).
 
     Raises:
-        RuntimeError: a worker reported a start-up error (its traceback is in the message), a
-            worker exited without reporting, or the time ran out. The other workers are left
+        WorkerFailed: a worker reported a start-up error (the message begins with its last
+            line, then the traceback), or exited without reporting (how, in words).
+        RuntimeError: the time ran out. Either way the other workers are left
             running: stopping them is the caller's decision (usually :func:`stop_processes`).
     """
     names = [p.name for p in processes] if names is None else list(names)
@@ -166,16 +180,27 @@ def wait_ready(queue: multiprocessing.Queue, processes: Sequence[BaseProcess],
             dead = [(p, name) for p, name in waiting.values() if not p.is_alive()]
             if dead and queue.empty():
                 process, name = dead[0]
-                raise RuntimeError(f"worker {name} (pid {process.pid}) exited with code "
-                                   f"{process.exitcode} before it was ready")
+                raise WorkerFailed(f"worker {name} (pid {process.pid}) did not get ready: it "
+                                   f"{describe_exit(process.exitcode)}")
             if time.monotonic() > deadline:
                 late = ", ".join(name for _, name in waiting.values())
                 raise RuntimeError(f"worker(s) {late} not ready after {timeout_s:.0f} s")
             continue
         _, name = waiting.pop(pid, (None, reported))
         if status == FAILED:
-            raise RuntimeError(f"worker {name} (pid {pid}) failed to start:\n{text.rstrip()}")
+            raise WorkerFailed(f"worker {name} (pid {pid}) failed to start: "
+                               f"{_last_line(text)}\n{text.rstrip()}")
         logger.debug("worker %s (pid %d) is ready", name, pid)
+
+
+def _last_line(text: str) -> str:
+    """A traceback's last line: the error itself, which a one-line log shows first."""
+    lines = text.strip().splitlines()
+    return lines[-1] if lines else "(no traceback)"
+
+
+class WorkerFailed(RuntimeError):
+    """A worker reported a start-up error, or exited, before it was ready."""
 
 
 # ---------------------------------------------------------------------------------- shutdown

@@ -1,0 +1,271 @@
+"""The life of a worker process: started, ready, told to stop, stopped.
+
+- **Start and stop.** :func:`start_process` starts a worker with the *spawn* start method;
+  :func:`stop_process` makes sure it is gone and reaped.
+- **Readiness.** Each worker reports once, on a queue from :func:`new_ready_queue`,
+  that it is ready or why it could not start (:func:`reporting_readiness`); the parent's
+  :func:`wait_ready` returns when all are ready and raises, with the worker's traceback, when one
+  fails or dies first.
+- **Shutdown.** :class:`ShutdownSignals` turns SIGTERM and SIGINT into a clean
+  return from a worker's loop; :func:`stop_processes` sends the signal and reaps every worker.
+  A worker also returns when its parent has died, busy or not, and
+  ``start_process(..., own_process_group=True)`` keeps a terminal's Ctrl-C for the parent.
+
+What the processes say to each other travels on :mod:`minisgl.utils.queues`; this module is
+only about the processes themselves.
+"""
+
+from __future__ import annotations
+
+import multiprocessing
+import os
+import signal
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from multiprocessing.process import BaseProcess
+from queue import Empty
+from typing import Any, TypeVar
+
+from minisgl.utils.logger import get_logger
+from minisgl.utils.queues import ZmqPullQueue
+
+logger = get_logger(__name__)
+
+T = TypeVar("T")
+
+
+# ---------------------------------------------------------------------------------- processes
+# Every worker starts in a fresh interpreter ("spawn"), never as a copy of its parent ("fork").
+# fork copies the parent's memory but only the thread that called it: the CUDA driver cannot
+# run in a forked child once the parent has initialised it, and a lock that another thread
+# held at the time (ZMQ's I/O thread, torch's thread pools, logging) stays locked for ever in
+# the child. Spawn costs a second or so of start-up and needs a picklable target and arguments;
+# it buys a child that holds only what it imports itself.
+SPAWN = multiprocessing.get_context("spawn")
+
+
+def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...] = (),
+                  kwargs: Mapping[str, Any] | None = None, daemon: bool = True,
+                  own_process_group: bool = False) -> BaseProcess:
+    """Start ``target(*args, **kwargs)`` in a new process called ``name``, with spawn.
+
+    ``target`` must be importable by name (a module-level function), and ``args``/``kwargs``
+    picklable: pass queue addresses, not queues. ``name`` is the process name that the log
+    lines show. A daemon process (the default) is terminated when its parent exits normally, so
+    a crashed launcher leaves fewer orphans behind.
+
+    ``own_process_group`` puts the process in a process group of its own. Ctrl-C
+    in a terminal sends SIGINT to every process of the foreground group: the parent and,
+    without this, every worker, which would all stop at once, whatever the parent meant to do
+    about it (the shell stops one answer, the server finishes its requests first). The parent
+    then decides alone when its workers stop (it sends them SIGTERM).
+    """
+    if not name:
+        raise ValueError("a process needs a name: its log lines show it")
+    if own_process_group:
+        args, target = (target, *args), _run_in_own_process_group
+    process = SPAWN.Process(target=target, name=name, args=args, kwargs=dict(kwargs or {}),
+                             daemon=daemon)
+    process.start()
+    logger.debug("started process %s (pid %d)", name, process.pid)
+    return process
+
+
+def _run_in_own_process_group(target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """The child's first act, before it imports anything heavy: leave the
+    parent's process group (and so the terminal's Ctrl-C), then run ``target``."""
+    os.setpgid(0, 0)  # a group of its own, whose id is this process's id
+    return target(*args, **kwargs)
+
+
+def stop_process(process: BaseProcess, timeout_s: float = 5.0) -> int | None:
+    """Wait for ``process`` to exit, escalating if it does not; returns its exit code.
+
+    Waits ``timeout_s`` seconds for a clean exit, then sends SIGTERM and waits again, then
+    SIGKILL. The process is always reaped (joined), so it does not linger as a zombie. The exit
+    code is negative when a signal ended the process (-15 for SIGTERM, -9 for SIGKILL).
+    """
+    process.join(timeout_s)
+    if process.is_alive():
+        logger.warning("process %s did not exit within %.1f s: terminating it",
+                       process.name, timeout_s)
+        process.terminate()
+        process.join(timeout_s)
+    if process.is_alive():
+        logger.warning("process %s ignored SIGTERM: killing it", process.name)
+        process.kill()
+        process.join()
+    return process.exitcode
+
+
+# ---------------------------------------------------------------------------------- readiness
+READY = "ready"
+FAILED = "failed"
+
+
+def new_ready_queue() -> multiprocessing.Queue:
+    """A queue the workers report their start-up on; pass it to each as its ``ready`` argument.
+
+    It comes from the spawn context, like the workers, so it can be handed to them.
+    """
+    return SPAWN.Queue()
+
+
+@contextmanager
+def reporting_readiness(ready: multiprocessing.Queue | None, name: str) -> Iterator[None]:
+    """Wrap a worker's start-up: report ``ready`` when the block ends, or the error it raised.
+
+    Either report goes on ``ready`` once, tagged with this process's id (which the parent
+    knows) and ``name`` (for people). The error's traceback travels as text, so the parent can
+    show where the worker failed; the error is then raised again and ends the worker.
+    ``ready=None`` reports nothing. A shutdown signal during start-up is not an error: it is
+    passed on without a report.
+    """
+    try:
+        yield
+    except ShutdownRequested:
+        raise
+    except BaseException as exc:
+        if ready is not None:
+            text = "".join(traceback.format_exception(exc))
+            ready.put((FAILED, os.getpid(), name, text))
+        raise
+    if ready is not None:
+        ready.put((READY, os.getpid(), name, ""))
+    logger.info("%s is ready", name)
+
+
+def wait_ready(queue: multiprocessing.Queue, processes: Sequence[BaseProcess],
+               names: Sequence[str] | None = None, timeout_s: float = 600.0) -> None:
+    """Wait until every process in ``processes`` has reported that it is ready.
+
+    Args:
+        queue: the queue from :func:`new_ready_queue` the processes were given.
+        processes: the workers, started already.
+        names: what to call each process in an error (default: its process name).
+        timeout_s: the most seconds to wait in all (loading a large model takes a while).
+
+    Raises:
+        RuntimeError: a worker reported a start-up error (its traceback is in the message), a
+            worker exited without reporting, or the time ran out. The other workers are left
+            running: stopping them is the caller's decision (usually :func:`stop_processes`).
+    """
+    names = [p.name for p in processes] if names is None else list(names)
+    if len(names) != len(processes):
+        raise ValueError(f"{len(names)} names for {len(processes)} processes")
+    waiting = {p.pid: (p, name) for p, name in zip(processes, names)}
+    deadline = time.monotonic() + timeout_s
+    while waiting:
+        try:
+            status, pid, reported, text = queue.get(timeout=0.1)
+        except Empty:
+            # Nobody spoke: has a worker died without a word (killed, or out of memory)?
+            dead = [(p, name) for p, name in waiting.values() if not p.is_alive()]
+            if dead and queue.empty():
+                process, name = dead[0]
+                raise RuntimeError(f"worker {name} (pid {process.pid}) exited with code "
+                                   f"{process.exitcode} before it was ready")
+            if time.monotonic() > deadline:
+                late = ", ".join(name for _, name in waiting.values())
+                raise RuntimeError(f"worker(s) {late} not ready after {timeout_s:.0f} s")
+            continue
+        _, name = waiting.pop(pid, (None, reported))
+        if status == FAILED:
+            raise RuntimeError(f"worker {name} (pid {pid}) failed to start:\n{text.rstrip()}")
+        logger.debug("worker %s (pid %d) is ready", name, pid)
+
+
+# ---------------------------------------------------------------------------------- shutdown
+class ShutdownRequested(BaseException):
+    """Raised in a worker that got SIGTERM or SIGINT while it was waiting (or starting).
+
+    A BaseException, like KeyboardInterrupt: an ``except Exception`` somewhere in the
+    libraries it runs through must not swallow it.
+    """
+
+
+class ShutdownSignals:
+    """SIGTERM and SIGINT as a clean way out of a worker's loop.
+
+    A worker makes one at the top of its main function (it installs the handlers) and checks
+    :attr:`requested` between two pieces of work. A signal that arrives while the worker is
+    inside :meth:`interruptible` (loading a model, waiting in :meth:`receive` for its next
+    message) raises :class:`ShutdownRequested` there, so an idle worker does not wait for a
+    message that will never come; elsewhere it only sets the flag, so a step is never cut in
+    half.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None  # the first signal received
+        self._interruptible = False
+        self._parent = os.getppid()
+        if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
+            for sig in (signal.SIGTERM, signal.SIGINT):
+                signal.signal(sig, self._on_signal)
+
+    @property
+    def requested(self) -> bool:
+        """A shutdown signal came, or the parent has died.
+
+        A busy worker never waits in :meth:`receive`, where an idle one notices its parent's
+        death; checking here, once per turn of its loop, makes a busy worker notice too, so a
+        launcher killed with SIGKILL (no clean-up of its own) leaves no worker running for
+        nobody.
+        """
+        return self.signum is not None or self.orphaned
+
+    @property
+    def orphaned(self) -> bool:
+        """The process that started this one has exited (we were handed to another parent)."""
+        return os.getppid() != self._parent
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        first = self.signum is None
+        self.signum = signum
+        if first and self._interruptible:
+            raise ShutdownRequested(signal.Signals(signum).name)
+
+    @contextmanager
+    def interruptible(self) -> Iterator[None]:
+        """A block a shutdown signal may interrupt (raising :class:`ShutdownRequested`)."""
+        if self.requested:
+            raise ShutdownRequested(signal.Signals(self.signum).name if self.signum is not None
+                                    else "the parent process has exited")
+        self._interruptible = True
+        try:
+            yield
+        finally:
+            self._interruptible = False
+
+    def receive(self, queue: ZmqPullQueue[T], poll_s: float = 0.1) -> T:
+        """The next message on ``queue``, however long it takes, unless a shutdown signal
+        comes first (then :class:`ShutdownRequested` is raised).
+
+        Why not one blocking ``get``: the kernel may hand the signal to any thread of the
+        process (torch's, the tokenizer library's), and then the main thread's wait is not
+        interrupted; Python runs the handler only once the main thread runs Python code again.
+        Waking every ``poll_s`` seconds gives it that chance. It is also the moment to notice
+        that the parent has died without stopping us (killed with SIGKILL): an orphan worker
+        shuts down too, instead of waiting for ever.
+        """
+        with self.interruptible():
+            while True:
+                try:
+                    return queue.get(timeout_s=poll_s)
+                except TimeoutError:
+                    if self.orphaned:
+                        raise ShutdownRequested("the parent process has exited") from None
+
+
+def stop_processes(processes: Iterable[BaseProcess], timeout_s: float = 5.0) -> None:
+    """Ask every process to stop (SIGTERM, which a worker turns into a clean return), then
+    reap each with :func:`stop_process` (which kills what does not exit in time)."""
+    processes = list(processes)
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+    for process in processes:
+        stop_process(process, timeout_s)
