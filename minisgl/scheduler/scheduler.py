@@ -157,7 +157,9 @@ class Scheduler:
     def step(self) -> StepResult:
         """Launch one batch, prefill or decode, read the tokens due, and report.
 
-        Returns an idle result (``phase`` None) when no batch could be launched.
+        Returns an idle result (``phase`` None) when no batch could be launched. Under tensor
+        parallelism the other ranks hear of the step first, and a failed step raises their
+        ``failed`` error.
         """
         if self.followers is None:
             return self._step()
