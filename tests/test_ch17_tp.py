@@ -668,6 +668,38 @@ def test_the_nccl_group_at_world_size_1(tiny_model_dir: Path) -> None:
     assert len(out["tokens"]) == GREEDY_TOKENS
 
 
+def nccl_abort(rank: int) -> dict[str, Any]:
+    """Abort the group as the watch does when a peer exits, then try a collective."""
+    import time as clock
+
+    import torch.distributed as dist
+
+    from minisgl.distributed import all_reduce
+    from minisgl.distributed.peers import PeerExited, abort_tp_group
+
+    backend = dist.get_backend()
+    x = torch.ones(4, device=torch.device("cuda", rank))
+    all_reduce(x)
+    torch.cuda.synchronize()
+    abort_tp_group("rank 1 (pid 0) was killed by SIGKILL")  # as if a peer had died
+    started = clock.monotonic()
+    try:
+        all_reduce(x)
+        raised = ""
+    except PeerExited as exc:
+        raised = str(exc)
+    return {"backend": backend, "raised": raised, "seconds": clock.monotonic() - started}
+
+
+@pytest.mark.gpu
+def test_an_aborted_nccl_group_refuses_the_next_collective_at_once() -> None:
+    """The abort path a dead peer takes, under NCCL on one GPU: the communicator is aborted
+    (ncclCommAbort) and the next collective raises naming the rank instead of waiting."""
+    out = run_ranks(nccl_abort, 1, device="cuda")[0]
+    assert out["backend"] == "nccl"
+    assert "rank 1" in out["raised"] and out["seconds"] < 5
+
+
 @pytest.mark.gpu
 def test_the_nccl_group_on_every_gpu(tiny_model_dir: Path) -> None:
     """On N >= 2 GPUs: the sum over N ranks, and greedy tokens equal to one GPU's."""
