@@ -7,6 +7,7 @@ files show what a patch survives (a change elsewhere in the final file) and what
 from __future__ import annotations
 
 import random
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -55,6 +56,38 @@ def book(tmp_path: Path) -> Path:
 
 def rebuilt(root: Path, chapter: str) -> str:
     return snapshots.earlier_version(steps.load_manifest(root), "minisgl/a.py", chapter)
+
+
+def test_every_version_of_the_repository_rebuilds_from_one_patch_each() -> None:
+    manifest = steps.load_manifest(ROOT)
+    assert snapshots.stored_versions(manifest), "the manifest stores no earlier version"
+    assert snapshots.problems(manifest) == []
+
+
+def test_storing_the_whole_repository_again_rebuilds_every_version_unchanged(
+        tmp_path: Path) -> None:
+    """Write every version of the repository out in full, store them again (the conversion
+    that turns full copies into patches), and rebuild: each version reads exactly as before."""
+    manifest = steps.load_manifest(ROOT)
+    versions = snapshots.stored_versions(manifest)
+    for rel in ["tools/steps.toml", *dict.fromkeys(v.path for v in versions)]:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy2(ROOT / rel, tmp_path / rel)
+    shutil.copytree(ROOT / snapshots.VERSIONS, tmp_path / snapshots.VERSIONS)
+    copy = steps.load_manifest(tmp_path)
+    full = snapshots.materialize(copy, [], None)
+    assert len(full) == len(versions)
+    texts = {v: snapshots.earlier_version(manifest, v.path, v.chapter) for v in versions}
+    for v in versions:  # the copies are the versions, and they stand beside their patches
+        assert (tmp_path / v.location).read_bytes().decode() == texts[v]
+        assert (tmp_path / v.patch).exists()
+    written, removed = snapshots.store(copy)
+    assert removed == len(versions)
+    assert not [f for f in (tmp_path / snapshots.VERSIONS).rglob("*")
+                if f.is_file() and f.suffix != snapshots.SUFFIX], "a full copy was left behind"
+    for v in versions:
+        assert snapshots.earlier_version(copy, v.path, v.chapter) == texts[v], v
+    assert snapshots.store(copy) == (0, 0), "storing twice changed something"
 
 
 def test_a_change_elsewhere_in_the_final_file_reaches_every_earlier_version(book: Path) -> None:
