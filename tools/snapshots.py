@@ -128,11 +128,15 @@ def _range(start: int, count: int) -> str:
     return f"{start if count == 0 else start + 1},{count}"
 
 
+def _header(version: EarlierVersion, base_chapter: str) -> tuple[str, str]:
+    return (f"--- {version.path} as of {base_chapter}",
+            f"+++ {version.path} as of {version.chapter}")
+
+
 def make_patch(base: str, text: str, version: EarlierVersion, base_chapter: str) -> str:
     """The patch that turns `base` (the next version, as of `base_chapter`) into `text`."""
     old, new = split_lines(base), split_lines(text)
-    out = [f"--- {version.path} as of {base_chapter}\n", f"+++ {version.path} as of "
-           f"{version.chapter}\n"]
+    out = [f"{line}\n" for line in _header(version, base_chapter)]
     matcher = SequenceMatcher(None, old, new, autojunk=False)
     for tag, i1, i2, j1, j2 in matcher.get_opcodes():
         if tag == "equal":
@@ -156,11 +160,6 @@ class Hunk:
     after: int
     check: str
     lines: tuple[str, ...]
-
-
-def _header(version: EarlierVersion, base_chapter: str) -> tuple[str, str]:
-    return (f"--- {version.path} as of {base_chapter}",
-            f"+++ {version.path} as of {version.chapter}")
 
 
 def parse_patch(patch: str, version: EarlierVersion, base_chapter: str) -> list[Hunk]:
@@ -231,7 +230,7 @@ def apply_patch(patch: str, base: str, version: EarlierVersion, base_chapter: st
             shown = "".join(lines[max(where - hunk.before, 0):where + hunk.removed + hunk.after])
             raise VersionError(
                 f"{version.patch}: hunk {hunk.number} ({hunk.header}) does not apply: the lines "
-                f"of {version.path} as of {base_chapter} it replaces, or the {CONTEXT} around "
+                f"of {version.path} as of {base_chapter} it replaces, or the {CONTEXT} lines around "
                 f"them, changed since the patch was made, so the version as of "
                 f"{version.chapter} cannot be rebuilt. Around line {where + 1} they now read:\n"
                 f"{shown}(carry the change into the earlier version: see "
