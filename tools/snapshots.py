@@ -230,8 +230,8 @@ def apply_patch(patch: str, base: str, version: EarlierVersion, base_chapter: st
             shown = "".join(lines[max(where - hunk.before, 0):where + hunk.removed + hunk.after])
             raise VersionError(
                 f"{version.patch}: hunk {hunk.number} ({hunk.header}) does not apply: the lines "
-                f"of {version.path} as of {base_chapter} it replaces, or the {CONTEXT} lines around "
-                f"them, changed since the patch was made, so the version as of "
+                f"of {version.path} as of {base_chapter} it replaces, or the {CONTEXT} lines "
+                f"around them, changed since the patch was made, so the version as of "
                 f"{version.chapter} cannot be rebuilt. Around line {where + 1} they now read:\n"
                 f"{shown}(carry the change into the earlier version: see "
                 f"`python tools/steps.py versions --help`)")
