@@ -308,7 +308,31 @@ def test_caption_lists_every_later_chapter_and_leaves_other_blocks_alone(
     assert out.count("--8<--") == 2, "captioning dropped an include"
 
 
-def test_strict_build_fails_on_a_renamed_symbol(tmp_path: Path) -> None:
+def test_a_name_and_a_whole_file_are_included_from_a_rebuilt_version(
+    repo_script: Callable[[str], ModuleType]
+) -> None:
+    """`tools/versions/chNN/<path>` names no file: the hook rebuilds the version from its
+    patch and shows the symbol (or the whole file) as that chapter wrote it."""
+    pytest.importorskip("mkdocs", reason="mkdocs is not installed (pip install -e '.[dev]')")
+    hook, steps = repo_script("docs/hooks/book.py"), repo_script("tools/steps.py")
+    manifest = steps.load_manifest(ROOT)
+    book = hook.Book(ROOT, steps, manifest)
+    chapter_id, path, name = next(
+        m.groups() for p in sorted((ROOT / "chapters").glob("ch*.md"))
+        for m in SNAPSHOT_NAME.finditer(p.read_text("utf-8")))
+    text = steps.snapshots.earlier_version(manifest, path, chapter_id)
+    page = (f'```python\n--8<-- "tools/versions/{chapter_id}/{path}::{name}"\n```\n\n'
+            f'```python\n--8<-- "tools/versions/{chapter_id}/{path}"\n```\n')
+    out = hook.included_names(book, page, "chapters/example.md")
+    shown, whole = out.split("```\n\n")
+    assert re.search(rf"^(async def|def|class) {name}\b", shown, re.M), shown
+    assert shown.split("\n", 1)[1].rstrip("\n") in text
+    assert whole == "```python\n" + text.rstrip("\n") + "\n```\n"
+
+
+def test_strict_build_fails_on_a_renamed_symbol(
+    tmp_path: Path, repo_script: Callable[[str], ModuleType]
+) -> None:
     """A page includes a snapshot's function or class by name; renaming it in the file stops
     the build with a message naming the page, the file and the name."""
     pytest.importorskip("mkdocs", reason="mkdocs is not installed (pip install -e '.[dev]')")
@@ -324,11 +348,14 @@ def test_strict_build_fails_on_a_renamed_symbol(tmp_path: Path) -> None:
         (p, f"tools/versions/{m.group(1)}/{m.group(2)}", m.group(3))
         for p in sorted((copy / "chapters").glob("ch*.md"))
         for m in SNAPSHOT_NAME.finditer(p.read_text("utf-8")))
-    source = copy / path
+    # The version is rebuilt from its patch; a full copy beside the patch wins over it.
+    snapshots = repo_script("tools/snapshots.py")
+    chapter_id, rel = path.split("/", 3)[2:]
+    text = snapshots.earlier_version(repo_script("tools/steps.py").load_manifest(copy), rel,
+                                     chapter_id)
     definition = re.compile(rf"^((?:async )?def|class) {re.escape(name)}\b", re.M)
-    assert definition.search(source.read_text("utf-8")), f"{path} defines no {name}"
-    source.write_text(definition.sub(rf"\1 {name}_renamed", source.read_text("utf-8")),
-                      encoding="utf-8")
+    assert definition.search(text), f"{path} defines no {name}"
+    (copy / path).write_text(definition.sub(rf"\1 {name}_renamed", text), encoding="utf-8")
     proc = subprocess.run(
         [sys.executable, "-m", "mkdocs", "build", "--strict", "-d", str(tmp_path / "site")],
         cwd=copy, env=dict(os.environ, NO_MKDOCS_2_WARNING="1"),

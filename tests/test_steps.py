@@ -57,7 +57,8 @@ def made_up_repo(tmp_path: Path) -> Path:
     write(tmp_path, "minisgl/__init__.py", "")
     write(tmp_path, "minisgl/helpers.py", "def twice(x):\n    return 2 * x\n")
     write(tmp_path, "minisgl/a.py", "VERSION = 2\n")  # the final version
-    write(tmp_path, "tools/versions/ch01/minisgl/a.py", "VERSION = 1\n")  # as of chapter 1
+    # as of chapter 1, as a full copy (which wins over a patch; patches: test_snapshots.py)
+    write(tmp_path, "tools/versions/ch01/minisgl/a.py", "VERSION = 1\n")
     write(tmp_path, "minisgl/b.py", "from minisgl.a import VERSION\n")
     write(tmp_path, "examples/ch01_first.py", "import minisgl.a\nprint('a is', minisgl.a.VERSION)\n")
     write(tmp_path, "examples/ch02_second.py", "import minisgl.b\nprint('b ok')\n")
@@ -103,8 +104,8 @@ def test_tree_text_labels_each_file(made_up_repo: Path) -> None:
 
 def test_earlier_chapter_gets_the_earlier_version(made_up_repo: Path) -> None:
     manifest = steps.load_manifest(made_up_repo)
-    assert steps.source_of(manifest, "minisgl/a.py", "ch01") == (
-        made_up_repo / "tools/versions/ch01/minisgl/a.py")
+    assert steps.source_of(manifest, "minisgl/a.py", "ch01") == steps.EarlierVersion(
+        "ch01", "minisgl/a.py")
     assert steps.source_of(manifest, "minisgl/a.py", "ch02") == made_up_repo / "minisgl/a.py"
 
 

@@ -11,10 +11,16 @@ chapter. The manifest `tools/steps.toml` says which files each chapter adds (`ne
     python tools/steps.py check [ch01 ...]     # rebuild each checkpoint, run its example + tests
         [--gpu]                                # a missing GPU is an error, not a skip
         [--record]                             # save each example's output for the book
+    python tools/steps.py versions             # rebuild every earlier version of a file
+        [--materialize [chNN|PATH ...]]        # as full copies, to edit (or read: --out DIR)
+        [--store]                              # full copies back into patches
 
 `check` builds every checkpoint in a fresh temporary directory that holds only that chapter's
 files, so a chapter that imports code from a later chapter fails. It then runs the
 repository-level tests and ends with one line: `N passed, N failed, N skipped`.
+
+The version of a file before a later chapter changed it is stored as a patch against the next
+version (tools/snapshots.py); every reader of an earlier version goes through that module.
 """
 from __future__ import annotations
 
@@ -35,9 +41,14 @@ if sys.version_info >= (3, 11):
 else:  # pragma: no cover - Python 3.10
     import tomli as tomllib
 
+# tools/ is not a package: the sibling module is found by path, however this file was loaded.
+if str(Path(__file__).resolve().parent) not in sys.path:
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+import snapshots  # noqa: E402
+from snapshots import EarlierVersion, VersionError, writes_of  # noqa: E402,F401
+
 ROOT = Path(__file__).resolve().parent.parent
 MANIFEST = Path("tools/steps.toml")
-VERSIONS = Path("tools/versions")
 RECORDED = Path("docs/recorded")
 TINY_MODEL = Path("models/tiny-qwen3")
 # Files every checkpoint gets besides the chapter's own tree (copied when they exist).
@@ -169,26 +180,21 @@ def _validate(m: Manifest) -> None:
 
 
 # --------------------------------------------------------------------------- checkpoints
-def writes_of(manifest: Manifest, path: str) -> list[Chapter]:
-    """The chapters that write `path` (introduce it, bring it in early or modify it), in order."""
-    return [c for c in manifest.chapters if path in (*c.new, *c.early, *c.modified)]
-
-
-def source_of(manifest: Manifest, path: str, chapter_id: str) -> Path:
-    """Where the version of `path` that chapter `chapter_id` sees lives.
+def source_of(manifest: Manifest, path: str, chapter_id: str) -> Path | EarlierVersion:
+    """Where the version of `path` that chapter `chapter_id` sees comes from.
 
     The final version is the file itself; the version a chapter wrote before a later chapter
-    modified the file lives in `tools/versions/<that chapter>/<path>`.
+    modified the file is rebuilt from the patches under `tools/versions/` (snapshots.py).
     """
     number = manifest.chapter(chapter_id).number
     writes = writes_of(manifest, path)
     current = [c for c in writes if c.number <= number][-1]
     if current is writes[-1]:
         return manifest.root / path
-    return manifest.root / VERSIONS / current.id / path
+    return EarlierVersion(current.id, path)
 
 
-def checkpoint_files(manifest: Manifest, chapter_id: str) -> dict[str, Path]:
+def checkpoint_files(manifest: Manifest, chapter_id: str) -> dict[str, Path | EarlierVersion]:
     """Every file of the chapter's tree, mapped to the source it is copied from."""
     files: dict[str, Path] = {}
     for ch in manifest.upto(chapter_id):
@@ -207,17 +213,20 @@ def is_stale(manifest: Manifest, chapter_id: str) -> bool:
 def build_checkpoint(manifest: Manifest, chapter_id: str, dest: Path) -> None:
     """Write chapter `chapter_id`'s tree, example, tests and support files into `dest`."""
     ch = manifest.chapter(chapter_id)
-    missing = [str(src) for src in checkpoint_files(manifest, chapter_id).values() if not src.exists()]
+    wanted = checkpoint_files(manifest, chapter_id)
+    missing = [str(src) for src in wanted.values() if isinstance(src, Path) and not src.exists()]
     if missing:
         raise ManifestError(f"{ch.id}: files named by the manifest do not exist: {missing}")
-    wanted = {**checkpoint_files(manifest, chapter_id)}
     for rel in (ch.example, *ch.tests, *SUPPORT):
         if (manifest.root / rel).exists():
             wanted[str(rel)] = manifest.root / rel
     for rel, src in wanted.items():
         target = dest / rel
         target.parent.mkdir(parents=True, exist_ok=True)
-        if src.is_dir():
+        if isinstance(src, EarlierVersion):
+            text = snapshots.earlier_version(manifest, src.path, src.chapter)
+            target.write_bytes(text.encode("utf-8"))
+        elif src.is_dir():
             shutil.copytree(src, target, ignore=shutil.ignore_patterns("__pycache__"))
         else:
             shutil.copy2(src, target)
@@ -475,7 +484,7 @@ def check_chapter(manifest: Manifest, ch: Chapter, gpu: bool, record: str | None
             result = run_pytest(tests, workdir, env, ch.id)
             print(f"  tests: {result.line()}")
             tally.add(result)
-    except ManifestError as exc:
+    except (ManifestError, VersionError) as exc:
         tally.failed += 1
         tally.failures.append(str(exc))
         print(_indent(str(exc)))
@@ -614,6 +623,10 @@ def build_parser() -> argparse.ArgumentParser:
                      help="seconds an example may run before it counts as failed; what it "
                           f"printed until then is shown (default: {EXAMPLE_TIMEOUT_S})")
     chk.add_argument("--keep", action="store_true", help="keep the checkpoint directories")
+    versions = sub.add_parser("versions", help="rebuild, materialize or store the earlier "
+                                               "versions of files (tools/versions/)",
+                              description=snapshots.DESCRIPTION)
+    snapshots.add_arguments(versions)
     return parser
 
 
@@ -627,9 +640,11 @@ def main(argv: list[str] | None = None) -> int:
             return cmd_tree(manifest, args.chapter)
         if args.command == "checkout":
             return cmd_checkout(manifest, args.chapter, args.dest)
+        if args.command == "versions":
+            return snapshots.run(manifest, args)
         return check(manifest, args.chapters, args.gpu, args.record, args.tag,
                      args.example_args.split(), args.keep, args.example_timeout)
-    except ManifestError as exc:
+    except (ManifestError, VersionError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
 

@@ -19,6 +19,7 @@ From it this hook
 * captions every code block that includes an earlier version of a file
   (`tools/versions/chNN/<path>`): "<path> as of chapter N (changed in chapters X, Y)", the later
   chapters read from the manifest, so a reader knows the file in the tree reads differently;
+  that path names no file: the version is rebuilt from its patch by `tools/snapshots.py`;
 * includes code by qualified name (below);
 * and warns, which fails `mkdocs build --strict`, when a page includes a recorded output
   (`docs/recorded/...`) that has not been recorded, naming the command that records it, or
@@ -43,7 +44,8 @@ class shown without the methods the page shows later):
 A file or a name that does not resolve is a warning naming the page, the file and the name, so
 a renamed symbol fails `mkdocs build --strict`. Whole files (examples, recorded outputs) are
 included by pymdownx.snippets (`--8<-- "examples/ch01_config.py"`), which stops the build on a
-missing file itself (`check_paths: true`).
+missing file itself (`check_paths: true`); a whole earlier version
+(`--8<-- "tools/versions/ch07/minisgl/core.py"`) is included by this hook.
 """
 from __future__ import annotations
 
@@ -83,6 +85,10 @@ NAME_INCLUDE = re.compile(
 SECTION_RULE = re.compile(r"^[ \t]*#[ \t]*[-=]{8,}")
 RECORDED = "docs/recorded/"
 SNAPSHOT = re.compile(r"^tools/versions/(?P<chapter>ch\d\d)/(?P<path>[^:]+)")
+# A whole earlier version, which exists only as a patch, so pymdownx.snippets cannot read it.
+SNAPSHOT_FILE = re.compile(
+    r'^(?P<indent>[ \t]*)--8<--[ \t]+"(?P<path>tools/versions/ch\d\d/[^":]+)"[ \t]*$', re.M
+)
 # A fenced code block: its opening line (indent, fence, info string), body and closing fence.
 CODE_BLOCK = re.compile(
     r"^(?P<indent>[ \t]*)(?P<fence>`{3,}|~{3,})(?P<info>[^\n`]*)\n(?P<body>(?:.*\n)*?)"
@@ -488,22 +494,33 @@ def symbols_source(source: str, names: list[str]) -> str:
     return "\n".join(parts)
 
 
+def source_text(b: Book, path: str) -> str:
+    """The text of a repository file, or of an earlier version (`tools/versions/chNN/<path>`),
+    rebuilt from the final file and the patches."""
+    m = SNAPSHOT.match(path)
+    if m is None:
+        return (b.root / path).read_text(encoding="utf-8")
+    return b.steps.snapshots.earlier_version(b.manifest, m.group("path"), m.group("chapter"))
+
+
 def included_names(b: Book, markdown: str, src: str) -> str:
-    """Replace every name include of a code block by the symbols' source; warn (fatal under
-    --strict) about one that does not resolve or stands outside a code block."""
+    """Replace every name include of a code block by the symbols' source, and every include of
+    a whole earlier version by its text; warn (fatal under --strict) about one that does not
+    resolve or stands outside a code block."""
     sources: dict[str, str] = {}
 
     def include(m: re.Match[str]) -> str:
-        path, names = m.group("path"), m.group("names").split()
-        target = f'--8<-- "{path}::{m.group("names")}"'
+        path = m.group("path")
+        names = m.group("names").split() if "names" in m.groupdict() else None
+        target = f'--8<-- "{path}::{m.group("names")}"' if names else f'--8<-- "{path}"'
         try:
             if path not in sources:
-                sources[path] = (b.root / path).read_text(encoding="utf-8")
-            code = symbols_source(sources[path], names)
+                sources[path] = source_text(b, path)
+            code = symbols_source(sources[path], names) if names else sources[path].rstrip("\n")
         except FileNotFoundError:
             log.warning(f"{src}: {target}: there is no file {path}")
             return f"{m.group('indent')}# {path} is missing"
-        except (SymbolNotFound, SyntaxError) as exc:
+        except (SymbolNotFound, SyntaxError, b.steps.VersionError) as exc:
             log.warning(f"{src}: {target}: {path}: {exc}")
             return f"{m.group('indent')}# {path}: {exc}"
         return "\n".join(m.group("indent") + line if line else "" for line in code.split("\n"))
@@ -511,7 +528,8 @@ def included_names(b: Book, markdown: str, src: str) -> str:
     def block(m: re.Match[str]) -> str:
         start, end = m.start("body") - m.start(), m.end("body") - m.start()
         text = m.group(0)
-        return text[:start] + NAME_INCLUDE.sub(include, m.group("body")) + text[end:]
+        body = SNAPSHOT_FILE.sub(include, NAME_INCLUDE.sub(include, m.group("body")))
+        return text[:start] + body + text[end:]
 
     markdown = CODE_BLOCK.sub(block, markdown)
     for m in NAME_INCLUDE.finditer(CODE_BLOCK.sub("", markdown)):
