@@ -33,7 +33,7 @@ class InFlight:
 
     def wait(self) -> list[int]:
         """The sampled ids on the host (blocks until the device has produced them)."""
-        if self.ready is not None:
+        if self.ready is not None:  # bounded: a dead peer's collective is aborted (chapter 17)
             self.ready.synchronize()
         return self.host_tokens.tolist()
 

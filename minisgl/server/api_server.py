@@ -408,7 +408,7 @@ async def merge_replies(streams: Sequence[AsyncIterator[UserReply]]
     try:
         open_streams = len(streams)
         while open_streams:
-            index, item = await queue.get()
+            index, item = await queue.get()  # every pump ends with None or its error
             if item is None:
                 open_streams -= 1
             elif isinstance(item, BaseException):

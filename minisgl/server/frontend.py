@@ -213,7 +213,7 @@ class RequestRouter:
     async def _listen(self) -> None:
         """The one reader of the inbox: hand each reply to its request's buffer."""
         while True:
-            try:
+            try:  # no bound needed: a dead worker is seen by the lifecycle watchdog (chapter 16)
                 reply = await self._inbox.get()
             except (SerializationError, TypeError) as exc:  # a bad frame: drop it, go on
                 logger.error("dropping a message the frontend cannot read: %s", exc)
@@ -251,7 +251,7 @@ class RequestRouter:
                            "or never submitted)")
         try:
             while True:
-                await buffer.event.wait()
+                await buffer.event.wait()  # set by every reply, and by the watchdog's failure
                 for reply in buffer.take():
                     if reply.finished:
                         self._pending.pop(uid, None)

@@ -171,7 +171,12 @@ class ZmqPushQueue(_Queue, Generic[T]):
         super().__init__(zmq.Context.instance(), zmq.PUSH, address, message_type, bind)
 
     def put(self, message: T) -> None:
-        """Send one message. Returns once ZMQ has queued it; the receiver gets it later."""
+        """Send one message. Returns once ZMQ has queued it; the receiver gets it later.
+
+        Bound: it blocks only once ZMQ's send queue is full (1,000 messages) for a receiver that
+        stopped reading; a receiver that died is a worker the launcher's watch sees, and the
+        launcher then ends this process (SIGTERM, SIGKILL after its grace period).
+        """
         self._socket.send(_frame([message], self.message_type, self.address), copy=False)
 
     def put_many(self, messages: Iterable[T]) -> None:
