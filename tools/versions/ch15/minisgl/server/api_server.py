@@ -1,13 +1,10 @@
 """The OpenAI-compatible HTTP API: the FastAPI app and its routes.
 
 Each route parses its body (:mod:`minisgl.server.protocol`), submits the request through the
-:class:`~minisgl.server.frontend.RequestRouter`, and answers either with the whole text or
-with a Server-Sent Events stream of it. The routes: ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics``, built by
-:func:`create_app`.
-
-A streaming client that disconnects makes Starlette cancel the stream; the cancellation turns
-into an :class:`~minisgl.message.AbortRequest`, so the scheduler stops generating for nobody.
+:class:`~minisgl.server.frontend.RequestRouter` and answers with the whole text or a stream of
+Server-Sent Events (:mod:`minisgl.server.streaming`). :func:`create_app` builds the app:
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``
+and ``GET /metrics``. Chapter 15 tells the story.
 """
 
 from __future__ import annotations
@@ -18,9 +15,10 @@ from contextlib import asynccontextmanager
 
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse
 
 from minisgl.server.frontend import RequestRouter
+from minisgl.server.metrics import metrics_text
 from minisgl.server.protocol import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
@@ -36,34 +34,7 @@ from minisgl.server.responses import (
     stream_chat,
     stream_completion,
 )
-
-
-async def abort_on_disconnect(frontend: RequestRouter, uid: int,
-                              chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Pass ``chunks`` through; if the stream stops before they end, abort request ``uid``.
-
-    When the client disconnects, Starlette stops the response: it cancels the task iterating
-    this generator (a ``CancelledError`` rises out of the ``await`` the stream waits in, through
-    every generator below), or, when the disconnect shows as a failed write, drops the
-    generator, which Python then closes. Either way ``finally`` runs with the stream
-    unfinished. :meth:`RequestRouter.abort` only schedules its send: a cancelled task may not
-    wait for anything.
-    """
-    finished = False
-    try:
-        async for chunk in chunks:
-            yield chunk
-        finished = True
-    finally:
-        if not finished:
-            frontend.abort(uid)
-
-
-def sse_response(frontend: RequestRouter, uid: int,
-                 chunks: AsyncIterator[bytes]) -> StreamingResponse:
-    return StreamingResponse(abort_on_disconnect(frontend, uid, chunks),
-                             media_type="text/event-stream",
-                             headers={"Cache-Control": "no-cache"})
+from minisgl.server.streaming import sse_response
 
 
 # =========================================================================== routes
@@ -139,40 +110,6 @@ async def metrics(request: Request):
     state = request.app.state
     text = metrics_text(state.metrics(), _frontend(request))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-
-# =========================================================================== /metrics
-# Worker counter name -> (metric, Prometheus type, help).
-WORKER_METRICS: dict[str, tuple[str, str, str]] = {
-    "running": ("minisgl_running_requests", "gauge", "Requests in the running batch."),
-    "waiting": ("minisgl_waiting_requests", "gauge", "Requests waiting to be admitted."),
-    "kv_pages_in_use": ("minisgl_kv_pages_in_use", "gauge",
-                        "KV pages held by requests (not counting the prefix cache)."),
-    "prompt_tokens": ("minisgl_prompt_tokens_total", "counter", "Prompt tokens admitted."),
-    "generation_tokens": ("minisgl_generation_tokens_total", "counter", "Tokens generated."),
-    "live_states": ("minisgl_detokenizer_live_states", "gauge",
-                    "Requests the detokenizer holds text state for."),
-}
-
-
-def metrics_text(worker_counters: Mapping[str, int], frontend: RequestRouter) -> str:
-    """The Prometheus text exposition of the workers' counters and the frontend's."""
-    rows = [(*WORKER_METRICS.get(name, (f"minisgl_{name}", "gauge", name)), value)
-            for name, value in worker_counters.items()]
-    rows += [
-        ("minisgl_frontend_live_requests", "gauge",
-         "Requests the API server waits on.", frontend.num_live),
-        ("minisgl_frontend_requests_total", "counter",
-         "Requests sent to the workers.", frontend.stats.submitted),
-        ("minisgl_frontend_finished_total", "counter",
-         "Requests answered to the end.", frontend.stats.finished),
-        ("minisgl_frontend_aborted_total", "counter",
-         "Requests aborted because their client went away.", frontend.stats.aborted),
-    ]
-    lines = []
-    for name, kind, help_text, value in rows:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
-    return "\n".join(lines) + "\n"
 
 
 # =========================================================================== the app
