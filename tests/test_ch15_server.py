@@ -41,10 +41,11 @@ from fastapi.testclient import TestClient
 
 from minisgl.core import SamplingParams
 from minisgl.message import AbortRequest, TokenizeRequest, TokenUsage, UserReply
-from minisgl.server.api_server import abort_on_disconnect, create_app
+from minisgl.server.api_server import create_app
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.frontend import RequestRouter
 from minisgl.server.responses import SSE_DONE, ResponseMeta, sse_event, stream_chat
+from minisgl.server.streaming import abort_on_disconnect
 from minisgl.shell import Shell, sampling_params_for
 from server_process import ServerProcess, parse_metrics, still_running  # tools/, see conftest.py
 

@@ -1,50 +1,46 @@
 """The OpenAI-compatible HTTP API: the FastAPI app and its routes.
 
-Each route parses its body (:mod:`minisgl.server.protocol`), submits the request through the
-:class:`~minisgl.server.frontend.RequestRouter`, and answers either with the whole text or
-with a Server-Sent Events stream of it. The routes: ``POST /v1/chat/completions``,
-``POST /v1/completions``, ``GET /v1/models``, ``GET /health`` and ``GET /metrics``, built by
-:func:`create_app`.
-
-A streaming client that disconnects makes Starlette cancel the stream; the cancellation turns
-into an :class:`~minisgl.message.AbortRequest`, so the scheduler stops generating for nobody.
-
-Every request ends, and ends cleanly, whatever happens: a client that
-disconnects while it waits for a whole answer, a prompt the workers refuse (answered with an
-OpenAI error and its status, streamed or not), an error of any kind (answered as OpenAI's
-error object), the server shutting down. ``/metrics`` shows what the frontend still holds.
+Each route checks its body (:mod:`minisgl.server.protocol`), submits the request through the
+:class:`~minisgl.server.frontend.RequestRouter` and answers with the whole text or a stream of
+Server-Sent Events (:mod:`minisgl.server.streaming`). :func:`create_app` builds the app:
+``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``
+and ``GET /metrics``. Chapter 15 tells the story; chapter 16 makes every request end cleanly
+(:mod:`~minisgl.server.answers`, :mod:`~minisgl.server.errors`) and adds the access log and
+the OpenAPI schema's limits.
 """
 
 from __future__ import annotations
 
-import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import aclosing, asynccontextmanager
-from dataclasses import dataclass, field
+from contextlib import asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
-from fastapi.exceptions import RequestValidationError
-from fastapi.openapi.utils import get_openapi
-from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
-from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
-from minisgl.message import UserReply
+from minisgl.server.access_log import AccessLog, AccessRecord, observed
+from minisgl.server.answers import (
+    first_replies_then_rest,
+    first_reply_then_rest,
+    indexed,
+    merge_replies,
+    whole_answer,
+    whole_answers,
+)
+from minisgl.server.errors import answer_errors_as_openai
 from minisgl.server.frontend import RequestRouter
-from minisgl.server.lifecycle import ClientDisconnected, wait_or_disconnect
+from minisgl.server.metrics import metrics_text
+from minisgl.server.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, openapi_schema
 from minisgl.server.protocol import (
     DEFAULT_CHAT_MAX_TOKENS,
     DEFAULT_COMPLETION_MAX_TOKENS,
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
-    ErrorResponse,
-    prompt_schema,
-    validation_error,
 )
 from minisgl.server.responses import (
     ResponseMeta,
@@ -53,57 +49,7 @@ from minisgl.server.responses import (
     stream_chat,
     stream_completion,
 )
-from minisgl.utils.logger import get_logger
-
-logger = get_logger(__name__)
-
-
-async def abort_on_disconnect(frontend: RequestRouter, uid: int,
-                              chunks: AsyncIterator[bytes]) -> AsyncIterator[bytes]:
-    """Pass ``chunks`` through; if the stream stops before they end, abort request ``uid``.
-
-    When the client disconnects, Starlette stops the response: it cancels the task iterating
-    this generator (a ``CancelledError`` rises out of the ``await`` the stream waits in, through
-    every generator below), or, when the disconnect shows as a failed write, stops iterating
-    it. Either way ``finally`` runs with the stream unfinished (:class:`SSEResponse`
-    closes this generator explicitly, so "finally" means now, not when the garbage collector
-    gets to it). :meth:`RequestRouter.abort` only schedules its send: a cancelled task may
-    not wait for anything.
-    """
-    finished = False
-    try:
-        async with aclosing(chunks):
-            async for chunk in chunks:
-                yield chunk
-        finished = True
-    finally:
-        if not finished:
-            frontend.abort(uid)
-
-
-class SSEResponse(StreamingResponse):
-    """A Server-Sent Events response that closes its chunk generator however it ends.
-
-    Starlette iterates the generator and, when the client goes away, cancels that iteration;
-    if the cancellation finds the response waiting to write (a slow client), the generator
-    stays suspended at its ``yield``, and its ``finally`` (which aborts the request and frees
-    its state) would wait for the garbage collector. Closing it here makes that immediate.
-    """
-
-    def __init__(self, chunks: AsyncIterator[bytes]) -> None:
-        super().__init__(chunks, media_type="text/event-stream",
-                         headers={"Cache-Control": "no-cache"})
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        try:
-            await super().__call__(scope, receive, send)
-        finally:
-            await self.body_iterator.aclose()
-
-
-def sse_response(frontend: RequestRouter, uid: int,
-                 chunks: AsyncIterator[bytes]) -> SSEResponse:
-    return SSEResponse(abort_on_disconnect(frontend, uid, chunks))
+from minisgl.server.streaming import SSEResponse, sse_response
 
 
 # =========================================================================== routes
@@ -131,40 +77,7 @@ class Utf8BodyRoute(APIRoute):
         return checked
 
 
-# Every error the routes may answer with, in the schema (FastAPI would list 422, which this
-# server never sends: a malformed body is a 400 with OpenAI's error object).
-ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    400: {"model": ErrorResponse, "description": "The request is malformed or asks for "
-                                                 "something this server does not support"},
-    404: {"model": ErrorResponse, "description": "No such model"},
-    500: {"model": ErrorResponse, "description": "A worker failed while serving the request"},
-    503: {"model": ErrorResponse, "description": "A worker has died, or the server is "
-                                                 "shutting down"},
-}
-GENERATION_RESPONSES: dict[int | str, dict[str, Any]] = {
-    200: {"description": "The completion, or with `stream` a stream of Server-Sent Events",
-          "content": {"application/json": {}, "text/event-stream": {}}},
-    **ERROR_RESPONSES,
-}
-
 router = APIRouter(route_class=Utf8BodyRoute)
-
-
-@dataclass
-class AccessRecord:
-    """What the access log line says of one generation request (filled in as it goes)."""
-
-    uids: list[int] = field(default_factory=list)
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    finish_reasons: list[str] = field(default_factory=list)
-
-    def add(self, reply: UserReply) -> None:
-        """Note a request's last reply."""
-        if reply.usage is not None:
-            self.prompt_tokens += reply.usage.prompt_tokens
-            self.completion_tokens += reply.usage.completion_tokens
-        self.finish_reasons.append(reply.finish_reason or "error")
 
 
 def _frontend(request: Request) -> RequestRouter:
@@ -211,62 +124,6 @@ def check_token_ids(request: Request, name: str, token_ids: Sequence[int]) -> No
                             f"(0..{vocab_size - 1})", name)
 
 
-async def _observed(replies: AsyncIterator[UserReply],
-                    record: AccessRecord) -> AsyncIterator[UserReply]:
-    """``replies`` unchanged; each last reply is noted for the access log."""
-    async with aclosing(replies):
-        async for reply in replies:
-            if reply.finished:
-                record.add(reply)
-            yield reply
-
-
-async def whole_answer(request: Request, frontend: RequestRouter, uid: int,
-                       prompt_param: str) -> tuple[str, UserReply]:
-    """Request ``uid``'s whole text and last reply, for a response that is not streamed.
-
-    Nothing is sent to the client until the answer is complete, so a client that
-    disconnects is not noticed by a failed write: a watcher waits for the disconnect at the
-    same time, and wins the race if the client goes first. Collecting then stops, and
-    :meth:`RequestRouter.replies` aborts the request. A request that failed is answered
-    with its error's status and an OpenAI error body.
-    """
-    text, last = await wait_or_disconnect(frontend.collect(uid), request)
-    if last.error is not None:
-        raise APIError.of(last.error, prompt_param)
-    return text, last
-
-
-async def first_reply_then_rest(request: Request, frontend: RequestRouter, uid: int,
-                                prompt_param: str) -> AsyncIterator[UserReply]:
-    """Request ``uid``'s replies for a streamed response, once its first reply has come.
-
-    The response's headers (and its status, 200) go out with the first chunk,
-    so the first reply is awaited before the response starts: a request the workers refuse
-    at once (its prompt is too long) is still answered with a 400 and an error body, not a
-    200 stream holding an error. The client may disconnect during that wait, as it can
-    while a whole answer is collected.
-    """
-    replies = frontend.replies(uid)
-    try:
-        first = await wait_or_disconnect(replies.__anext__(), request)
-    except BaseException:
-        await replies.aclose()
-        raise
-    if first.error is not None:
-        await replies.aclose()
-        raise APIError.of(first.error, prompt_param)
-    return _prepend(first, replies)
-
-
-async def _prepend(first: UserReply, rest: AsyncIterator[UserReply]) -> AsyncIterator[UserReply]:
-    async with aclosing(rest):
-        yield first
-        if not first.finished:
-            async for reply in rest:
-                yield reply
-
-
 @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """A chat turn: the tokenizer applies the model's chat template to ``messages``."""
@@ -288,7 +145,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     meta = _meta(request, "chatcmpl")
     if body.stream:
         replies = await first_reply_then_rest(request, frontend, uid, "messages")
-        return sse_response(frontend, uid, stream_chat(_observed(replies, record), meta,
+        return sse_response(frontend, uid, stream_chat(observed(replies, record), meta,
                                                        body.include_usage))
     text, last = await whole_answer(request, frontend, uid, "messages")
     record.add(last)
@@ -314,13 +171,13 @@ async def completions(body: CompletionRequest, request: Request):
         if body.stream:
             replies = await first_reply_then_rest(request, frontend, uid, "prompt")
             return sse_response(frontend, uid, stream_completion(
-                _indexed(_observed(replies, record)), meta, 1, body.include_usage))
+                indexed(observed(replies, record)), meta, 1, body.include_usage))
         text, last = await whole_answer(request, frontend, uid, "prompt")
         record.add(last)
         return completion_body(meta, [(text, last)])
     if body.stream:
         streams = await first_replies_then_rest(request, frontend, uids)
-        merged = merge_replies([_observed(replies, record) for replies in streams])
+        merged = merge_replies([observed(replies, record) for replies in streams])
         return SSEResponse(stream_completion(merged, meta, len(uids), body.include_usage))
     answers = await whole_answers(request, frontend, uids)
     for _, last in answers:
@@ -345,80 +202,6 @@ async def submit_prompts(frontend: RequestRouter, prompts: Sequence[str | list[i
             frontend.abort(uid)
         raise
     return uids
-
-
-async def whole_answers(request: Request, frontend: RequestRouter,
-                        uids: Sequence[int]) -> list[tuple[str, UserReply]]:
-    """:func:`whole_answer` for several requests at once; the first error answers for all."""
-    answers = await wait_or_disconnect(
-        asyncio.gather(*(frontend.collect(uid) for uid in uids)), request)
-    for _, last in answers:
-        if last.error is not None:
-            raise APIError.of(last.error, "prompt")
-    return answers
-
-
-async def first_replies_then_rest(request: Request, frontend: RequestRouter,
-                                  uids: Sequence[int]) -> list[AsyncIterator[UserReply]]:
-    """:func:`first_reply_then_rest` for several requests: the stream starts once each has
-    its first reply, so a prompt refused at once is a 400 for the whole request."""
-    streams = [frontend.replies(uid) for uid in uids]
-    try:
-        firsts = await wait_or_disconnect(
-            asyncio.gather(*(replies.__anext__() for replies in streams)), request)
-    except BaseException:
-        for replies in streams:
-            await replies.aclose()
-        raise
-    failed = next((first for first in firsts if first.error is not None), None)
-    if failed is not None:
-        for replies in streams:
-            await replies.aclose()
-        raise APIError.of(failed.error, "prompt")
-    return [_prepend(first, replies) for first, replies in zip(firsts, streams)]
-
-
-async def _indexed(replies: AsyncIterator[UserReply]) -> AsyncIterator[tuple[int, UserReply]]:
-    async with aclosing(replies):
-        async for reply in replies:
-            yield 0, reply
-
-
-async def merge_replies(streams: Sequence[AsyncIterator[UserReply]]
-                        ) -> AsyncIterator[tuple[int, UserReply]]:
-    """The replies of several requests as they come, each with its stream's index.
-
-    One task per stream moves its replies into a queue of one place, so a slow reader still
-    leaves the replies in the frontend's buffers, where the slow-reader policy sees them.
-    Closing this generator (the client went away) cancels the tasks, which closes every
-    stream and so aborts every request not finished yet.
-    """
-    queue: asyncio.Queue[tuple[int, UserReply | BaseException | None]] = asyncio.Queue(1)
-
-    async def pump(index: int, replies: AsyncIterator[UserReply]) -> None:
-        try:
-            async with aclosing(replies):
-                async for reply in replies:
-                    await queue.put((index, reply))
-            await queue.put((index, None))
-        except Exception as exc:  # handed to the reader, which raises it
-            await queue.put((index, exc))
-
-    tasks = [asyncio.ensure_future(pump(i, replies)) for i, replies in enumerate(streams)]
-    try:
-        open_streams = len(streams)
-        while open_streams:
-            index, item = await queue.get()  # every pump ends with None or its error
-            if item is None:
-                open_streams -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield index, item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
 
 
 @router.get("/v1/models")
@@ -462,158 +245,6 @@ async def metrics(request: Request):
     state = request.app.state
     text = metrics_text(state.metrics(), _frontend(request))
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
-
-
-# =========================================================================== /metrics
-# Worker counter name -> (metric, Prometheus type, help).
-WORKER_METRICS: dict[str, tuple[str, str, str]] = {
-    "running": ("minisgl_running_requests", "gauge", "Requests in the running batch."),
-    "waiting": ("minisgl_waiting_requests", "gauge", "Requests waiting to be admitted."),
-    "kv_pages_in_use": ("minisgl_kv_pages_in_use", "gauge",
-                        "KV pages held by requests (not counting the prefix cache)."),
-    "prompt_tokens": ("minisgl_prompt_tokens_total", "counter", "Prompt tokens admitted."),
-    "generation_tokens": ("minisgl_generation_tokens_total", "counter", "Tokens generated."),
-    "live_states": ("minisgl_detokenizer_live_states", "gauge",
-                    "Requests the detokenizer holds text state for."),
-}
-
-
-def metrics_text(worker_counters: Mapping[str, int], frontend: RequestRouter) -> str:
-    """The Prometheus text exposition of the workers' counters and the frontend's."""
-    rows = [(*WORKER_METRICS.get(name, (f"minisgl_{name}", "gauge", name)), value)
-            for name, value in worker_counters.items()]
-    rows += [
-        ("minisgl_frontend_live_requests", "gauge",
-         "Requests the API server waits on.", frontend.num_live),
-        ("minisgl_frontend_requests_total", "counter",
-         "Requests sent to the workers.", frontend.stats.submitted),
-        ("minisgl_frontend_finished_total", "counter",
-         "Requests answered to the end.", frontend.stats.finished),
-        ("minisgl_frontend_aborted_total", "counter",
-         "Requests aborted because their client went away.", frontend.stats.aborted),
-        # Ending every request (``lifecycle.py``): replies held, failures, slow readers.
-        ("minisgl_frontend_buffered_replies", "gauge",
-         "Replies received and not yet taken by their reader.", frontend.num_buffered),
-        ("minisgl_frontend_failed_total", "counter",
-         "Requests that ended with an error.", frontend.stats.failed),
-        ("minisgl_frontend_slow_readers_total", "counter",
-         "Requests cut off because their client read too slowly.",
-         frontend.lifecycle.slow_readers),
-    ]
-    lines = []
-    for name, kind, help_text, value in rows:
-        lines += [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}", f"{name} {value}"]
-    return "\n".join(lines) + "\n"
-
-
-# =========================================================================== access log
-class AccessLog:
-    """ASGI middleware: one log line per request, once its response has been sent to the end
-    (for a stream, when the stream ends), with what a generation request noted in
-    ``request.state.access`` (:class:`AccessRecord`): its uids, tokens and finish reasons."""
-
-    def __init__(self, app: Any) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        start = time.perf_counter()
-        state = scope.setdefault("state", {})
-        status = 0
-
-        async def sending(message: dict[str, Any]) -> None:
-            nonlocal status
-            if message["type"] == "http.response.start":
-                status = message["status"]
-            await send(message)
-
-        try:
-            await self.app(scope, receive, sending)
-        finally:
-            logger.info("%s", access_line(scope["method"], scope["path"], status or 500,
-                                          time.perf_counter() - start, state.get("access"),
-                                          state.get("response_id")))
-
-
-def access_line(method: str, path: str, status: int, seconds: float,
-                record: AccessRecord | None, response_id: str | None) -> str:
-    """``POST /v1/completions 200 uid=3 id=cmpl-... prompt_tokens=5 completion_tokens=16
-    finish=length 0.052s``; the fields a request did not get to are ``-``."""
-    def shown(values: Sequence[object]) -> str:
-        return ",".join(map(str, values)) or "-"
-
-    if record is None:
-        fields = "uid=- prompt_tokens=- completion_tokens=- finish=-"
-    else:
-        done = bool(record.finish_reasons)
-        fields = (f"uid={shown(record.uids)} "
-                  f"prompt_tokens={record.prompt_tokens if done else '-'} "
-                  f"completion_tokens={record.completion_tokens if done else '-'} "
-                  f"finish={shown(record.finish_reasons)}")
-    return f"{method} {path} {status} {fields} id={response_id or '-'} {seconds:.3f}s"
-
-
-# =========================================================================== the schema
-def openapi_schema(app: FastAPI, model_name: str, max_token_id: int | None,
-                   max_tokens: int | None) -> dict[str, Any]:
-    """The OpenAPI schema, as this server answers: its errors (400, never FastAPI's 422), the
-    limits of the model it serves (the largest token id, the most tokens a request may ask
-    for) and its model's id as the example of ``/v1/models/{model_id}``. Built once, on the
-    first request for it."""
-    schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
-    for operations in schema["paths"].values():
-        for operation in operations.values():
-            operation.get("responses", {}).pop("422", None)
-            for parameter in operation.get("parameters", []):
-                if parameter["name"] == "model_id":
-                    parameter["schema"]["examples"] = [model_name]
-    components = schema.get("components", {}).get("schemas", {})
-    for unused in ("HTTPValidationError", "ValidationError"):
-        components.pop(unused, None)
-    for name in ("CompletionRequest", "ChatCompletionRequest"):
-        properties = components.get(name, {}).get("properties", {})
-        if max_tokens is not None:
-            for field_name in ("max_tokens", "max_completion_tokens"):
-                if field_name in properties:
-                    properties[field_name]["maximum"] = max_tokens
-        if max_token_id is not None and "prompt" in properties:
-            properties["prompt"].update(prompt_schema(max_token_id))
-        if max_token_id is not None and "stop_token_ids" in properties:
-            properties["stop_token_ids"]["anyOf"][0]["items"]["maximum"] = max_token_id
-    return schema
-
-
-# =========================================================================== the app
-def answer_errors_as_openai(app: FastAPI) -> None:
-    """Make every error leave as OpenAI's error object: FastAPI's and Starlette's own bodies
-    (``{"detail": ...}``, status 422 for a bad body) are not what OpenAI clients expect."""
-
-    @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
-
-    @app.exception_handler(StarletteHTTPException)
-    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        error = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
-                         kind="invalid_request_error" if exc.status_code < 500
-                         else "server_error")
-        return error.response(headers=getattr(exc, "headers", None))
-
-    @app.exception_handler(ClientDisconnected)
-    async def _gone(_: Request, exc: ClientDisconnected) -> Response:
-        return Response(status_code=499)  # nobody reads it: the client has gone
-
-    @app.exception_handler(Exception)
-    async def _bug(_: Request, exc: Exception) -> JSONResponse:
-        logger.error("unexpected error while serving a request", exc_info=exc)
-        return APIError(500, f"internal server error: {type(exc).__name__}",
-                        kind="server_error").response()
 
 
 def create_app(frontend_factory: Callable[[], RequestRouter], model_name: str, *,

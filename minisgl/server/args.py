@@ -1,21 +1,16 @@
 """``python -m minisgl``'s command line: the options, and the :class:`ServerArgs` they become.
 
-Three groups of options:
-
-- **the service**: which checkpoint (``--model``; left out, the book's default model, found or
-  built locally: :func:`~minisgl.utils.hf.default_model`), where to listen (``--host``, ``--port``),
-  how many tokenizer workers, the interactive ``--shell`` instead of HTTP; the limits of the
-  request lifecycle: how many replies a slow reader may leave unread
-  (``--reply-buffer-size``) and for how long (``--slow-reader-timeout``), and how long
-  requests in flight may take to finish when the server is stopped (``--shutdown-timeout``);
-- **the engine**: every field of :class:`~minisgl.scheduler.config.SchedulerConfig` that a
-  user may want to set (``--page-size``, ``--num-pages``, ``--prefix-cache`` ...). An option
-  left out keeps the engine's own default, so the defaults live in one place only;
+- **the service**: the checkpoint (``--model``; left out, the book's default model), where to
+  listen, how many tokenizer workers, ``--shell`` instead of HTTP, and the request
+  lifecycle's limits (``--reply-buffer-size``, ``--slow-reader-timeout``,
+  ``--shutdown-timeout``);
+- **the engine**: the fields of :class:`~minisgl.scheduler.config.SchedulerConfig` a user may
+  set; one left out keeps the engine's own default, so defaults live in one place only;
 - **tensor parallelism** (``--tp``): the model split over N scheduler processes.
 
-:func:`parse_args` checks everything before a single process starts: a bad value stops the
-program with argparse's usage line and a message naming the option and what it accepts,
-instead of an error from deep inside a worker a few seconds later.
+:func:`parse_args` checks everything before a process starts, so a bad value is argparse's
+usage line naming the option, not an error from inside a worker. Chapter 15 tells the story;
+chapters 16 and 17 add their options.
 """
 
 from __future__ import annotations

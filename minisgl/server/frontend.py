@@ -1,18 +1,14 @@
 """The frontend's router: the API server's link to the workers, and the state that ties
 requests to their replies.
 
-The API server is one asyncio event loop and two ZMQ queues: it pushes a
-:class:`~minisgl.message.TokenizeRequest` to a tokenizer worker for every HTTP request, and it
-pulls :class:`~minisgl.message.UserReply` messages (new text) from the detokenizer for all of
-them at once. :class:`RequestRouter` numbers requests (the *uid*), sends each to tokenizer
-``uid % N``, and runs the one *listener* task that reads every reply and hands it to the
-request it belongs to (a :class:`~minisgl.server.lifecycle.ReplyBuffer` per uid).
+:class:`RequestRouter` numbers requests (the *uid*), pushes each to tokenizer ``uid % N`` and
+runs the one *listener* task that pulls every :class:`~minisgl.message.UserReply` from the
+detokenizer and hands it to its request's :class:`~minisgl.server.lifecycle.ReplyBuffer`.
+It knows nothing of HTTP (:mod:`minisgl.server.api_server` and :mod:`minisgl.shell` use it),
+and it does not decide when a request ends early: its
+:class:`~minisgl.server.lifecycle.LifecyclePolicy` does, through :meth:`RequestRouter.fail`.
 
-It knows nothing of HTTP: :mod:`minisgl.server.api_server` turns its replies into responses,
-and the interactive shell (:mod:`minisgl.shell`) uses it directly. Nor does it decide when a
-request must end before its last reply (a reader too slow, a worker dead, the server
-shutting down): its :class:`~minisgl.server.lifecycle.LifecyclePolicy` does, and ends
-the request through :meth:`RequestRouter.fail`.
+Chapter 15 tells the story; chapter 16 adds the policy.
 """
 
 from __future__ import annotations

@@ -1,19 +1,15 @@
 """What the API server needs to end every request, whatever happens to it.
 
-A request that goes well ends with its last reply, which the router
-(:class:`~minisgl.server.frontend.RequestRouter`) hands to its reader. This module is for the
-others:
+- :class:`ReplyBuffer`: one request's replies its reader has not taken yet, bounded, with the
+  time since its reader fell behind;
+- :class:`LifecyclePolicy`: when a request must end before its last reply (a slow reader, a
+  dead worker or listener, shutdown), and with what error. The router routes; the policy
+  decides, and ends requests through the router, which it sees only as :class:`Router`;
+- :func:`wait_or_disconnect`: wait for something unless the HTTP client goes away first;
+- the errors the API server itself ends requests with, shaped as a worker's
+  :class:`~minisgl.message.RequestError`.
 
-- :class:`ReplyBuffer`: one request's replies that its reader has not taken yet. It holds at
-  most ``capacity`` of them, and it knows since when its reader has been behind;
-- :class:`LifecyclePolicy`: when a request must end before its last reply, and with what
-  error: a reader slower than the engine (the *slow reader* policy, instead of holding its
-  output without bound), a worker process or the reply listener that died, the server shutting
-  down. The router routes; the policy decides, and ends requests through the router;
-- :func:`wait_or_disconnect`: wait for something (a whole answer, the first reply) unless the
-  HTTP client goes away first: the request is then aborted, not left running for nobody;
-- the errors the API server itself ends requests with. Errors that a worker reports arrive in
-  a reply (:class:`~minisgl.message.RequestError`); these are made here, in the same shape.
+Chapter 16 tells the story.
 """
 
 from __future__ import annotations
@@ -23,17 +19,14 @@ import logging
 import math
 import time
 from collections import deque
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Protocol, TypeVar
+from typing import Any, Protocol, TypeVar
 
 from minisgl.message import RequestError, UserReply
 from minisgl.server.protocol import APIError
 from minisgl.utils.checks import check_int
 from minisgl.utils.logger import get_logger
-
-if TYPE_CHECKING:
-    from minisgl.server.frontend import RequestRouter
 
 logger = get_logger(__name__)
 
@@ -131,6 +124,21 @@ def unavailable_error(reason: str, code: str) -> RequestError:
 SHUTTING_DOWN = unavailable_error("the server is shutting down", "shutting_down")
 
 
+class Router(Protocol):
+    """What the policy needs of :class:`~minisgl.server.frontend.RequestRouter`; a protocol,
+    so that this module does not import the router, which imports it."""
+
+    @property
+    def buffers(self) -> Mapping[int, ReplyBuffer]: ...
+
+    @property
+    def listener_error(self) -> BaseException | None: ...
+
+    def fail(self, uid: int, error: RequestError, *, abort: bool = True) -> None: ...
+
+    def forget(self, uid: int) -> None: ...
+
+
 class LifecyclePolicy:
     """Ends every request whose last reply will not come, or should not be waited for.
 
@@ -154,7 +162,7 @@ class LifecyclePolicy:
         health: returns None while every worker runs, else what is wrong; None: not checked.
     """
 
-    def __init__(self, router: RequestRouter, *,
+    def __init__(self, router: Router, *,
                  reply_buffer_size: int = DEFAULT_REPLY_BUFFER_SIZE,
                  slow_reader_timeout_s: float = DEFAULT_SLOW_READER_TIMEOUT_S,
                  health: Callable[[], str | None] | None = None) -> None:

@@ -1,20 +1,13 @@
-"""The OpenAI wire format, inbound: what a request body may say, and the errors it can get.
+"""The OpenAI wire format, inbound: the request bodies and the errors a request can get.
 
-Everything here is data and functions of data; nothing sends a request or holds state, so
-every piece can be tested without a server. It has two parts:
+- :class:`APIError`, OpenAI's error (a status and ``{"error": {...}}``), and the mapping of
+  pydantic's validation errors onto it;
+- the request bodies as pydantic models, checked strictly (strict types, integers that fit
+  the wire); :meth:`_GenerationBody.sampling_params` turns one into the engine's
+  :class:`~minisgl.core.SamplingParams`.
 
-1. :class:`APIError`, the OpenAI-style error (a status and ``{"error": {...}}``), and the
-   mapping of pydantic's validation errors onto it;
-2. the request bodies, as pydantic models: a malformed body is answered with HTTP 400 and an
-   OpenAI-style error before anything reaches a worker; :meth:`_GenerationBody.sampling_params`
-   turns a body into the engine's :class:`~minisgl.core.SamplingParams`.
-
-What a response says back (bodies, chunks, the SSE stream) is :mod:`minisgl.server.responses`.
-:mod:`minisgl.server.frontend` raises :class:`APIError`; :mod:`minisgl.server.api_server`
-parses the bodies and answers with the builders.
-
-Bodies are checked strictly: strict types and integers that fit the wire, a body that is not
-JSON said so, and a request that fails answered with its error's status.
+Data and functions of data only, testable without a server; the outbound half is
+:mod:`minisgl.server.responses`. Chapter 15 tells the story; chapter 16 makes the checks strict.
 """
 
 from __future__ import annotations

@@ -1,14 +1,12 @@
 """The OpenAI wire format, outbound: what a response says back.
 
-The bodies of whole answers, the chunks of streamed ones and the Server-Sent Events (SSE)
-stream (``data: {json}`` events, ``data: [DONE]`` at the end), all built from the
-:class:`~minisgl.message.UserReply` messages a request receives, and OpenAI's error object.
-Everything here is data and functions of data, with no web framework: the API server sends
-what these functions build, and a test (or a client) can read it without a server.
-:mod:`minisgl.server.protocol` holds the inbound half, the request bodies.
+The bodies of whole answers, the chunks of streamed ones and the Server-Sent Events stream
+(``data: {json}`` events, ``data: [DONE]`` at the end), all built from a request's
+:class:`~minisgl.message.UserReply` messages. Data and functions of data, with no web
+framework, so a test (or a client) reads them without a server; the inbound half is
+:mod:`minisgl.server.protocol`. A request that fails mid-stream ends with an error event.
 
-A request that fails mid-stream ends with an error event, and a stream closes its replies
-however it ends.
+Chapter 15 tells the story; chapter 16 adds OpenAI's error object and the error event.
 """
 
 from __future__ import annotations

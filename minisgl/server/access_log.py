@@ -1,0 +1,95 @@
+"""The access log: one line per HTTP request, written once its response has been sent to the
+end (for a stream, when the stream ends).
+
+A generation route fills in an :class:`AccessRecord` (``request.state.access``) as it goes;
+the :class:`AccessLog` middleware writes the line. Chapter 16 tells the story.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field
+from typing import Any
+
+from minisgl.message import UserReply
+from minisgl.utils.logger import get_logger
+
+# The access log speaks for the API server: its lines keep that module's logger name.
+logger = get_logger("minisgl.server.api_server")
+
+
+@dataclass
+class AccessRecord:
+    """What the access log line says of one generation request (filled in as it goes)."""
+
+    uids: list[int] = field(default_factory=list)
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    finish_reasons: list[str] = field(default_factory=list)
+
+    def add(self, reply: UserReply) -> None:
+        """Note a request's last reply."""
+        if reply.usage is not None:
+            self.prompt_tokens += reply.usage.prompt_tokens
+            self.completion_tokens += reply.usage.completion_tokens
+        self.finish_reasons.append(reply.finish_reason or "error")
+
+
+async def observed(replies: AsyncIterator[UserReply],
+                   record: AccessRecord) -> AsyncIterator[UserReply]:
+    """``replies`` unchanged; each last reply is noted for the access log."""
+    async with aclosing(replies):
+        async for reply in replies:
+            if reply.finished:
+                record.add(reply)
+            yield reply
+
+
+class AccessLog:
+    """ASGI middleware: one log line per request, once its response has been sent to the end
+    (for a stream, when the stream ends), with what a generation request noted in
+    ``request.state.access`` (:class:`AccessRecord`): its uids, tokens and finish reasons."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        start = time.perf_counter()
+        state = scope.setdefault("state", {})
+        status = 0
+
+        async def sending(message: dict[str, Any]) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+            await send(message)
+
+        try:
+            await self.app(scope, receive, sending)
+        finally:
+            logger.info("%s", access_line(scope["method"], scope["path"], status or 500,
+                                          time.perf_counter() - start, state.get("access"),
+                                          state.get("response_id")))
+
+
+def access_line(method: str, path: str, status: int, seconds: float,
+                record: AccessRecord | None, response_id: str | None) -> str:
+    """``POST /v1/completions 200 uid=3 id=cmpl-... prompt_tokens=5 completion_tokens=16
+    finish=length 0.052s``; the fields a request did not get to are ``-``."""
+    def shown(values: Sequence[object]) -> str:
+        return ",".join(map(str, values)) or "-"
+
+    if record is None:
+        fields = "uid=- prompt_tokens=- completion_tokens=- finish=-"
+    else:
+        done = bool(record.finish_reasons)
+        fields = (f"uid={shown(record.uids)} "
+                  f"prompt_tokens={record.prompt_tokens if done else '-'} "
+                  f"completion_tokens={record.completion_tokens if done else '-'} "
+                  f"finish={shown(record.finish_reasons)}")
+    return f"{method} {path} {status} {fields} id={response_id or '-'} {seconds:.3f}s"
