@@ -1,23 +1,11 @@
 """Paged attention in plain PyTorch: runs anywhere, and is the reference for the fused kernels.
 
-The backend reads the pool the simplest way: it *gathers* each request's keys and values out of
-the pages into a contiguous tensor (one indexing operation, the pool's ``gather_kv``) and then
-computes ordinary attention on that copy. A fused kernel such as FlashInfer's reads the pages
-in place instead and never makes the copy; the result is the same, which is exactly what the
-tests check.
-
-Two shapes of batch get two code paths:
-
-* a **prefill** (or mixed) batch has requests with many new tokens each, of different lengths.
-  Each request is attended separately, its queries over its cached and new keys with a causal
-  mask shifted by the cached length (:func:`causal_attention`);
-* a **decode** batch has one query per request. Looping over requests would launch a few tiny
-  operations per request per layer, so the keys are gathered into one padded
-  ``[B, max_len]`` block, the padding is masked, and the whole batch is one computation
-  (:func:`paged_decode_attention`).
-
-Scores and softmax are in float32 whatever the cache dtype, and grouped-query attention reads
-each KV head for its whole group of query heads through a reshape rather than a copy.
+It *gathers* each request's keys and values out of the pages into a contiguous copy (the pool's
+``gather_kv``) and computes ordinary attention on it; FlashInfer reads the pages in place, with
+the same result, which the tests check. A prefill (or mixed) batch attends request by request
+with a causal mask shifted by the cached length (:func:`causal_attention`); a decode batch is
+one computation over a padded ``[B, max_len]`` block (:func:`paged_decode_attention`). Scores
+and softmax are float32 whatever the cache dtype. Chapter 6 tells the story.
 """
 
 from __future__ import annotations

@@ -1,21 +1,11 @@
 """The tensor-parallel process group: how ranks find each other and what they send each other.
 
-The layers read two numbers (``TPInfo``) and call one hook (``all_reduce``). This module makes
-them real with ``torch.distributed``:
-
-- **rendezvous**: every rank calls :func:`init_tp_group` with the same ``tcp://127.0.0.1:PORT``
-  address (:func:`free_loopback_address` picks a port nobody listens on); it returns once all
-  ``size`` ranks have arrived, or fails as soon as one has exited (:mod:`.peers`);
-- **backend**: gloo when the ranks run on the CPU (their tensors are in host memory), NCCL when
-  each rank has a GPU (rank ``r`` uses ``cuda:r``, :func:`device_for_rank`);
-- **collectives**: the sum the layers need is registered with
-  :func:`~minisgl.distributed.info.set_all_reduce`; the engine needs two more, once per start and
-  once per step: the smallest of one number over the ranks (:func:`min_over_ranks`, the KV budget
-  every rank can hold) and rank 0's tensor everywhere (:func:`broadcast_from_rank0`, the sampled
-  tokens).
-
-It sits just above ``core`` and ``utils`` in the package order and below ``layers``: it knows
-tensors and processes, nothing about models or requests.
+The layers read two numbers (``TPInfo``) and call one hook (``all_reduce``); this module makes
+them real with ``torch.distributed``: a rendezvous at ``tcp://127.0.0.1:PORT`` that fails as
+soon as a rank has exited (:mod:`.peers`), gloo on the CPU and NCCL on GPUs (rank ``r`` on
+``cuda:r``), the sum the layers need, and the two the engine needs (:func:`min_over_ranks` for
+the KV budget, :func:`broadcast_from_rank0` for the sampled tokens). It sits below ``layers``:
+it knows tensors and processes, not models or requests. Chapter 17 tells the story.
 """
 
 from __future__ import annotations

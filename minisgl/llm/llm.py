@@ -1,20 +1,11 @@
 """``LLM``: offline batch generation on the scheduler, in the calling process.
 
-This is the smallest complete way to use the engine: tokenize the prompts, hand them all to a
-:class:`~minisgl.scheduler.scheduler.Scheduler`, step it until every request has finished,
-detokenize the outputs. The scheduler does the rest: it admits as many prompts as the KV cache
-holds, batches them continuously, and takes in the waiting ones as the first ones finish. A list
-of a thousand prompts therefore needs no more memory than the pool it was given.
-
-The server (``python -m minisgl``) puts the same scheduler in a process of its own; this class
-is what a script, a notebook or a test uses.
-
-The scheduler overlaps by default: the host plans each step while the device runs the one
-before; ``LLM(path, overlap=False)`` runs the synchronous loop instead, for comparison.
-
-``LLM(path, tp=2)`` splits the model over two ranks. This process is rank 0, and
-each other rank is a process of its own that repeats what rank 0's scheduler does
-(:mod:`minisgl.scheduler.tp`); :meth:`LLM.close` (or leaving a ``with`` block) stops them.
+Tokenize the prompts, hand them all to a :class:`~minisgl.scheduler.scheduler.Scheduler`, step
+it until every request has finished, detokenize: the scheduler admits what the KV cache holds
+and batches continuously, so a thousand prompts need no more memory than the pool. The server
+puts the same scheduler in a process of its own. ``LLM(path, overlap=False)`` runs the
+synchronous loop; ``LLM(path, tp=2)`` makes this process rank 0 of two and starts the other
+(:mod:`minisgl.scheduler.tp`), which :meth:`LLM.close` stops. Chapter 9 tells the story.
 """
 
 from __future__ import annotations

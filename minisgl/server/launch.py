@@ -1,35 +1,13 @@
 """The launcher: start every worker process, wait for them, serve, and stop them all on the way out.
 
-``python -m minisgl`` runs :func:`main`. The processes and who talks to whom::
-
-    API server (this process) --> tokenizer k (k = uid % N) --> scheduler --> detokenizer
-        ^                                                                       |
-        +------------------------------ UserReply -------------------------------+
-
-Start-up order (:func:`launch`):
-
-1. check the arguments and the device (``--device cuda`` on a machine without CUDA fails
-   here, in one line), and bind the HTTP port without listening yet: a port already in use
-   fails now, not after a minute of loading weights;
-2. find the checkpoint (a hub id is downloaded here, once, so that the workers all read the
-   same local directory; without ``--model``, the book's default model is found or built
-   locally);
-3. start the workers with spawn (scheduler first: loading the model takes longest) and wait
-   until each has reported ready, or stop them all and report the one that failed;
-4. serve HTTP with uvicorn (or run the shell) until SIGINT or SIGTERM, or until a worker dies
-   (then exit with status 1, after answering 503 for ``WORKER_DIED_GRACE_S`` seconds);
-5. stop every worker, whatever the way out: a normal return, a signal or an error.
-
-With ``--tp N`` the scheduler is N processes, one per rank: the one above is rank
-0, and ranks 1..N-1 (``scheduler-rank1`` ...) repeat what it does (``minisgl.scheduler.tp``).
-
-The workers live in process groups of their own, so a Ctrl-C in the terminal
-reaches the launcher alone, which decides what it means (the shell stops the answer being
-written; the server shuts down in order). On SIGINT or SIGTERM the server stops taking
-connections, gives the requests in flight ``--shutdown-timeout`` seconds to finish, and ends
-the rest with an error (a stream gets an error event and ``[DONE]``), so shutting down takes
-that long at most and no client is cut off without a word. A worker whose launcher is killed
-outright (SIGKILL, no clean-up) notices that its parent is gone and exits too.
+``python -m minisgl`` runs :func:`main`: the API server (this process) sends requests to
+tokenizer ``uid % N``, then the scheduler (``--tp N``: N ranks), then the detokenizer, which
+replies to the API server. :func:`launch` checks the arguments and binds the port before any
+weight is read, finds the checkpoint once, starts the workers with spawn and waits for each to
+report ready (or stops them all and reports the one that failed), serves until a signal or a
+dead worker (then status 1, after answering 503 for ``WORKER_DIED_GRACE_S``), and stops every
+worker whatever the way out. Workers live in their own process groups, so Ctrl-C reaches the
+launcher alone. Chapters 15 and 16 tell the story.
 """
 
 from __future__ import annotations

@@ -1,18 +1,11 @@
 """The life of a worker process: started, ready, told to stop, stopped.
 
-- **Start and stop.** :func:`start_process` starts a worker with the *spawn* start method;
-  :func:`stop_process` makes sure it is gone and reaped.
-- **Readiness.** Each worker reports once, on a queue from :func:`new_ready_queue`,
-  that it is ready or why it could not start (:func:`reporting_readiness`); the parent's
-  :func:`wait_ready` returns when all are ready and raises, with the worker's traceback, when one
-  fails or dies first.
-- **Shutdown.** :class:`ShutdownSignals` turns SIGTERM and SIGINT into a clean
-  return from a worker's loop; :func:`stop_processes` sends the signal and reaps every worker.
-  A worker also returns when its parent has died, busy or not, and
-  ``start_process(..., own_process_group=True)`` keeps a terminal's Ctrl-C for the parent.
-
-What the processes say to each other travels on :mod:`minisgl.utils.queues`; this module is
-only about the processes themselves.
+:func:`start_process` spawns a worker; each reports once on a queue from
+:func:`new_ready_queue` that it is ready or why not (:func:`reporting_readiness`), and
+:func:`wait_ready` returns when all are ready or raises with the failed worker's own error.
+:class:`ShutdownSignals` turns SIGTERM and SIGINT into a clean return from a worker's loop, a
+worker also returns when its parent dies, and :func:`stop_processes` signals and reaps them all.
+Messages travel on :mod:`minisgl.utils.queues`. Chapter 13 tells the story.
 """
 
 from __future__ import annotations
