@@ -108,7 +108,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     if min(token_counts) < 1 or args.repeats < 1:
         parser.error("token counts and --repeats must be >= 1")
 
-    from minisgl.kernel.moe import fused_available
+    from minisgl.layers import fast
     from minisgl.moe.grouped import moe_grouped
     from minisgl.moe.layer import moe_kernel
     from minisgl.moe.reference import moe_reference
@@ -145,7 +145,7 @@ def main(argv: Sequence[str] | None = None) -> list[dict[str, Any]]:
     print(f"layer: {num_experts} experts, top-{top_k}, hidden {hidden}, intermediate {inter}, "
           f"{args.dtype}; {expert_bytes / 2**20:.1f} MiB per expert; median of "
           f"{args.repeats} runs")
-    fused_ok = fused_available(torch.empty(1, device=device, dtype=dtype))
+    fused_ok = fast.paths.can_moe(torch.empty(1, device=device, dtype=dtype))
     columns = ["T", "experts hit", "floor ms", "reference ms", "grouped ms", "fused ms",
                "fused graph ms", "max rel. err (grouped, fused)"]
     print(" | ".join(columns))

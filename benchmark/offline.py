@@ -745,7 +745,7 @@ def kernel_package() -> ModuleType | None:
     """``minisgl.kernel`` (chapter 20), or None in a tree without it (nothing to switch)."""
     try:
         from minisgl import kernel
-    except ModuleNotFoundError:
+    except ImportError:
         return None
     return kernel
 

@@ -343,7 +343,7 @@ def test_a_worker_that_dies_silently_is_reported() -> None:
     ready = new_ready_queue()
     worker = start_process(os._exit, "ch14-silent", args=(3,))
     try:
-        with pytest.raises(RuntimeError, match=r"worker ch14-silent .* exited with code 3 before"):
+        with pytest.raises(RuntimeError, match=r"worker ch14-silent .* did not get ready: it exited with code 3$"):
             wait_ready(ready, [worker], timeout_s=60)
     finally:
         stop_processes([worker])

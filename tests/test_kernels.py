@@ -198,14 +198,18 @@ def test_the_merge_reference_equals_attention_over_whole_requests() -> None:
 
 @pytest.mark.parametrize("pieces_per_request", [1, 2, 4])
 def test_replay_staging_in_pieces_covers_each_request_once_in_order(
-        pieces_per_request: int) -> None:
+        pieces_per_request: int, monkeypatch: pytest.MonkeyPatch) -> None:
     """Staged in pieces, the kernel's entries are runs of each request's pages: one request's
     runs, concatenated, are its pages in order, each run but the last made of full pages; the
     entries left over are spares of one token in the pad page, which no request merges; and
     the batch's pieces fill the graph's count whenever there are pages enough."""
     from minisgl.attention.fi import GraphBuffers, stage_decode_batch
     from minisgl.attention.utils import gather_page_ids, last_page_len, pages_for
+    from minisgl.kernel import KERNELS
+    from minisgl.layers import fast
 
+    # The cut is host code (numpy): the kernels' answer stages here even without a GPU.
+    monkeypatch.setattr(fast, "paths", KERNELS)
     size, width, pad_page = 4, 12, 99
     table = PageTable(6, width, page_size=size)
     graph = GraphBuffers.allocate(8, width, pad_page, torch.device("cpu"),

@@ -25,8 +25,9 @@ from minisgl.utils.logger import get_logger
 logger = get_logger(__name__)
 
 # The exit code of a worker started while its parent's main module was still being imported
-# (``processes.start_process`` ends such a worker with it, before it can do any harm).
-EXIT_STARTED_WHILE_IMPORTING = 3
+# (``processes.start_process`` ends such a worker with it, before it can do any harm); a code
+# no library exits with, so that a worker that exits 1, 2 or 3 on its own is not taken for it.
+EXIT_STARTED_WHILE_IMPORTING = 87
 GUARD_HINT = ('put the code that starts the engine under `if __name__ == "__main__":` '
               "(a spawned process imports the main module again, and must not start it twice)")
 # Where there is no pidfd (not Linux), how often a process that is not a child is looked at.
@@ -43,8 +44,8 @@ def describe_exit(exitcode: int | None) -> str:
         why = " (the out-of-memory killer sends it too)" if -exitcode == signal.SIGKILL else ""
         return f"was killed by {name}{why}"
     if exitcode == EXIT_STARTED_WHILE_IMPORTING:
-        return ("exited with code 3: RuntimeError: An attempt has been made to start a new "
-                "process before the current process has finished its bootstrapping phase. "
+        return (f"exited with code {exitcode}: RuntimeError: An attempt has been made to start "
+                "a new process before the current process has finished its bootstrapping phase. "
                 f"Hint: {GUARD_HINT}")
     return f"exited with code {exitcode}"
 
