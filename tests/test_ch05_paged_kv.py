@@ -18,7 +18,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from minisgl.kvcache import MHAKVPool, OutOfPagesError, PageAllocator
 from minisgl.models.config import ModelConfig
-from minisgl.kvcache.page_table import NO_PAGE, PageTable, expand_host_ranges, expand_ranges
+from minisgl.kvcache.page_table import NO_PAGE, PageTable, expand_ranges
 
 PAGE_SIZES = [1, 4, 16]
 
@@ -161,9 +161,9 @@ def test_pages_needed_asks_for_one_page_every_page_size_tokens() -> None:
         table.pages_needed(row, 65)
 
 
-def test_appended_pages_reach_the_device_table_when_it_is_read() -> None:
-    """Rows grow on the host; the device table gets every appended page, in one write, the
-    next time it is read, and a freed row reads as NO_PAGE again."""
+def test_rows_grow_in_place_and_a_freed_row_reads_as_no_page() -> None:
+    """Appended pages land after the row's own, rows apart from each other, and a freed row
+    reads as NO_PAGE again."""
     table = PageTable(max_reqs=3, max_pages_per_req=4, page_size=2)
     a, b = table.alloc_row(), table.alloc_row()
     table.append_pages(a, [7])
@@ -171,22 +171,21 @@ def test_appended_pages_reach_the_device_table_when_it_is_read() -> None:
     table.append_pages(a, [1])
     assert table.page_ids.tolist() == [[7, 1, -1, -1], [3, 4, -1, -1], [-1, -1, -1, -1]]
     table.append_pages(b, [9])
-    assert table.free_row(a) == [7, 1], "free_row returns the row's pages from the host copy"
+    assert table.free_row(a) == [7, 1], "free_row returns the row's pages"
     assert table.page_ids[a].tolist() == [NO_PAGE] * 4
     assert table.row_pages(b).tolist() == [3, 4, 9]
 
 
 def test_expand_ranges_matches_a_loop() -> None:
     starts, counts = [5, 0, 9, 3], [3, 0, 2, 4]
-    values, owner = expand_ranges(torch.tensor(starts), torch.tensor(counts), total=9)
+    values, owner = expand_ranges(np.array(starts), np.array(counts))
     assert values.tolist() == [s + k for s, n in zip(starts, counts) for k in range(n)]
-    assert expand_host_ranges(np.array(starts), np.array(counts)).tolist() == values.tolist()
     assert owner.tolist() == [i for i, n in enumerate(counts) for _ in range(n)]
 
 
-def test_the_host_copy_gathers_what_the_device_table_holds() -> None:
-    """Through rows growing, freed and handed to the next request, the host copy's page ids
-    and slots equal the device table's, for random requests and counts."""
+def test_gathered_pages_and_slots_follow_the_rows_through_reuse() -> None:
+    """Through rows growing, freed and handed to the next request, the gathered page ids are
+    each row's first pages and every slot is page * page_size + offset of its own row."""
     table = PageTable(6, 20, page_size=4)
     rng = random.Random(0)
     next_page = 0
@@ -205,22 +204,23 @@ def test_the_host_copy_gathers_what_the_device_table_holds() -> None:
             continue
         counts = [rng.randint(1, table.num_pages(row)) for row in rows]
         out = np.full(sum(counts) + 3, -7, dtype=np.int32)
-        total = table.gather_host_pages(np.array(rows), np.array(counts), out=out)
+        total = table.gather_pages(rows, counts, out=out)
         assert total == sum(counts) and out[total:].tolist() == [-7] * 3
-        device = [p for row, n in zip(rows, counts) for p in table.row_pages(row)[:n].tolist()]
-        assert out[:total].tolist() == device
+        owned = [p for row, n in zip(rows, counts) for p in table.row_pages(row)[:n].tolist()]
+        assert out[:total].tolist() == owned
         positions = [rng.randrange(table.capacity(row)) for row in rows]
-        assert table.host_slots(np.array(rows), np.array(positions)).tolist() == \
-            table.batch_token_slots(rows, positions, [p + 1 for p in positions]).tolist()
+        expected = [table.row_pages(row).tolist()[p // 4] * 4 + p % 4
+                    for row, p in zip(rows, positions)]
+        assert table.batch_token_slots(rows, positions, [p + 1 for p in positions]).tolist() \
+            == expected
     row = held[0] if held else table.alloc_row()
     with pytest.raises(ValueError, match="reserve them first"):
-        table.gather_host_pages(np.array([row]), np.array([table.num_pages(row) + 1]),
-                                out=np.zeros(64, dtype=np.int32))
+        table.gather_pages([row], [table.num_pages(row) + 1], out=np.zeros(64, dtype=np.int32))
 
 
 def test_extend_rows_is_append_pages_row_by_row() -> None:
-    """Several rows grown in one call hold what one append per row gives them, on the host
-    and on the device; an overflowing row leaves every row as it was."""
+    """Several rows grown in one call hold what one append per row gives them; an
+    overflowing row leaves every row as it was."""
     one, many = PageTable(4, 6, page_size=2), PageTable(4, 6, page_size=2)
     rows = [one.alloc_row() for _ in range(4)]
     assert rows == [many.alloc_row() for _ in range(4)]
@@ -281,7 +281,7 @@ def make_pool(page_size: int, num_pages: int = 64, dtype: torch.dtype = torch.fl
 
 def test_pool_layout_is_one_row_per_token_slot() -> None:
     pool = make_pool(page_size=16, num_pages=5)
-    assert pool.k_cache(2).shape == (80, 2, 8) and pool.v_cache(0).shape == (80, 2, 8)
+    assert pool.kv_cache(2)[0].shape == (80, 2, 8) and pool.kv_cache(0)[1].shape == (80, 2, 8)
     assert pool.num_slots == 80
     assert pool.num_bytes == 2 * 3 * 80 * 2 * 8 * 4
     k_pages, _ = pool.kv_pages(1)
@@ -357,7 +357,7 @@ def test_pool_sized_from_a_budget_matches_kv_bytes_per_token(tiny_model_dir, pag
     pool = MHAKVPool.from_config(config, num_pages, page_size, torch.float32, "cpu")
     assert pool.bytes_per_token == per_token
     assert pool.num_bytes == num_pages * page_bytes
-    assert pool.k_cache(config.num_layers - 1).shape == (
+    assert pool.kv_cache(config.num_layers - 1)[0].shape == (
         num_pages * page_size, config.num_kv_heads, config.head_dim)
 
 

@@ -31,7 +31,6 @@ from minisgl.attention.utils import (
     gather_page_ids,
     indptr_of,
     last_page_len,
-    padded_index,
     pages_for,
 )
 from minisgl.kvcache import MHAKVPool
@@ -151,10 +150,16 @@ def test_pages_and_last_page_length(tokens: int, pages: int, last: int) -> None:
     assert (pages_for(tokens, 16), last_page_len(tokens, 16)) == (pages, last)
 
 
-def test_padded_index_points_at_each_element_and_masks_the_padding() -> None:
-    index, valid = padded_index([2, 3, 1])
-    assert valid.tolist() == [[True, True, False], [True, True, True], [True, False, False]]
-    assert index[valid].tolist() == list(range(6)), "valid entries enumerate the packed array"
+def test_the_decode_slot_table_holds_each_request_s_slots_and_masks_the_padding() -> None:
+    scenario = make_scenario([(1, 1), (5, 1), (2, 1)], page_size=4, is_decode=True)
+    backend = TorchNativeBackend(scenario.pool, scenario.table, HQ)
+    meta = backend.prepare(scenario.layout)
+    totals = total_lens(scenario.layout)
+    assert meta.slot_valid.tolist() == [[j < t for j in range(max(totals))] for t in totals]
+    for i, (row, total) in enumerate(zip(scenario.layout.rows, totals)):
+        slots = scenario.table.token_slots(row, 0, total).tolist()
+        assert meta.slot_table[i, :total].tolist() == slots, f"request {i}'s slots, in order"
+        assert set(meta.slot_table[i, total:].tolist()) <= {slots[0]}, "padding: position 0"
 
 
 def test_gather_page_ids_reads_each_rows_first_pages() -> None:
@@ -466,7 +471,7 @@ def check_graph_decode_replay(page_size: int, case: list[tuple[int, int]], graph
     meta = backend.prepare_for_replay(s.layout, graph_bs)
     assert meta.out_loc.shape[0] == graph_bs and meta.positions.tolist()[num_reqs:] == [0] * (
         graph_bs - num_reqs)
-    assert (meta.pieces is not None) == bool(fast.paths.decode_pieces(graph_bs))
+    assert (meta.query_rows is not None) == bool(fast.paths.decode_pieces(graph_bs))
     q, k, v = s.new_tokens(0)
     static_q[:num_reqs], static_k[:num_reqs], static_v[:num_reqs] = q, k, v
     graph.replay()

@@ -611,13 +611,13 @@ def test_flashinfer_decodes_a_large_batch_in_pieces_and_equals_dense(page_size: 
                       device="cuda")
     backend = flashinfer_backend(s)
     errors = run_backend(backend, s)  # checks the bf16 band itself
-    pieces = backend.metadata.pieces
+    pieces = backend.metadata.query_rows
     assert pieces is not None and pieces.owners.numel() > len(LARGE_DECODE_CASE)
     small = make_scenario(DECODE_CASE, page_size, is_decode=True, dtype=torch.bfloat16,
                           device="cuda")
     small_backend = flashinfer_backend(small)
     run_backend(small_backend, small)
-    assert small_backend.metadata.pieces is None
+    assert small_backend.metadata.query_rows is None
     print(f"flashinfer decode of {len(LARGE_DECODE_CASE)} requests in "
           f"{pieces.owners.numel()} pieces, page size {page_size}: max err {max(errors):.3e}")
 
@@ -633,7 +633,7 @@ def test_a_batch_in_pieces_names_a_query_row_per_piece_and_attends_from_them() -
     backend.prepare(s.layout)
     q, k, v = s.new_tokens(0)
     destination = backend.kv_destination(0, q.shape[0])
-    pieces = backend.metadata.pieces
+    pieces = backend.metadata.query_rows
     assert pieces is not None and destination.query_rows is pieces.indptr
     rows_per_token = torch.diff(destination.query_rows.long())
     assert destination.num_query_rows == int(rows_per_token.sum()) > q.shape[0]
@@ -668,10 +668,10 @@ def test_batches_cut_into_pieces_replay_and_equal_the_uncut_batch(
     reqs = decode_batch(engine, ragged_prompts(num_reqs, engine.model_config.vocab_size, seed=9))
     batch = Batch(reqs, "decode")
     cut = engine.logits(batch, use_graph=False).clone()
-    assert engine.attn_backend.metadata.pieces is not None
+    assert engine.attn_backend.metadata.query_rows is not None
     monkeypatch.setattr(pieces, "PIECES_MIN_BATCH", 10**6)
     whole = engine.logits(batch, use_graph=False)
-    assert engine.attn_backend.metadata.pieces is None
+    assert engine.attn_backend.metadata.query_rows is None
     tolerance = BF16_RELATIVE_TOLERANCE * float(whole.abs().max())
     error = float((cut - whole).abs().max())
     assert error <= tolerance, f"{num_reqs} requests in pieces: {error:.3f} > {tolerance:.3f}"

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol
 
+import numpy as np
 import torch
 
 from minisgl.kvcache.mha_pool import MHAKVPool
-from minisgl.kvcache.page_table import PageTable, expand_ranges
+from minisgl.kvcache.page_table import PageTable
 from minisgl.layers.fast import KVDestination, QueryRows
 from minisgl.utils.torch_utils import host_to_device
 
@@ -90,12 +91,15 @@ class AttnMetadata:
         positions: ``[T]`` int64, each new token's position in its sequence (for RoPE).
         last_indices: ``[B]`` int64, the index in ``0 .. T-1`` of each request's last new
             token: the rows whose logits the engine samples from.
+        query_rows: where the kernel reads the queries, when not one row per token (a decode
+            cut into pieces, chapter 20); None otherwise.
     """
 
     layout: BatchLayout | None
     out_loc: torch.Tensor
     positions: torch.Tensor
     last_indices: torch.Tensor
+    query_rows: QueryRows | None = field(default=None, kw_only=True)
 
 
 class BaseAttnBackend(ABC):
@@ -133,31 +137,27 @@ class BaseAttnBackend(ABC):
         """Compute the metadata of the next forward pass; call once per batch, before the model.
 
         The returned metadata stays in effect (every :meth:`forward` call uses it) until the
-        next ``prepare``. Its ``positions`` and ``last_indices`` are the model's inputs.
+        next ``prepare``. Its ``positions`` and ``last_indices`` are the model's inputs. The new
+        tokens of request ``i`` are its positions ``cached_len .. total_len - 1``; the page
+        table finds their slots on the host (and checks that the row holds pages for all of
+        them), and the three arrays cross to the device in one copy the host does not wait for.
+        The backend's :meth:`_plan` adds what its kernel needs.
         """
-        self._metadata = self._plan(layout)
+        positions, slots = self.page_table.locate(layout.rows, layout.cached_lens,
+                                                  total_lens(layout))
+        last_indices = np.cumsum(layout.new_lens) - 1  # each request's last new token
+        fields = host_to_device(torch.from_numpy(np.concatenate([positions, slots,
+                                                                 last_indices])), self.device)
+        positions, out_loc, last_indices = fields.split([len(slots), len(slots), layout.size])
+        self._metadata = self._plan(layout, {"layout": layout, "out_loc": out_loc,
+                                             "positions": positions,
+                                             "last_indices": last_indices})
         return self._metadata
 
-    def _new_token_fields(self, layout: BatchLayout) -> dict[str, Any]:
-        """The fields of :class:`AttnMetadata` that do not depend on the backend.
-
-        The slots come from the page table: the new tokens of request ``i`` are
-        its positions ``cached_len .. total_len - 1``, and the table checks that the row holds
-        pages for all of them. Two numbers per request cross to the device, in one copy the
-        host does not wait for; the per-token arrays are expanded there.
-        """
-        out_loc = self.page_table.batch_token_slots(layout.rows, layout.cached_lens,
-                                                    total_lens(layout))
-        lens = torch.tensor([layout.cached_lens, layout.new_lens], dtype=torch.int64)
-        lens = host_to_device(lens, self.device)
-        positions, _ = expand_ranges(lens[0], lens[1], total=layout.num_tokens)
-        last_indices = torch.cumsum(lens[1], 0) - 1  # each request's last new token
-        return {"layout": layout, "out_loc": out_loc, "positions": positions,
-                "last_indices": last_indices}
-
     @abstractmethod
-    def _plan(self, layout: BatchLayout) -> AttnMetadata:
-        """Build this backend's metadata for ``layout`` (and plan its kernel, if it has one)."""
+    def _plan(self, layout: BatchLayout, fields: dict[str, Any]) -> AttnMetadata:
+        """This backend's metadata for ``layout``, built on the :class:`AttnMetadata`
+        ``fields`` every backend has (and its kernel planned, if it has one)."""
 
     @property
     def metadata(self) -> AttnMetadata:
@@ -184,9 +184,8 @@ class BaseAttnBackend(ABC):
         # Store first: a new token attends to itself and to the new tokens before it, so its
         # own key must already be in the pool when the kernel reads the request's keys.
         self.kv_pool.store_kv(k, v, meta.out_loc, layer_id)
-        rows = self._query_rows(meta)
-        if rows is not None:
-            q = q.index_select(0, rows.owners)
+        if meta.query_rows is not None:
+            q = q.index_select(0, meta.query_rows.owners)
         return self._attend(q, layer_id, meta)
 
     def _current(self, num_tokens: int) -> AttnMetadata:
@@ -207,8 +206,8 @@ class BaseAttnBackend(ABC):
         """Layer ``layer_id``'s key and value caches, the slots of the batch's new tokens and
         the rows in which the kernel reads their queries."""
         meta = self._current(num_tokens)
-        k_cache, v_cache = self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id)
-        rows = self._query_rows(meta)
+        k_cache, v_cache = self.kv_pool.kv_cache(layer_id)
+        rows = meta.query_rows
         if rows is None:
             return KVDestination(k_cache, v_cache, meta.out_loc)
         return KVDestination(k_cache, v_cache, meta.out_loc, rows.indptr, len(rows.owners))
@@ -217,20 +216,16 @@ class BaseAttnBackend(ABC):
         """:meth:`forward` after the new K/V were written to :meth:`kv_destination`, and the
         queries to the rows it named."""
         meta = self.metadata
-        rows = self._query_rows(meta)
+        rows = meta.query_rows
         if q.shape[0] != (meta.out_loc.shape[0] if rows is None else len(rows.owners)):
             raise ValueError(f"attend_stored got {q.shape[0]} query rows; the prepared batch "
                              "reads the rows kv_destination named")
         return self._attend(q, layer_id, meta)
 
-    def _query_rows(self, meta: AttnMetadata) -> QueryRows | None:
-        """The rows in which this batch's kernel reads the queries; None for one per token."""
-        return None
-
     @abstractmethod
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
         """Attention over the pool's keys of layer ``layer_id``, as ``meta`` says, of the
-        queries ``q`` in the kernel's rows (:meth:`_query_rows`)."""
+        queries ``q`` in the kernel's rows (``meta.query_rows``)."""
 
     # CUDA-graph hooks. Only a backend whose decode kernel reads fixed buffers can
     # be captured; the others say so instead of failing somewhere inside the capture.

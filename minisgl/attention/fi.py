@@ -32,7 +32,7 @@ from minisgl.attention.utils import (
     pages_for,
 )
 from minisgl.kvcache.mha_pool import MHAKVPool
-from minisgl.kvcache.page_table import PageTable
+from minisgl.kvcache.page_table import PageTable, slots_of
 from minisgl.layers import fast
 from minisgl.layers.fast import QueryRows
 from minisgl.utils.logger import get_logger
@@ -60,7 +60,7 @@ def import_flashinfer() -> ModuleType:
 class FIMetadata(AttnMetadata):
     """Where each request's keys are, as pages, and the wrapper planned for this batch.
 
-    The kernel's ``E`` entries are the batch's requests (or, with ``pieces``, the pieces
+    The kernel's ``E`` entries are the batch's requests (or, with ``query_rows``, the pieces
     :mod:`minisgl.layers.fast` cut them into, each reading its query from a row of its own).
     """
 
@@ -69,7 +69,6 @@ class FIMetadata(AttnMetadata):
     last_page_lens: torch.Tensor  # [E] int32, host
     qo_indptr: torch.Tensor  # [E + 1] int32, host
     wrapper: Any  # the FlashInfer wrapper whose plan matches these arrays
-    pieces: QueryRows | None = None
 
 
 @dataclass
@@ -136,7 +135,7 @@ def stage_decode_batch(graph: GraphBuffers, page_table: PageTable, rows: Sequenc
                        cached_lens: Sequence[int], batch_size: int, num_pieces: int = 0) -> int:
     """Write a decode batch, padded to ``batch_size``, into the host mirrors of ``graph``.
 
-    Numpy over the page table's host copy: a copy per request and a few vectorised operations,
+    Numpy over the page table: a copy per request and a few vectorised operations,
     nothing allocated on the device, and the device never waited for. Each padding entry is one
     token in the pad page. Returns how many page ids were written. (``num_pieces``: the
     entries are pieces instead, :func:`stage_pieces`.)
@@ -149,12 +148,12 @@ def stage_decode_batch(graph: GraphBuffers, page_table: PageTable, rows: Sequenc
     last_lens = np.ones(batch_size, dtype=np.int64)
     last_lens[:num_real] = cached % size + 1
     indices = graph.host_page_indices.numpy()
-    total = page_table.gather_host_pages(rows, counts[:num_real], out=indices)
+    total = page_table.gather_pages(rows.tolist(), counts[:num_real].tolist(), out=indices)
     indices[total: total + batch_size - num_real] = graph.pad_page
     total += batch_size - num_real
     fields = graph.host_token_fields.numpy()
     fields[0, :num_real], fields[0, num_real:batch_size] = cached, 0
-    fields[1, :num_real] = page_table.host_slots(rows, cached)
+    fields[1, :num_real] = slots_of(page_table.page_ids, rows, cached, size)
     fields[1, num_real:batch_size] = graph.pad_page * size
     if num_pieces:
         return stage_pieces(graph, counts, last_lens, size, num_pieces, total)
@@ -259,20 +258,20 @@ class FlashInferBackend(BaseAttnBackend):
             fast.paths.decode_pieces(layout.size))
         arrays.update(page_indptr=indptr_tensor(pages.tolist()),
                       last_page_lens=torch.from_numpy(last_lens.astype(np.int32)),
-                      pieces=QueryRows(
+                      query_rows=QueryRows(
                           owners=host_to_device(torch.from_numpy(owners), self.device),
                           indptr=host_to_device(torch.from_numpy(
                               piece_indptr.astype(np.int32)), self.device)))
         return arrays
 
-    def _plan(self, layout: BatchLayout) -> FIMetadata:
+    def _plan(self, layout: BatchLayout, fields: dict[str, Any]) -> FIMetadata:
         if not layout.is_decode:
             arrays, wrapper = self._page_arrays(layout), self._prefill
         elif fast.paths.decode_pieces(layout.size):
             arrays, wrapper = self._piece_arrays(layout), self._decode
         else:
             arrays, wrapper = self._page_arrays(layout), self._decode
-        meta = FIMetadata(**self._new_token_fields(layout), **arrays, wrapper=wrapper)
+        meta = FIMetadata(**fields, **arrays, wrapper=wrapper)
         self._run_plan(meta)
         return meta
 
@@ -296,20 +295,16 @@ class FlashInferBackend(BaseAttnBackend):
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
         assert isinstance(meta, FIMetadata)
         kv_pages = self.kv_pool.kv_pages(layer_id)  # the layer's pool page by page: no copy
-        if meta.pieces is not None:
-            return self._attend_in_pieces(q, kv_pages, meta.wrapper, meta.pieces)
+        if meta.query_rows is not None:
+            return self._attend_in_pieces(q, kv_pages, meta.wrapper, meta.query_rows)
         return meta.wrapper.run(q.contiguous(), kv_pages)
 
     def _attend_in_pieces(self, q: torch.Tensor, kv_pages: torch.Tensor, wrapper: Any,
                           pieces: QueryRows) -> torch.Tensor:
-        """``q`` holds a row per piece (:meth:`_query_rows`); the merge weighs the pieces'
+        """``q`` holds a row per piece (``meta.query_rows``); the merge weighs the pieces'
         outputs by their log-sum-exp into each request's output."""
         out, lse = wrapper.run(q, kv_pages, return_lse=True)
         return fast.paths.merge_pieces(out, lse, pieces.indptr)
-
-    def _query_rows(self, meta: AttnMetadata) -> QueryRows | None:
-        assert isinstance(meta, FIMetadata)
-        return meta.pieces
 
     def init_graph_buffers(self, max_batch_size: int, pad_page: int) -> None:
         """Allocate the buffers every captured decode graph reads; call once, before capturing.
@@ -354,7 +349,7 @@ class FlashInferBackend(BaseAttnBackend):
                 paged_kv_indptr_buffer=graph.page_indptr[: entries + 1],
                 paged_kv_indices_buffer=graph.page_indices,
                 paged_kv_last_page_len_buffer=graph.last_page_lens[:entries])
-            pieces = QueryRows(owners=graph.piece_owners[:num_pieces],
+            query_rows = QueryRows(owners=graph.piece_owners[:num_pieces],
                                indptr=graph.piece_indptr[: batch_size + 1]) if num_pieces else None
             self._graph_metadata_by_size[batch_size] = FIMetadata(
                 layout=None, out_loc=graph.token_fields[1, :batch_size],
@@ -363,7 +358,8 @@ class FlashInferBackend(BaseAttnBackend):
                 page_indptr=graph.host_page_indptr[: entries + 1],
                 page_indices=graph.page_indices[:0],
                 last_page_lens=graph.host_last_page_lens[:entries],
-                qo_indptr=graph.host_qo_indptr[: entries + 1], wrapper=wrapper, pieces=pieces)
+                qo_indptr=graph.host_qo_indptr[: entries + 1], wrapper=wrapper,
+                query_rows=query_rows)
         return self._graph_metadata_by_size[batch_size]
 
     def prepare_for_capture(self, batch_size: int) -> FIMetadata:

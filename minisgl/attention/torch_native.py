@@ -11,11 +11,14 @@ and softmax are float32 whatever the cache dtype. Chapter 6 tells the story.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
+import numpy as np
 import torch
 
 from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout, total_lens
-from minisgl.attention.utils import indptr_of, padded_index
+from minisgl.attention.utils import indptr_of
+from minisgl.kvcache.page_table import slots_of
 from minisgl.utils.torch_utils import host_to_device
 
 
@@ -24,17 +27,17 @@ class TorchNativeMetadata(AttnMetadata):
     """Where each request's keys are, as token slots.
 
     Attributes:
-        kv_slots: ``[sum(total_len)]`` int64, the slots of every request's tokens
-            ``0 .. total_len - 1``, requests concatenated.
+        kv_slots: prefill batches only: ``[sum(total_len)]`` int64, the slots of every
+            request's tokens ``0 .. total_len - 1``, requests concatenated.
         kv_indptr: request ``i``'s slots are ``kv_slots[kv_indptr[i]:kv_indptr[i + 1]]``.
         qo_indptr: request ``i``'s new tokens are rows ``qo_indptr[i]:qo_indptr[i + 1]`` of q.
         slot_table: decode batches only: ``[B, max_len]`` slots, padded.
         slot_valid: decode batches only: ``[B, max_len]``, False on padding.
     """
 
-    kv_slots: torch.Tensor
-    kv_indptr: list[int]
-    qo_indptr: list[int]
+    kv_slots: torch.Tensor | None = None
+    kv_indptr: list[int] | None = None
+    qo_indptr: list[int] | None = None
     slot_table: torch.Tensor | None = None
     slot_valid: torch.Tensor | None = None
 
@@ -44,21 +47,27 @@ class TorchNativeBackend(BaseAttnBackend):
 
     name = "torch"
 
-    def _plan(self, layout: BatchLayout) -> TorchNativeMetadata:
-        # Every key a request attends over: positions 0 .. total_len - 1 of its row.
+    def _plan(self, layout: BatchLayout, fields: dict[str, Any]) -> TorchNativeMetadata:
         totals = total_lens(layout)
-        kv_slots = self.page_table.batch_token_slots(layout.rows, [0] * layout.size, totals)
-        meta = TorchNativeMetadata(**self._new_token_fields(layout), kv_slots=kv_slots,
-                                   kv_indptr=indptr_of(totals), qo_indptr=indptr_of(layout.new_lens))
         if layout.is_decode:
-            index, valid = padded_index(totals)
-            meta.slot_table = kv_slots[host_to_device(index, self.device)]
-            meta.slot_valid = host_to_device(valid, self.device)
-        return meta
+            # Every request's slots side by side, [B, max_len] (prepare checked that its row
+            # maps them). Padding points at the request's position 0, so every entry is a legal
+            # index and the padding only needs a mask.
+            columns = np.arange(max(totals))
+            valid = columns[None, :] < np.asarray(totals)[:, None]
+            slot_table = slots_of(self.page_table.page_ids, np.asarray(layout.rows)[:, None],
+                                  np.where(valid, columns[None, :], 0), self.page_size)
+            return TorchNativeMetadata(
+                **fields, slot_table=host_to_device(torch.from_numpy(slot_table), self.device),
+                slot_valid=host_to_device(torch.from_numpy(valid), self.device))
+        # Every key a request attends over: positions 0 .. total_len - 1 of its row.
+        kv_slots = self.page_table.batch_token_slots(layout.rows, [0] * layout.size, totals)
+        return TorchNativeMetadata(**fields, kv_slots=kv_slots, kv_indptr=indptr_of(totals),
+                                   qo_indptr=indptr_of(layout.new_lens))
 
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
         assert isinstance(meta, TorchNativeMetadata)
-        k_cache, v_cache = self.kv_pool.k_cache(layer_id), self.kv_pool.v_cache(layer_id)
+        k_cache, v_cache = self.kv_pool.kv_cache(layer_id)
         if meta.slot_table is not None:
             return paged_decode_attention(q, k_cache, v_cache, meta.slot_table, meta.slot_valid)
         return self._ragged_prefill(q, k_cache, v_cache, meta)
@@ -67,7 +76,8 @@ class TorchNativeBackend(BaseAttnBackend):
     def _ragged_prefill(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                         meta: TorchNativeMetadata) -> torch.Tensor:
         """Each request's new queries over its whole sequence, one request at a time."""
-        assert meta.layout is not None
+        assert meta.layout is not None and meta.kv_slots is not None and meta.kv_indptr is not None
+        assert meta.qo_indptr is not None
         # One gather for the whole batch: the pages of every request, copied out in order.
         keys, values = k_cache[meta.kv_slots], v_cache[meta.kv_slots]
         qo, kv = meta.qo_indptr, meta.kv_indptr

@@ -12,9 +12,10 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import numpy as np
 import torch
 
-from minisgl.kvcache.page_table import PageTable, expand_ranges
+from minisgl.kvcache.page_table import PageTable
 from minisgl.utils.torch_utils import host_to_device
 
 
@@ -47,35 +48,13 @@ def last_page_len(num_tokens: int, page_size: int) -> int:
 
 def gather_page_ids(page_table: PageTable, rows: Sequence[int],
                     num_pages: Sequence[int]) -> torch.Tensor:
-    """The first ``num_pages[i]`` page ids of row ``rows[i]``, requests concatenated.
+    """The first ``num_pages[i]`` page ids of row ``rows[i]``, requests concatenated, on the
+    device.
 
     This is the ``indices`` array of a paged-attention kernel: with the page indptr built from
     ``num_pages`` it says, for each request, which pages of the pool hold its tokens, in order.
-    Row ``r``'s entries start at ``r * width`` of the flattened table, so request ``i`` wants
-    the ``num_pages[i]`` entries from ``rows[i] * width`` on: two numbers per request cross to
-    the device, the index of every entry is expanded there (:func:`expand_ranges`), and one
-    lookup reads them all, however many requests and pages.
+    The host table has them; one copy moves them to the device.
     """
-    if not rows:
-        return torch.empty(0, dtype=torch.int32, device=page_table.device)
-    width = page_table.max_pages_per_req
-    spans = torch.tensor([[row * width for row in rows], list(num_pages)], dtype=torch.int64)
-    spans = host_to_device(spans, page_table.device)
-    entries, _ = expand_ranges(spans[0], spans[1], total=sum(num_pages))
-    return page_table.page_ids.view(-1)[entries]
-
-
-def padded_index(lengths: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Turn a packed ragged array into a padded ``[B, max_len]`` view of it.
-
-    Returns ``(index, valid)``: ``index[i, j]`` is the packed position of element ``j`` of
-    request ``i``, and ``valid[i, j]`` says whether that element exists (``j < lengths[i]``).
-    Padding entries repeat the request's first element, so ``index`` is always a legal index
-    and the padding only needs to be masked, never special-cased.
-    """
-    starts = torch.tensor(indptr_of(lengths)[:-1], dtype=torch.int64)
-    lens = torch.tensor(list(lengths), dtype=torch.int64)
-    columns = torch.arange(int(lens.max()), dtype=torch.int64)
-    valid = columns[None, :] < lens[:, None]
-    index = starts[:, None] + torch.where(valid, columns[None, :], 0)
-    return index, valid
+    ids = np.empty(sum(num_pages), dtype=np.int32)
+    page_table.gather_pages(rows, num_pages, out=ids)
+    return host_to_device(torch.from_numpy(ids), page_table.device)

@@ -20,8 +20,8 @@ class BaseKVPool(ABC):
     """Storage for the keys and values of every layer, addressed by token slot.
 
     A slot is one token's K (or V) vectors for all KV heads of one layer: ``[num_kv_heads,
-    head_dim]`` numbers. ``k_cache(layer)`` is the ``[num_slots, num_kv_heads, head_dim]`` tensor
-    of that layer, and slot ``s`` is its row ``s``. Implementations differ in layout, not in
+    head_dim]`` numbers. ``kv_cache(layer)`` holds the two ``[num_slots, num_kv_heads, head_dim]``
+    tensors of that layer, and slot ``s`` is their row ``s``. Implementations differ in layout, not in
     addressing.
     """
 
@@ -35,12 +35,9 @@ class BaseKVPool(ABC):
     dtype: torch.dtype
 
     @abstractmethod
-    def k_cache(self, layer_id: int) -> torch.Tensor:
-        """Layer ``layer_id``'s keys: a ``[num_slots, num_kv_heads, head_dim]`` view (no copy)."""
-
-    @abstractmethod
-    def v_cache(self, layer_id: int) -> torch.Tensor:
-        """Layer ``layer_id``'s values: a ``[num_slots, num_kv_heads, head_dim]`` view (no copy)."""
+    def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_id``'s keys and values: two ``[num_slots, num_kv_heads, head_dim]``
+        views (no copy)."""
 
     @abstractmethod
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor,
@@ -58,18 +55,20 @@ class BaseKVPool(ABC):
         A copy, in the order of ``slots``: how the torch attention backend reads a request's
         scattered pages as one sequence. Fused kernels read the pages in place (:meth:`kv_pages`).
         """
-        return self.k_cache(layer_id)[slots], self.v_cache(layer_id)[slots]
+        k, v = self.kv_cache(layer_id)
+        return k[slots], v[slots]
 
     def kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Layer ``layer_id``'s K and V seen page by page: ``[num_pages, page_size, heads, dim]``.
 
-        The same memory as :meth:`k_cache` / :meth:`v_cache`, reshaped (no copy): the form
+        The same memory as :meth:`kv_cache`, reshaped (no copy): the form
         paged attention kernels such as FlashInfer's take.
         """
         def by_page(t: torch.Tensor) -> torch.Tensor:
             return t.view(self.num_pages, self.page_size, *t.shape[1:])
 
-        return by_page(self.k_cache(layer_id)), by_page(self.v_cache(layer_id))
+        k, v = self.kv_cache(layer_id)
+        return by_page(k), by_page(v)
 
 
 @dataclass(frozen=True)

@@ -49,11 +49,8 @@ class MHAKVPool(BaseKVPool):
                                dtype=dtype, device=device)
         self.device = self._kv.device
 
-    def k_cache(self, layer_id: int) -> torch.Tensor:
-        return self._kv[0, layer_id]  # [num_slots, num_kv_heads, head_dim], a view
-
-    def v_cache(self, layer_id: int) -> torch.Tensor:
-        return self._kv[1, layer_id]
+    def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self._kv[0, layer_id], self._kv[1, layer_id]  # [num_slots, heads, dim] views
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor,
                  layer_id: int) -> None:
@@ -66,8 +63,9 @@ class MHAKVPool(BaseKVPool):
                              f"{tuple(out_loc.shape)} must agree on the number of tokens")
         # .to() is free when the dtypes already match; the cast covers a float32 computation
         # feeding a bfloat16 cache (index assignment refuses mixed dtypes).
-        self.k_cache(layer_id)[out_loc] = k.to(self.dtype)
-        self.v_cache(layer_id)[out_loc] = v.to(self.dtype)
+        k_cache, v_cache = self.kv_cache(layer_id)
+        k_cache[out_loc] = k.to(self.dtype)
+        v_cache[out_loc] = v.to(self.dtype)
 
     @property
     def bytes_per_token(self) -> int:

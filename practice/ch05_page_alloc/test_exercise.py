@@ -143,7 +143,7 @@ def test_token_slots_matches_the_page_table_on_ragged_batches(page_size: int) ->
     starts = [rng.randint(0, lengths[r]) for r in rows]
     ends = [lengths[r] for r in rows]
     expected = table.batch_token_slots(rows, starts, ends)
-    got = token_slots(table.page_ids, rows, starts, ends, page_size)
+    got = token_slots(torch.from_numpy(table.page_ids), rows, starts, ends, page_size)
     assert got.tolist() == expected.tolist(), (
         f"page_size={page_size}: slots differ from minisgl's PageTable.batch_token_slots "
         f"(rows {rows}, starts {starts}, ends {ends})")

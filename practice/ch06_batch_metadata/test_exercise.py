@@ -63,7 +63,6 @@ def engine_out_of_reach() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(PageTable, "__init__", refuse)
         mp.setattr(BaseAttnBackend, "prepare", refuse)
-        mp.setattr(BaseAttnBackend, "_new_token_fields", refuse)
         mp.setattr(FlashInferBackend, "_page_arrays", refuse)
         yield
 
