@@ -64,7 +64,7 @@ class PageTable:
         self.page_size = page_size
         self.max_reqs, self.max_pages_per_req = max_reqs, max_pages_per_req
         self.max_tokens_per_req = max_pages_per_req * page_size  # the longest sequence a row maps
-        self.device = torch.device(device)
+        self.device = torch.empty(0, device=device).device  # "cuda" named as "cuda:0", say
         # int32 is what paged attention kernels take for page ids, and half the size of int64.
         self.page_ids = np.full((max_reqs, max_pages_per_req), NO_PAGE, dtype=np.int32)
         self._held = [0] * max_reqs  # pages each row holds (plain ints: read for every request)
