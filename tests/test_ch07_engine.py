@@ -489,6 +489,62 @@ def test_every_page_and_row_returns_after_release(engine: Engine,
     assert engine.pages.num_free_rows == engine.config.max_running_reqs
 
 
+# The calls the chapter's table of one decode step names, as (file under minisgl/, function).
+DECODE_STEP_CALLS = [
+    ("kvcache/request_pages.py", "RequestPages.reserve_all"), ("core.py", "Batch.__post_init__"),
+    ("engine/engine.py", "Engine.forward"), ("engine/engine.py", "Engine.logits"),
+    ("attention/base.py", "BaseAttnBackend.prepare"), ("kvcache/page_table.py", "PageTable.locate"),
+    ("attention/base.py", "BaseAttnBackend.forward"), ("kvcache/mha_pool.py", "MHAKVPool.store_kv"),
+    ("engine/engine.py", "Engine.sample"), ("engine/sample.py", "sample_batch"),
+    ("core.py", "Batch.advance"), ("core.py", "Req.append_token"),
+]
+
+
+def test_one_decode_step_runs_through_the_calls_of_the_chapter_s_table(engine: Engine,
+                                                                      prompts: list[list[int]]
+                                                                      ) -> None:
+    """The page's table of a decode step is what a step runs: every call it names is made, in
+    that order, and the step stays within 40 functions outside the model's layers."""
+    import os
+    import sys
+
+    import minisgl
+    root = os.path.dirname(minisgl.__file__) + os.sep
+    reqs = [Req(i, p, greedy()) for i, p in enumerate(prompts[:3])]
+
+    def step(phase: str) -> None:
+        engine.pages.reserve_all(reqs)
+        batch = Batch(reqs, phase)
+        tokens = engine.forward(batch).tolist()
+        batch.advance()
+        for req, token in zip(reqs, tokens):
+            req.append_token(token)
+
+    calls: list[tuple[str, str]] = []
+
+    def record(frame, event, arg):  # noqa: ANN001, ANN202 (sys.setprofile's signature)
+        path = frame.f_code.co_filename
+        if event == "call" and path.startswith(root) and "<" not in frame.f_code.co_qualname:
+            calls.append((path[len(root):], frame.f_code.co_qualname))
+
+    try:
+        step("prefill")
+        sys.setprofile(record)
+        step("decode")
+    finally:
+        sys.setprofile(None)
+        for req in reqs:
+            engine.pages.release(req)
+    first_call = {call: calls.index(call) for call in dict.fromkeys(calls)}
+    missing = [call for call in DECODE_STEP_CALLS if call not in first_call]
+    assert not missing, f"the step never called {missing}"
+    order = [first_call[call] for call in DECODE_STEP_CALLS]
+    assert order == sorted(order), "the calls come in another order than the table's"
+    engine_side = {call for call in first_call
+                   if call[0].split("/")[0] not in ("layers", "models", "moe")}
+    assert len(engine_side) <= 40, sorted(engine_side)
+
+
 # --------------------------------------------------------------------------------------------
 # On a GPU
 # --------------------------------------------------------------------------------------------
