@@ -104,9 +104,11 @@ class LLM:
                 scheduler = start_leader(config, launch)  # returns once every rank joined
                 wait_ready(ready, self._followers, timeout_s=TP_STARTUP_TIMEOUT_S)
         except BaseException as exc:
-            # Rank 0's error is often only the echo of another rank's (a collective whose peer
-            # died): the other rank's own report, if there is one, says what went wrong.
-            failed = _rank_failure(ready, self._followers) if _is_echo(exc) else None
+            # Rank 0's error (not a worker's report, not Ctrl-C) is often only the echo of
+            # another rank's (a collective whose peer died): that rank's own report, if there
+            # is one, says what went wrong.
+            echo = isinstance(exc, Exception) and not isinstance(exc, WorkerFailed)
+            failed = _rank_failure(ready, self._followers) if echo else None
             stop_processes(self._followers)
             if scheduler is not None:
                 close_leader(scheduler)
@@ -206,11 +208,6 @@ class LLM:
         return f"LLM({self.scheduler.engine!r})"
 
 
-def _is_echo(exc: BaseException) -> bool:
-    """Rank 0 failed, but not on its own account: not a worker's report, not Ctrl-C."""
-    return isinstance(exc, Exception) and not isinstance(exc, WorkerFailed)
-
-
 def _rank_failure(ready: Any, followers: list[BaseProcess]) -> WorkerFailed | None:
     """The start-up error of a rank that failed or exited, if one did (rank 0 waits up to
     ``RANK_REPORT_WAIT_S`` seconds for it); None if every rank still runs."""
@@ -219,7 +216,7 @@ def _rank_failure(ready: Any, followers: list[BaseProcess]) -> WorkerFailed | No
     except WorkerFailed as failed:
         return failed
     except RuntimeError:  # none failed or exited within the wait
-        return None
+        pass
     return None
 
 
