@@ -3,8 +3,7 @@
 An environment variable is input from outside, like a flag: it is read at one edge, parsed into
 a typed value, and a bad value is rejected with an error that names the variable, the value and
 what is allowed. Nothing else in ``minisgl`` reads ``os.environ`` for a ``MINISGL_*`` name; it
-calls :func:`read_env`. ``python -m minisgl.env`` prints every variable, its value and what it
-does. Chapter 1 tells the story.
+calls :func:`read_env`. Chapter 1 tells the story.
 """
 
 from __future__ import annotations
@@ -35,11 +34,9 @@ _MEM_RE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?)(?:I?B)?$")
 def parse_bool(text: str) -> bool:
     """``1/true/yes/on`` or ``0/false/no/off``, in any case; anything else is an error."""
     word = text.strip().lower()
-    if word in _TRUE:
-        return True
-    if word in _FALSE:
-        return False
-    raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+    if word not in _TRUE + _FALSE:
+        raise ValueError(f"expected one of {', '.join(_TRUE + _FALSE)}")
+    return word in _TRUE
 
 
 def parse_log_level(text: str) -> str:
@@ -69,13 +66,9 @@ def parse_mem_bytes(text: str) -> int:
 
 def parse_threads(text: str) -> int:
     """A number of CPU threads: a whole number >= 1, or 0 for "choose for me"."""
-    try:
-        threads = int(text.strip())
-    except ValueError:
-        raise ValueError("expected a whole number of threads (0 = choose from the cores)") from None
-    if threads < 0:
-        raise ValueError("expected 0 (choose from the cores) or a number of threads >= 1")
-    return threads
+    if not text.strip().isdecimal():
+        raise ValueError("expected a whole number of threads >= 1 (0 = choose from the cores)")
+    return int(text)
 
 
 @dataclass(frozen=True)
@@ -158,19 +151,4 @@ def read_env(environ: Mapping[str, str] | None = None) -> Env:
     return Env(**{var.field: var.read(environ) for var in ENV_VARS})
 
 
-def describe_env(environ: Mapping[str, str] | None = None) -> str:
-    """A plain-text table of every variable: current value (or default) and what it does."""
-    environ = os.environ if environ is None else environ
-    env = read_env(environ)
-    lines = []
-    for var in ENV_VARS:
-        value = getattr(env, var.field)
-        origin = "set" if environ.get(var.name, "").strip() else "default"
-        lines.append(f"{var.name} = {value!r} ({origin})\n    {var.help}")
-    return "\n".join(lines)
-
-
 assert [f.name for f in fields(Env)] == [var.field for var in ENV_VARS], "Env and ENV_VARS differ"
-
-if __name__ == "__main__":
-    print(describe_env())

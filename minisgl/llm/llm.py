@@ -11,6 +11,7 @@ synchronous loop; ``LLM(path, tp=2)`` makes this process rank 0 of two and start
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import os
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
@@ -80,8 +81,10 @@ class LLM:
             self.scheduler = Scheduler(config)
         else:
             self.scheduler = self._start_tp(config, tp)
-        self.tokenizer = _load_tokenizer(path)
-        self._next_uid = 0  # uids stay unique across generate() calls
+        from transformers import AutoTokenizer  # here: importing transformers is slow
+
+        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self._uids = itertools.count()  # uids stay unique across generate() calls
 
     def _start_tp(self, config: SchedulerConfig, tp: int) -> Scheduler:
         """Start ranks 1..tp-1, become rank 0, and wait until every rank has loaded.
@@ -101,9 +104,11 @@ class LLM:
                 scheduler = start_leader(config, launch)  # returns once every rank joined
                 wait_ready(ready, self._followers, timeout_s=TP_STARTUP_TIMEOUT_S)
         except BaseException as exc:
-            # Rank 0's error is often only the echo of another rank's (a collective whose peer
-            # died): the other rank's own report, if there is one, says what went wrong.
-            failed = _rank_failure(ready, self._followers) if _is_echo(exc) else None
+            # Rank 0's error (not a worker's report, not Ctrl-C) is often only the echo of
+            # another rank's (a collective whose peer died): that rank's own report, if there
+            # is one, says what went wrong.
+            echo = isinstance(exc, Exception) and not isinstance(exc, WorkerFailed)
+            failed = _rank_failure(ready, self._followers) if echo else None
             stop_processes(self._followers)
             if scheduler is not None:
                 close_leader(scheduler)
@@ -152,8 +157,7 @@ class LLM:
             prompts = [prompts]
         prompt_ids = [self._encode(i, prompt) for i, prompt in enumerate(_as_list(prompts))]
         params = _params_per_prompt(sampling_params, len(prompt_ids))
-        _refuse_stop_strings(params)
-        reqs = [Req(self._new_uid(), ids, p) for ids, p in zip(prompt_ids, params)]
+        reqs = [Req(next(self._uids), ids, p) for ids, p in zip(prompt_ids, params)]
         show = len(reqs) >= PROGRESS_MIN_PROMPTS if progress is None else progress
         self._run(reqs, show)
         return [self._completion(req) for req in reqs]
@@ -200,17 +204,8 @@ class LLM:
             raise ValueError(f"prompt {index} is empty: a prompt needs at least one token")
         return ids
 
-    def _new_uid(self) -> int:
-        uid, self._next_uid = self._next_uid, self._next_uid + 1
-        return uid
-
     def __repr__(self) -> str:
         return f"LLM({self.scheduler.engine!r})"
-
-
-def _is_echo(exc: BaseException) -> bool:
-    """Rank 0 failed, but not on its own account: not a worker's report, not Ctrl-C."""
-    return isinstance(exc, Exception) and not isinstance(exc, WorkerFailed)
 
 
 def _rank_failure(ready: Any, followers: list[BaseProcess]) -> WorkerFailed | None:
@@ -221,7 +216,7 @@ def _rank_failure(ready: Any, followers: list[BaseProcess]) -> WorkerFailed | No
     except WorkerFailed as failed:
         return failed
     except RuntimeError:  # none failed or exited within the wait
-        return None
+        pass
     return None
 
 
@@ -237,10 +232,8 @@ def _as_list(prompts: Sequence[Prompt]) -> list[Prompt]:
 
 def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
                        num_prompts: int) -> list[SamplingParams]:
-    if params is None:
-        return [SamplingParams()] * num_prompts
-    if isinstance(params, SamplingParams):
-        return [params] * num_prompts
+    if params is None or isinstance(params, SamplingParams):
+        params = [SamplingParams() if params is None else params] * num_prompts
     params = list(params)
     if len(params) != num_prompts:
         raise ValueError(f"sampling_params has {len(params)} entries for {num_prompts} prompts; "
@@ -249,18 +242,14 @@ def _params_per_prompt(params: SamplingParams | Sequence[SamplingParams] | None,
         if not isinstance(p, SamplingParams):
             raise TypeError(f"sampling_params[{i}] must be a SamplingParams, "
                             f"got {type(p).__name__}")
-    return params
-
-
-def _refuse_stop_strings(params: Sequence[SamplingParams]) -> None:
-    """Stop strings are matched on text, by the server's detokenizer; ``LLM``
-    decodes only once a request has finished, so it could not stop there. Say so rather than
-    return text that runs past the stop string."""
-    for i, p in enumerate(params):
+        # Stop strings are matched on text, by the server's detokenizer; LLM decodes only
+        # once a request has finished, so it could not stop there: say so, rather than return
+        # text that runs past the stop string.
         if p.stop:
             raise ValueError(f"sampling_params[{i}].stop={p.stop!r}: stop strings are applied "
                              "by the server's detokenizer; LLM.generate supports "
                              "stop_token_ids (or cut the returned text yourself)")
+    return params
 
 
 def _check_engine_options(options: dict[str, Any]) -> None:
@@ -271,8 +260,3 @@ def _check_engine_options(options: dict[str, Any]) -> None:
         raise TypeError(f"unknown engine option(s) {', '.join(unknown)}; "
                         f"the options are: {', '.join(allowed)}")
 
-
-def _load_tokenizer(path: os.PathLike[str]):
-    from transformers import AutoTokenizer  # imported here: importing transformers is slow
-
-    return AutoTokenizer.from_pretrained(path)

@@ -127,9 +127,8 @@ class DecoderOnlyLM(BaseLLMModel):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
         self.check_config(config)
-        rotary = config.rotary  # one rotary table for every layer
-        rope = get_rope(rotary.head_dim, rotary.rotary_dim, rotary.max_position, rotary.base,
-                        rotary.scaling)
+        rope = get_rope(config.head_dim, config.rotary_dim, config.max_position_embeddings,
+                        config.rope_theta, config.rope_scaling)  # one table for every layer
         layers = [DecoderLayer(config, RotaryAttention(config, i, rope, self.attention_options(config)),
                                self.make_mlp(config, i)) for i in range(config.num_layers)]
         self.model = DecoderModel(config, layers)

@@ -10,9 +10,9 @@ story.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from collections.abc import Mapping
-import dataclasses
 from dataclasses import dataclass, field
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Any
@@ -32,6 +32,9 @@ _JSON_KEY = {
     "num_qo_heads": "num_attention_heads",
     "num_kv_heads": "num_key_value_heads",
 }
+# What a config.json value of each kind must look like, in an error message.
+_EXPECTED = {int: "an integer", float: "a number", bool: "true or false", str: "a string"}
+_MISSING = object()
 
 
 class ConfigError(ValueError):
@@ -40,26 +43,12 @@ class ConfigError(ValueError):
 
 def dtype_bytes(dtype: str | torch.dtype) -> int:
     """Bytes per element of ``dtype``, given by name (``"bfloat16"``) or as a torch.dtype."""
-    if isinstance(dtype, str):
-        name = dtype.removeprefix("torch.")
-        if name not in DTYPE_BYTES:
-            raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
-        return DTYPE_BYTES[name]
-    itemsize = getattr(dtype, "itemsize", None)  # torch.dtype has it; no torch import needed
-    if not isinstance(itemsize, int):
-        raise TypeError(f"expected a dtype name or a torch.dtype, got {dtype!r}")
-    return itemsize
-
-
-@dataclass(frozen=True)
-class RotaryConfig:
-    """What the rotary embedding layer needs (``get_rope`` builds it from this)."""
-
-    head_dim: int
-    rotary_dim: int  # how many of the head_dim features rotate; all of them unless partial
-    max_position: int
-    base: float  # rope_theta: the wavelength scale of the slowest-rotating pair
-    scaling: Mapping[str, Any] | None  # None, or {"rope_type": "linear"|"llama3"|"yarn", ...}
+    if not isinstance(dtype, str):
+        return dtype.itemsize  # a torch.dtype knows it: no torch import needed
+    name = dtype.removeprefix("torch.")
+    if name not in DTYPE_BYTES:
+        raise ValueError(f"unknown dtype {dtype!r}; expected one of {', '.join(DTYPE_BYTES)}")
+    return DTYPE_BYTES[name]
 
 
 @dataclass(frozen=True)
@@ -79,7 +68,7 @@ class ModelConfig:
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
-    rope_scaling: Mapping[str, Any] | None = None
+    rope_scaling: Mapping[str, Any] | None = None  # None, or {"rope_type": "yarn", ...}
     partial_rotary_factor: float = 1.0
     hidden_act: str = "silu"
     # wiring
@@ -110,7 +99,7 @@ class ModelConfig:
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even (rotary embedding turns pairs of "
                               f"features), got {self.head_dim}")
-        if not 0 < self.partial_rotary_factor <= 1 or self.rotary.rotary_dim % 2:
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} must be in "
                               f"(0, 1] and give an even number of rotary features")
         if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
@@ -140,14 +129,9 @@ class ModelConfig:
         return self.num_experts > 0
 
     @property
-    def rotary(self) -> RotaryConfig:
-        return RotaryConfig(
-            head_dim=self.head_dim,
-            rotary_dim=int(self.head_dim * self.partial_rotary_factor),
-            max_position=self.max_position_embeddings,
-            base=self.rope_theta,
-            scaling=self.rope_scaling,
-        )
+    def rotary_dim(self) -> int:
+        """How many of a head's features rotary embedding turns: all, unless partial."""
+        return int(self.head_dim * self.partial_rotary_factor)
 
     def kv_bytes_per_token(self, dtype: str | torch.dtype) -> int:
         """Bytes of KV cache one token occupies: a K and a V vector per KV head, in every layer."""
@@ -158,9 +142,12 @@ class ModelConfig:
         """Parse a ``config.json`` dict; ``source`` (a file name) starts every error message."""
         if not isinstance(d, Mapping):
             raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
-        get = _Reader(d, source)
-        hidden, heads = get.integer("hidden_size"), get.integer("num_attention_heads")
-        head_dim = get.integer("head_dim", None)
+
+        def get(key: str, kind: type, default: Any = _MISSING) -> Any:
+            return _read(d, source, key, kind, default)
+
+        hidden, heads = get("hidden_size", int), get("num_attention_heads", int)
+        head_dim = get("head_dim", int, None)
         if head_dim is None:  # older configs: the heads split the hidden size evenly
             if hidden % heads:
                 raise ConfigError(f"{source}: no head_dim, and hidden_size ({hidden}) is not "
@@ -168,30 +155,30 @@ class ModelConfig:
             head_dim = hidden // heads
         theta, scaling, partial = _rope_settings(d, source)
         values: dict[str, Any] = {
-            "model_type": get.text("model_type"),
-            "vocab_size": get.integer("vocab_size"),
+            "model_type": get("model_type", str),
+            "vocab_size": get("vocab_size", int),
             "hidden_size": hidden,
-            "intermediate_size": get.integer("intermediate_size"),
-            "num_layers": get.integer("num_hidden_layers"),
+            "intermediate_size": get("intermediate_size", int),
+            "num_layers": get("num_hidden_layers", int),
             "num_qo_heads": heads,
-            "num_kv_heads": get.integer("num_key_value_heads", heads),  # absent: plain multi-head
+            "num_kv_heads": get("num_key_value_heads", int, heads),  # absent: plain multi-head
             "head_dim": head_dim,
-            "rms_norm_eps": get.number("rms_norm_eps"),
+            "rms_norm_eps": get("rms_norm_eps", float),
             "rope_theta": theta,
             "rope_scaling": scaling,
             "partial_rotary_factor": partial,
-            "max_position_embeddings": get.integer("max_position_embeddings"),
-            "hidden_act": get.text("hidden_act", "silu"),
-            "architectures": tuple(get.items("architectures", str)),
-            "tie_word_embeddings": get.flag("tie_word_embeddings", False),
-            "attention_bias": get.flag("attention_bias", False),
-            "torch_dtype": get.text("torch_dtype", None) or get.text("dtype", None),
-            "bos_token_id": get.integer("bos_token_id", None),
-            "eos_token_ids": tuple(get.items("eos_token_id", int)),  # one id, or a list of them
-            "num_experts": get.integer("num_experts", get.integer("num_local_experts", 0)),
-            "num_experts_per_tok": get.integer("num_experts_per_tok", 0),
-            "moe_intermediate_size": get.integer("moe_intermediate_size", 0),
-            "norm_topk_prob": get.flag("norm_topk_prob", False),
+            "max_position_embeddings": get("max_position_embeddings", int),
+            "hidden_act": get("hidden_act", str, "silu"),
+            "architectures": _read_list(d, source, "architectures", str),
+            "tie_word_embeddings": get("tie_word_embeddings", bool, False),
+            "attention_bias": get("attention_bias", bool, False),
+            "torch_dtype": get("torch_dtype", str, None) or get("dtype", str, None),
+            "bos_token_id": get("bos_token_id", int, None),
+            "eos_token_ids": _read_list(d, source, "eos_token_id", int),  # one id, or a list
+            "num_experts": get("num_experts", int, get("num_local_experts", int, 0)),
+            "num_experts_per_tok": get("num_experts_per_tok", int, 0),
+            "moe_intermediate_size": get("moe_intermediate_size", int, 0),
+            "norm_topk_prob": get("norm_topk_prob", bool, False),
             "raw": MappingProxyType(dict(d)),
         }
         try:
@@ -212,63 +199,40 @@ class ModelConfig:
         config = cls.from_dict(load_hf_config(path), source=config_file)
         generation_file = os.path.join(os.path.dirname(config_file), "generation_config.json")
         if os.path.isfile(generation_file):
-            extra = _Reader(load_hf_config(generation_file), generation_file).items(
-                "eos_token_id", int)
-            merged = config.eos_token_ids + tuple(
-                i for i in dict.fromkeys(extra) if i not in config.eos_token_ids)
+            generation = load_hf_config(generation_file)
+            extra = _read_list(generation, generation_file, "eos_token_id", int)
+            merged = tuple(dict.fromkeys(config.eos_token_ids + extra))  # in order, no repeats
             config = dataclasses.replace(config, eos_token_ids=merged)
         return config
 
 
-_MISSING = object()
+def _read(d: Mapping[str, Any], source: str, key: str, kind: type, default: Any = _MISSING) -> Any:
+    """``d[key]``, which must be a ``kind`` (for ``float``: any number, returned as a float).
 
-
-class _Reader:
-    """Typed access to config.json keys, with errors that name the file and the key."""
-
-    def __init__(self, d: Mapping[str, Any], source: str) -> None:
-        self.d, self.source = d, source
-
-    def _get(self, key: str, default: Any, kinds: tuple[type, ...], expected: str) -> Any:
-        value = self.d.get(key)
-        if value is None:  # absent and JSON null mean the same: "not specified"
-            if default is _MISSING:
-                hint = ""
-                if "text_config" in self.d:
-                    hint = (" (this config keeps its language model under 'text_config'; "
-                            "multimodal checkpoints are not supported)")
-                raise ConfigError(f"{self.source}: missing required key {key!r}{hint}")
+    Absent and JSON null both mean "not specified": ``default``, or an error naming the file
+    and the key when there is none. A JSON ``true`` is not an integer here, although Python's
+    ``bool`` is an ``int``.
+    """
+    value = d.get(key)
+    if value is None:
+        if default is not _MISSING:
             return default
-        if isinstance(value, bool) and bool not in kinds or not isinstance(value, kinds):
-            raise ConfigError(f"{self.source}: {key} must be {expected}, got {value!r}")
-        return value
-
-    def integer(self, key: str, default: Any = _MISSING) -> Any:
-        return self._get(key, default, (int,), "an integer")
-
-    def number(self, key: str, default: Any = _MISSING) -> Any:
-        value = self._get(key, default, (int, float), "a number")
-        return value if value is default else float(value)
-
-    def flag(self, key: str, default: Any = _MISSING) -> Any:
-        return self._get(key, default, (bool,), "true or false")
-
-    def text(self, key: str, default: Any = _MISSING) -> Any:
-        return self._get(key, default, (str,), "a string")
-
-    def items(self, key: str, kind: type) -> list[Any]:
-        """An optional key holding one value of ``kind`` or a list of them, as a list."""
-        value = self._get(key, [], (kind, list), f"a {kind.__name__} or a list of them")
-        values = value if isinstance(value, list) else [value]
-        if any(isinstance(v, bool) or not isinstance(v, kind) for v in values):
-            raise ConfigError(f"{self.source}: {key} must hold {kind.__name__} values, "
-                              f"got {value!r}")
-        return values
+        hint = (" (this config keeps its language model under 'text_config'; multimodal "
+                "checkpoints are not supported)") if "text_config" in d else ""
+        raise ConfigError(f"{source}: missing required key {key!r}{hint}")
+    if not (is_number(value) if kind is float else type(value) is kind):
+        raise ConfigError(f"{source}: {key} must be {_EXPECTED[kind]}, got {value!r}")
+    return float(value) if kind is float else value
 
 
-def _first_given(*values: Any) -> Any:
-    """The first value that is not None: ``or`` would skip a 0 that must reach its check."""
-    return next((value for value in values if value is not None), None)
+def _read_list(d: Mapping[str, Any], source: str, key: str, kind: type) -> tuple[Any, ...]:
+    """An optional key holding one ``kind`` value or a list of them, as a tuple."""
+    value = d.get(key)
+    values = [] if value is None else value if isinstance(value, list) else [value]
+    if any(type(v) is not kind for v in values):
+        raise ConfigError(f"{source}: {key} must be a {kind.__name__} or a list of them, "
+                          f"got {value!r}")
+    return tuple(values)
 
 
 def _rope_settings(d: Mapping[str, Any], source: str) -> tuple[float, dict[str, Any] | None, float]:
@@ -283,17 +247,16 @@ def _rope_settings(d: Mapping[str, Any], source: str) -> tuple[float, dict[str, 
         raise ConfigError(f"{source}: rope_parameters/rope_scaling must be an object, "
                           f"got {params!r}")
     params = dict(params)
-    theta = _first_given(params.pop("rope_theta", None), d.get("rope_theta"))
-    if theta is None:
+    given = {key: d.get(key) for key in ("rope_theta", "partial_rotary_factor")}
+    for key in given:  # inside rope_parameters wins (`or` would skip a 0 that must be checked)
+        inner = params.pop(key, None)
+        given[key] = given[key] if inner is None else inner
+    if given["rope_theta"] is None:
         raise ConfigError(f"{source}: missing required key 'rope_theta' "
                           "(or 'rope_theta' inside 'rope_parameters')")
-    if not is_number(theta):
-        raise ConfigError(f"{source}: rope_theta must be a number, got {theta!r}")
-    partial = _first_given(params.pop("partial_rotary_factor", None),
-                           d.get("partial_rotary_factor"), 1.0)
-    if not is_number(partial):
-        raise ConfigError(f"{source}: partial_rotary_factor must be a number, got {partial!r}")
+    theta = _read(given, source, "rope_theta", float)
+    partial = _read(given, source, "partial_rotary_factor", float, 1.0)
     rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
     params.pop("type", None)
     scaling = None if rope_type == "default" else {"rope_type": rope_type, **params}
-    return float(theta), scaling, float(partial)
+    return theta, scaling, partial

@@ -84,7 +84,6 @@ class _LoadPlan:
     """Where each checkpoint tensor goes, worked out from the names alone."""
 
     targets: dict[str, tuple[str, Hashable]] = field(default_factory=dict)  # ckpt -> (param, slot)
-    skipped: list[str] = field(default_factory=list)  # duplicates of tied parameters
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
 
@@ -103,8 +102,7 @@ def _plan(model: BaseLLMModel, names: list[str]) -> _LoadPlan:
     filled: set[tuple[str, Hashable]] = set()
     for name in names:
         if name in aliases:
-            plan.skipped.append(name)  # the same values are loaded under the canonical name
-            continue
+            continue  # a tied duplicate: the same values load under the canonical name
         param_name, shard_id = model.checkpoint_to_param(name)
         if param_name not in params:
             plan.unexpected.append(name)
@@ -174,4 +172,5 @@ def load_weights(
             except ValueError as exc:
                 raise ValueError(f"cannot load checkpoint tensor {name!r}: {exc}") from None
     logger.debug("loaded %d tensors from %d file(s) in %.2f s (%d tied duplicate(s) skipped)",
-                 len(plan.targets), len(files), time.perf_counter() - start, len(plan.skipped))
+                 len(plan.targets), len(files), time.perf_counter() - start,
+                 len(names) - len(plan.targets))

@@ -23,10 +23,6 @@ class Routing:
     expert_ids: torch.Tensor
     weights: torch.Tensor
 
-    @property
-    def top_k(self) -> int:
-        return self.expert_ids.shape[1]
-
 
 def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Routing:
     """Softmax over the experts, keep the ``top_k`` most probable, optionally rescaled to sum 1.

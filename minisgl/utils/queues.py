@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import atexit
+import functools
 import os
 import re
 import shutil
@@ -33,9 +34,6 @@ _MAX_IPC_PATH = 103
 
 
 # ---------------------------------------------------------------------------------- addresses
-_ipc_dir: str | None = None  # this process's private directory, made on first use
-
-
 def ipc_address(name: str, directory: str | os.PathLike[str] | None = None) -> str:
     """A fresh ``ipc://`` address for a queue called ``name``.
 
@@ -54,12 +52,11 @@ def ipc_address(name: str, directory: str | os.PathLike[str] | None = None) -> s
     return "ipc://" + path
 
 
+@functools.cache  # one private directory per process, made on first use
 def _private_ipc_dir() -> str:
-    global _ipc_dir
-    if _ipc_dir is None:
-        _ipc_dir = tempfile.mkdtemp(prefix="minisgl-")
-        atexit.register(shutil.rmtree, _ipc_dir, ignore_errors=True)
-    return _ipc_dir
+    path = tempfile.mkdtemp(prefix="minisgl-")
+    atexit.register(shutil.rmtree, path, ignore_errors=True)
+    return path
 
 
 def _open_socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
@@ -98,18 +95,14 @@ def _unframe(frame: bytes, message_type: type, address: str) -> list[Any]:
     return messages
 
 
-_contexts_to_flush: set[zmq.Context] = set()  # the contexts whose exit waits for lingerers
-
-
+@functools.cache  # once per context
 def _wait_for_lingering_frames_at_exit(context: zmq.Context) -> None:
     """Make this process's exit destroy ``context``: a closed socket's frames are delivered
     during its linger only while the context lives on and is then terminated, and Python's exit
     never terminates one (the frames would die with the process)."""
-    if context not in _contexts_to_flush:
-        _contexts_to_flush.add(context)
-        # destroy() closes the sockets still open, each with its own linger (0 for ours), then
-        # terminates the context, which waits for the lingering frames.
-        atexit.register(context.destroy)
+    # destroy() closes the sockets still open, each with its own linger (0 for ours), then
+    # terminates the context, which waits for the lingering frames.
+    atexit.register(context.destroy)
 
 
 class _Queue:
@@ -259,14 +252,10 @@ class ZmqAsyncPullQueue(_Queue, Generic[T]):
             TimeoutError: nothing arrived in time.
         """
         if not self._ready:
-            if timeout_s is None:
-                frame = await self._socket.recv()
-            else:
-                try:
-                    frame = await asyncio.wait_for(self._socket.recv(), timeout_s)
-                except asyncio.TimeoutError:  # an alias of TimeoutError from Python 3.11
-                    raise TimeoutError(f"no message on {self.address} within {timeout_s} s"
-                                       ) from None
+            try:  # wait_for(..., None) waits for ever
+                frame = await asyncio.wait_for(self._socket.recv(), timeout_s)
+            except asyncio.TimeoutError:  # an alias of TimeoutError from Python 3.11
+                raise TimeoutError(f"no message on {self.address} within {timeout_s} s") from None
             self._ready.extend(_unframe(frame, self.message_type, self.address))
         return self._ready.popleft()
 

@@ -44,8 +44,7 @@ def resolve_device(device: str | torch.device = "auto") -> torch.device:
     CUDA on a machine without it is an error rather than a silent fallback, because the user
     would otherwise measure the wrong thing.
     """
-    if isinstance(device, torch.device):
-        device = str(device)
+    device = str(device)  # a torch.device prints as "cuda:1"
     name = device.strip().lower()
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

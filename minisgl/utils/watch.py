@@ -71,9 +71,7 @@ def exit_handle(target: Watched) -> int | None:
     pid that is already gone."""
     if isinstance(target, BaseProcess):
         return target.sentinel
-    if not hasattr(os, "pidfd_open"):
-        return None
-    return os.pidfd_open(target)
+    return os.pidfd_open(target) if hasattr(os, "pidfd_open") else None
 
 
 class ProcessWatch:
@@ -91,7 +89,6 @@ class ProcessWatch:
         self._lock = threading.Lock()
         self._wake_read, self._wake_write = os.pipe()
         self._stopped = False
-        self.exited: Exited | None = None  # the first process that exited
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
@@ -135,13 +132,13 @@ class ProcessWatch:
     def _report(self, name: str, target: Watched) -> None:
         if isinstance(target, BaseProcess):
             target.join(1.0)  # the sentinel fired: reaping is immediate
-            self.exited = Exited(name, target.pid, target.exitcode)
+            exited = Exited(name, target.pid, target.exitcode)
         else:
-            self.exited = Exited(name, target, None)
+            exited = Exited(name, target, None)
         try:
-            self._on_exit(self.exited)
+            self._on_exit(exited)
         except Exception:  # the watch must report, whatever its callback does
-            logger.exception("reporting that %s failed", self.exited)
+            logger.exception("reporting that %s failed", exited)
 
 
 def _running(target: Watched) -> bool:
