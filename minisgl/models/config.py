@@ -230,7 +230,7 @@ def _read_list(d: Mapping[str, Any], source: str, key: str, kind: type) -> tuple
     value = d.get(key)
     values = [] if value is None else value if isinstance(value, list) else [value]
     if any(type(v) is not kind for v in values):
-        raise ConfigError(f"{source}: {key} must be a {kind.__name__} or a list of them, "
+        raise ConfigError(f"{source}: {key} must be {_EXPECTED[kind]} or a list of them, "
                           f"got {value!r}")
     return tuple(values)
 
