@@ -11,6 +11,7 @@ replaces the one-sequence buffer by a paged pool shared by many requests.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -198,60 +199,27 @@ def generate(
     # One generator per request, created once and advanced step after step, so a seeded
     # request walks through its own random stream (None: the global generator).
     generator = None if params.seed is None else make_generator(params.seed, device)
-    loop = _generate_with_cache if use_cache else _generate_without_cache
-    return loop(model, prompt, params, tuple(eos_token_ids), generator)
-
-
-def _generate_with_cache(
-    model: BaseLLMModel,
-    prompt: list[int],
-    params: SamplingParams,
-    eos_token_ids: tuple[int, ...],
-    generator: torch.Generator | None,
-) -> GenerationResult:
-    device = next(model.parameters()).device
     # The last generated token is never fed back, so the cache never holds more than this.
-    cache = ContiguousKVCache.for_model(model, max_len=len(prompt) + params.max_tokens - 1)
+    # Without it the default dense backend sees the whole sequence each step, remembers nothing.
+    cache = (ContiguousKVCache.for_model(model, len(prompt) + params.max_tokens - 1)
+             if use_cache else None)
+    tokens = prompt  # grows by one token per step
     output: list[int] = []
-    input_ids = torch.tensor(prompt, device=device)  # first step (prefill): the whole prompt
-    with use_attention_backend(cache):
+    with nullcontext() if cache is None else use_attention_backend(cache):
         while True:
-            num_new = len(input_ids)
-            positions = torch.arange(cache.length, cache.length + num_new, device=device)
+            # What runs: the tokens past the cache (the prompt, then one token per step).
+            start = 0 if cache is None else cache.length
+            input_ids = torch.tensor(tokens[start:], device=device)
+            positions = torch.arange(start, len(tokens), device=device)
             # Only the last position predicts the next token: the LM head runs on one row.
-            last_row = torch.tensor([num_new - 1], device=device)
+            last_row = torch.tensor([len(tokens) - start - 1], device=device)
             logits = model(input_ids, positions, logits_indices=last_row)
-            cache.advance(num_new)
+            if cache is not None:
+                cache.advance(len(tokens) - start)
 
             token = int(sample_batch(logits, [params], [generator])[0])
             output.append(token)
+            tokens.append(token)
             reason = finish_reason(token, len(output), params, eos_token_ids)
             if reason is not None:
                 return GenerationResult(output, reason)
-            input_ids = torch.tensor([token], device=device)  # later steps (decode): one token
-
-
-def _generate_without_cache(
-    model: BaseLLMModel,
-    prompt: list[int],
-    params: SamplingParams,
-    eos_token_ids: tuple[int, ...],
-    generator: torch.Generator | None,
-) -> GenerationResult:
-    device = next(model.parameters()).device
-    tokens = list(prompt)
-    output: list[int] = []
-    while True:
-        # Every step recomputes every layer for every token so far: the default dense
-        # backend sees the whole sequence each time and remembers nothing.
-        input_ids = torch.tensor(tokens, device=device)
-        positions = torch.arange(len(tokens), device=device)
-        last_row = torch.tensor([len(tokens) - 1], device=device)
-        logits = model(input_ids, positions, logits_indices=last_row)
-
-        token = int(sample_batch(logits, [params], [generator])[0])
-        output.append(token)
-        tokens.append(token)
-        reason = finish_reason(token, len(output), params, eos_token_ids)
-        if reason is not None:
-            return GenerationResult(output, reason)

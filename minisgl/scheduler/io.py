@@ -207,14 +207,8 @@ class SchedulerIO:
         return [AbortRequest(uid, error=error) for uid in uids]
 
     def _publish(self) -> None:
-        if self.stats is None:
-            return
-        self.stats.update(
-            running=self.scheduler.num_running,
-            waiting=self.scheduler.num_waiting,
-            # Held by requests; pages the prefix cache keeps but could evict are not in use.
-            kv_pages_in_use=self.scheduler.cache.pages_held_by_requests,
-        )
+        if self.stats is not None:
+            self.stats.update(**self.scheduler.gauges())
 
 
 def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
