@@ -37,15 +37,8 @@ class ContiguousKVCache(AttentionBackend):
     ``length`` forward with :meth:`advance`, which makes the new tokens part of the past.
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         shape = (num_layers, max_len, num_kv_heads, head_dim)
@@ -56,9 +49,8 @@ class ContiguousKVCache(AttentionBackend):
         self.max_len = max_len
         self.length = 0  # tokens whose K/V are stored in every layer
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer_id: int) -> torch.Tensor:
         """Store this step's ``k``/``v`` for ``layer_id`` and attend over the whole prefix.
 
         Args:
@@ -72,14 +64,12 @@ class ContiguousKVCache(AttentionBackend):
         """
         start, end = self.length, self.length + q.shape[0]
         if end > self.max_len:
-            raise ValueError(
-                f"the KV cache holds {self.max_len} tokens; this step would need {end}"
-            )
+            raise ValueError(f"the KV cache holds {self.max_len} tokens; "
+                             f"this step would need {end}")
         self.k_cache[layer_id, start:end] = k
         self.v_cache[layer_id, start:end] = v
-        return causal_attention_with_prefix(
-            q, self.k_cache[layer_id, :end], self.v_cache[layer_id, :end], num_cached=start
-        )
+        return causal_attention_with_prefix(q, self.k_cache[layer_id, :end],
+                                            self.v_cache[layer_id, :end], num_cached=start)
 
     def advance(self, num_tokens: int) -> None:
         """Commit the last step's ``num_tokens`` tokens, after every layer has stored them."""
@@ -91,20 +81,14 @@ class ContiguousKVCache(AttentionBackend):
         """A cache shaped for ``model``, on its device and in its dtype."""
         config = model.config
         weight = next(model.parameters())
-        return cls(
-            num_layers=config.num_layers,
-            # This process's share of the KV heads (all of them without tensor parallelism).
-            num_kv_heads=local_kv_heads(config.num_kv_heads, get_tp_info().size),
-            head_dim=config.head_dim,
-            max_len=max_len,
-            dtype=weight.dtype,
-            device=weight.device,
-        )
+        # This process's share of the KV heads (all of them without tensor parallelism).
+        num_kv_heads = local_kv_heads(config.num_kv_heads, get_tp_info().size)
+        return cls(config.num_layers, num_kv_heads, config.head_dim, max_len,
+                   dtype=weight.dtype, device=weight.device)
 
 
-def causal_attention_with_prefix(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int
-) -> torch.Tensor:
+def causal_attention_with_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 num_cached: int) -> torch.Tensor:
     """Attention of ``T`` new queries over ``num_cached`` stored tokens plus themselves.
 
     Args:
@@ -145,9 +129,8 @@ class GenerationResult:
     finish_reason: FinishReason  # "stop": EOS or a stop token; "length": max_tokens reached
 
 
-def finish_reason(
-    token_id: int, num_generated: int, params: SamplingParams, eos_token_ids: Sequence[int]
-) -> FinishReason | None:
+def finish_reason(token_id: int, num_generated: int, params: SamplingParams,
+                  eos_token_ids: Sequence[int]) -> FinishReason | None:
     """Why generation ends after ``token_id`` was appended, or None to keep going."""
     if token_id in params.stop_token_ids:
         return "stop"
@@ -159,14 +142,9 @@ def finish_reason(
 
 
 @torch.inference_mode()
-def generate(
-    model: BaseLLMModel,
-    prompt_ids: Sequence[int] | torch.Tensor,
-    params: SamplingParams,
-    *,
-    use_cache: bool = True,
-    eos_token_ids: Sequence[int] | None = None,
-) -> GenerationResult:
+def generate(model: BaseLLMModel, prompt_ids: Sequence[int] | torch.Tensor,
+             params: SamplingParams, *, use_cache: bool = True,
+             eos_token_ids: Sequence[int] | None = None) -> GenerationResult:
     """Generate a continuation of one prompt.
 
     Args:
@@ -189,10 +167,9 @@ def generate(
         raise ValueError("prompt_ids is empty; generation needs at least one token")
     longest = len(prompt) + params.max_tokens
     if longest > model.config.max_position_embeddings:
-        raise ValueError(
-            f"a {len(prompt)}-token prompt plus max_tokens={params.max_tokens} needs "
-            f"{longest} positions; the model has {model.config.max_position_embeddings}"
-        )
+        raise ValueError(f"a {len(prompt)}-token prompt plus max_tokens={params.max_tokens} "
+                         f"needs {longest} positions; the model has "
+                         f"{model.config.max_position_embeddings}")
     if eos_token_ids is None:
         eos_token_ids = model.config.eos_token_ids
     device = next(model.parameters()).device
