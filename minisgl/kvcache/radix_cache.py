@@ -358,18 +358,13 @@ class RadixCache(BasePrefixCache):
                 it the ids are printed, with ``|`` between pages.
             max_tokens: runs longer than this are cut, with the number of tokens left out.
         """
-        header = (f"root  ({self.num_cached_pages} pages cached: {self.num_locked_pages} "
-                  f"locked, {self.num_evictable_pages} evictable)")
-        lines = [header]
+        lines = [f"root  ({self.num_cached_pages} pages cached: {self.num_locked_pages} "
+                 f"locked, {self.num_evictable_pages} evictable)"]
 
         def run_text(tokens: Tokens) -> str:
-            shown = tokens[:max_tokens]
-            if decode is not None:
-                text = repr(decode(list(shown)))
-            else:
-                pages = [shown[i : i + self.page_size]
-                         for i in range(0, len(shown), self.page_size)]
-                text = "|".join(" ".join(str(t) for t in page) for page in pages)
+            shown, page = tokens[:max_tokens], self.page_size
+            text = repr(decode(list(shown))) if decode is not None else "|".join(
+                " ".join(map(str, shown[i : i + page])) for i in range(0, len(shown), page))
             more = len(tokens) - len(shown)
             return text + (f" …(+{more})" if more else "")
 

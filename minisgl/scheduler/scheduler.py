@@ -66,7 +66,6 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, followers: Followers | None = None) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"Scheduler takes a SchedulerConfig, got {type(config).__name__}")
-        assert isinstance(config.overlap, bool), "SchedulerConfig resolves overlap"
         self.config = config
         self.followers = followers
         self.engine = Engine(config)
@@ -75,8 +74,7 @@ class Scheduler:
         self.decode = DecodeManager()
         self.overlap = config.overlap
         self.eos_token_ids = tuple(self.engine.eos_token_ids)
-        self.max_seq_len = min(self.engine.max_seq_len,
-                               self.cache.num_pages * config.page_size)
+        self.max_seq_len = min(self.engine.max_seq_len, self.cache.num_pages * config.page_size)
         self.num_steps = 0
         self._live_uids: set[int] = set()  # waiting, running or retiring
         # Out of the running set, still holding pages: their last token is not read yet.
