@@ -195,8 +195,7 @@ class Req:
             raise ValueError(f"request {self.uid}: the prompt must hold at least one token")
         bad = [t for t in ids if not is_int(t) or t < 0]
         if bad:
-            raise ValueError(f"request {self.uid}: token ids must be integers >= 0, "
-                             f"got {bad[:4]}")
+            raise ValueError(f"request {self.uid}: token ids must be integers >= 0, got {bad[:4]}")
         self.prompt_ids = [int(t) for t in ids]
         if not isinstance(self.params, SamplingParams):
             raise TypeError(f"request {self.uid}: params must be SamplingParams, "
