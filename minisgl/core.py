@@ -105,20 +105,13 @@ class SamplingParams:
 
         # Accept any iterable of ids (a list from JSON, a set) but store a tuple, so the
         # frozen dataclass stays hashable and nobody can mutate it behind our back.
-        if isinstance(self.stop_token_ids, (str, bytes)) or not isinstance(
-            self.stop_token_ids, Iterable
-        ):
-            raise TypeError(
-                f"stop_token_ids must be a sequence of token ids, got {self.stop_token_ids!r}"
-            )
-        stop_ids = tuple(self.stop_token_ids)
-        for token_id in stop_ids:
-            if not is_int(token_id) or token_id < 0:
-                _invalid(
-                    "stop_token_ids",
-                    self.stop_token_ids,
-                    f"a sequence of integers >= 0 ({token_id!r} is not)",
-                )
+        given = self.stop_token_ids
+        if isinstance(given, (str, bytes)) or not isinstance(given, Iterable):
+            raise TypeError(f"stop_token_ids must be a sequence of token ids, got {given!r}")
+        stop_ids = tuple(given)
+        bad = [t for t in stop_ids if not is_int(t) or t < 0]
+        if bad:
+            _invalid("stop_token_ids", given, f"a sequence of integers >= 0 ({bad[0]!r} is not)")
         object.__setattr__(self, "stop_token_ids", stop_ids)
 
         if self.seed is not None:
@@ -202,8 +195,7 @@ class Req:
             raise ValueError(f"request {self.uid}: the prompt must hold at least one token")
         bad = [t for t in ids if not is_int(t) or t < 0]
         if bad:
-            raise ValueError(f"request {self.uid}: token ids must be integers >= 0, "
-                             f"got {bad[:4]}")
+            raise ValueError(f"request {self.uid}: token ids must be integers >= 0, got {bad[:4]}")
         self.prompt_ids = [int(t) for t in ids]
         if not isinstance(self.params, SamplingParams):
             raise TypeError(f"request {self.uid}: params must be SamplingParams, "

@@ -730,7 +730,7 @@ def test_a_failed_step_fails_its_requests_and_the_scheduler_serves_on(
     expected = LLM(tiny_model_dir, device="cpu", **ENGINE_OPTIONS).generate(
         [[5, 6, 7]], params)[0]["token_ids"]
     assert [m.next_token for m in tokens] == list(expected)
-    while io.has_work:
+    while io.scheduler.has_work:
         io.step()
     assert io.stats["kv_pages_in_use"] == 0
 

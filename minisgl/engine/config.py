@@ -117,9 +117,7 @@ class EngineConfig:
         """The largest decode batch a CUDA graph is captured for."""
         if self.cuda_graph_batch_sizes is not None:
             return self.cuda_graph_batch_sizes[-1]
-        if self.cuda_graph_max_bs is not None:
-            return min(self.cuda_graph_max_bs, self.max_running_reqs)
-        return min(DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_reqs)
+        return min(self.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_reqs)
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...],

@@ -35,17 +35,15 @@ class SamplingTensors:
     needs_min_p: bool = True  # some row asks for min-p
 
     @classmethod
-    def from_params(
-        cls, params: Sequence[SamplingParams], vocab_size: int, device: torch.device
-    ) -> SamplingTensors:
+    def from_params(cls, params: Sequence[SamplingParams], vocab_size: int,
+                    device: torch.device) -> SamplingTensors:
         """Gather the per-row parameters into tensors on ``device``."""
         top_k = [vocab_size if p.top_k == -1 else min(p.top_k, vocab_size) for p in params]
         # One host tensor per dtype, each crossing to the device in one copy that the host
         # does not wait for.
         floats = host_to_device(torch.tensor(
             [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
-            dtype=torch.float32,
-        ), device)
+            dtype=torch.float32), device)
         return cls(
             temperatures=floats[0].unsqueeze(1),
             top_k=host_to_device(torch.tensor(top_k, dtype=torch.int64), device),
@@ -168,13 +166,9 @@ def compute_probs(logits: torch.Tensor, params: Sequence[SamplingParams]) -> tor
         ``[B, V]`` float32 probabilities, each row summing to 1.
     """
     _check_batch(logits, params)
-    probs = torch.zeros(logits.shape, dtype=torch.float32, device=logits.device)
-    greedy = [i for i, p in enumerate(params) if p.is_greedy]
+    probs = torch.nn.functional.one_hot(logits.argmax(dim=-1), logits.shape[-1]).float()
     sampled = [i for i, p in enumerate(params) if not p.is_greedy]
-    if greedy:
-        rows = torch.tensor(greedy, device=logits.device)
-        probs[rows, logits[rows].argmax(dim=-1)] = 1.0
-    if sampled:
+    if sampled:  # the greedy rows keep their one-hot
         rows = torch.tensor(sampled, device=logits.device)
         probs[rows] = _sampled_rows_probs(logits[rows], [params[i] for i in sampled])
     return probs
@@ -197,9 +191,8 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     return generator
 
 
-def sample_from_probs(
-    probs: torch.Tensor, generators: Sequence[torch.Generator | None]
-) -> torch.Tensor:
+def sample_from_probs(probs: torch.Tensor,
+                      generators: Sequence[torch.Generator | None]) -> torch.Tensor:
     """Draw one token per row with an exponential race.
 
     Give every token an independent ``E ~ Exponential(1)`` and pick ``argmax(p / E)``: ``E / p``
@@ -220,10 +213,8 @@ def sample_from_probs(
     for row, generator in enumerate(generators):
         if generator is not None:
             if generator.device.type != probs.device.type:
-                raise ValueError(
-                    f"generator for row {row} is on {generator.device}, "
-                    f"but the logits are on {probs.device}"
-                )
+                raise ValueError(f"generator for row {row} is on {generator.device}, "
+                                 f"but the logits are on {probs.device}")
             # The row's noise depends only on its own generator and the vocabulary size:
             # the same seed draws the same tokens whoever else is in the batch.
             noise[row].exponential_(generator=generator)
@@ -233,11 +224,8 @@ def sample_from_probs(
     return (probs / noise).argmax(dim=-1)
 
 
-def sample_batch(
-    logits: torch.Tensor,
-    params: Sequence[SamplingParams],
-    generators: Sequence[torch.Generator | None] | None = None,
-) -> torch.Tensor:
+def sample_batch(logits: torch.Tensor, params: Sequence[SamplingParams],
+                 generators: Sequence[torch.Generator | None] | None = None) -> torch.Tensor:
     """Pick the next token of every row of a batch.
 
     Args:
@@ -252,9 +240,8 @@ def sample_batch(
     """
     _check_batch(logits, params)
     if generators is None:
-        generators = [
-            None if p.seed is None else make_generator(p.seed, logits.device) for p in params
-        ]
+        generators = [None if p.seed is None else make_generator(p.seed, logits.device)
+                      for p in params]
     if len(generators) != len(params):
         raise ValueError(f"got {len(generators)} generators for {len(params)} rows")
 

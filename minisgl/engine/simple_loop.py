@@ -11,6 +11,7 @@ replaces the one-sequence buffer by a paged pool shared by many requests.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Literal
 
@@ -36,15 +37,8 @@ class ContiguousKVCache(AttentionBackend):
     ``length`` forward with :meth:`advance`, which makes the new tokens part of the past.
     """
 
-    def __init__(
-        self,
-        num_layers: int,
-        num_kv_heads: int,
-        head_dim: int,
-        max_len: int,
-        dtype: torch.dtype,
-        device: torch.device | str,
-    ) -> None:
+    def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
+                 dtype: torch.dtype, device: torch.device | str) -> None:
         if max_len < 1:
             raise ValueError(f"max_len must be >= 1, got {max_len}")
         shape = (num_layers, max_len, num_kv_heads, head_dim)
@@ -55,9 +49,8 @@ class ContiguousKVCache(AttentionBackend):
         self.max_len = max_len
         self.length = 0  # tokens whose K/V are stored in every layer
 
-    def forward(
-        self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
-    ) -> torch.Tensor:
+    def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                layer_id: int) -> torch.Tensor:
         """Store this step's ``k``/``v`` for ``layer_id`` and attend over the whole prefix.
 
         Args:
@@ -71,14 +64,12 @@ class ContiguousKVCache(AttentionBackend):
         """
         start, end = self.length, self.length + q.shape[0]
         if end > self.max_len:
-            raise ValueError(
-                f"the KV cache holds {self.max_len} tokens; this step would need {end}"
-            )
+            raise ValueError(f"the KV cache holds {self.max_len} tokens; "
+                             f"this step would need {end}")
         self.k_cache[layer_id, start:end] = k
         self.v_cache[layer_id, start:end] = v
-        return causal_attention_with_prefix(
-            q, self.k_cache[layer_id, :end], self.v_cache[layer_id, :end], num_cached=start
-        )
+        return causal_attention_with_prefix(q, self.k_cache[layer_id, :end],
+                                            self.v_cache[layer_id, :end], num_cached=start)
 
     def advance(self, num_tokens: int) -> None:
         """Commit the last step's ``num_tokens`` tokens, after every layer has stored them."""
@@ -90,20 +81,14 @@ class ContiguousKVCache(AttentionBackend):
         """A cache shaped for ``model``, on its device and in its dtype."""
         config = model.config
         weight = next(model.parameters())
-        return cls(
-            num_layers=config.num_layers,
-            # This process's share of the KV heads (all of them without tensor parallelism).
-            num_kv_heads=local_kv_heads(config.num_kv_heads, get_tp_info().size),
-            head_dim=config.head_dim,
-            max_len=max_len,
-            dtype=weight.dtype,
-            device=weight.device,
-        )
+        # This process's share of the KV heads (all of them without tensor parallelism).
+        num_kv_heads = local_kv_heads(config.num_kv_heads, get_tp_info().size)
+        return cls(config.num_layers, num_kv_heads, config.head_dim, max_len,
+                   dtype=weight.dtype, device=weight.device)
 
 
-def causal_attention_with_prefix(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_cached: int
-) -> torch.Tensor:
+def causal_attention_with_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                 num_cached: int) -> torch.Tensor:
     """Attention of ``T`` new queries over ``num_cached`` stored tokens plus themselves.
 
     Args:
@@ -144,9 +129,8 @@ class GenerationResult:
     finish_reason: FinishReason  # "stop": EOS or a stop token; "length": max_tokens reached
 
 
-def finish_reason(
-    token_id: int, num_generated: int, params: SamplingParams, eos_token_ids: Sequence[int]
-) -> FinishReason | None:
+def finish_reason(token_id: int, num_generated: int, params: SamplingParams,
+                  eos_token_ids: Sequence[int]) -> FinishReason | None:
     """Why generation ends after ``token_id`` was appended, or None to keep going."""
     if token_id in params.stop_token_ids:
         return "stop"
@@ -158,14 +142,9 @@ def finish_reason(
 
 
 @torch.inference_mode()
-def generate(
-    model: BaseLLMModel,
-    prompt_ids: Sequence[int] | torch.Tensor,
-    params: SamplingParams,
-    *,
-    use_cache: bool = True,
-    eos_token_ids: Sequence[int] | None = None,
-) -> GenerationResult:
+def generate(model: BaseLLMModel, prompt_ids: Sequence[int] | torch.Tensor,
+             params: SamplingParams, *, use_cache: bool = True,
+             eos_token_ids: Sequence[int] | None = None) -> GenerationResult:
     """Generate a continuation of one prompt.
 
     Args:
@@ -188,70 +167,36 @@ def generate(
         raise ValueError("prompt_ids is empty; generation needs at least one token")
     longest = len(prompt) + params.max_tokens
     if longest > model.config.max_position_embeddings:
-        raise ValueError(
-            f"a {len(prompt)}-token prompt plus max_tokens={params.max_tokens} needs "
-            f"{longest} positions; the model has {model.config.max_position_embeddings}"
-        )
+        raise ValueError(f"a {len(prompt)}-token prompt plus max_tokens={params.max_tokens} "
+                         f"needs {longest} positions; the model has "
+                         f"{model.config.max_position_embeddings}")
     if eos_token_ids is None:
         eos_token_ids = model.config.eos_token_ids
     device = next(model.parameters()).device
     # One generator per request, created once and advanced step after step, so a seeded
     # request walks through its own random stream (None: the global generator).
     generator = None if params.seed is None else make_generator(params.seed, device)
-    loop = _generate_with_cache if use_cache else _generate_without_cache
-    return loop(model, prompt, params, tuple(eos_token_ids), generator)
-
-
-def _generate_with_cache(
-    model: BaseLLMModel,
-    prompt: list[int],
-    params: SamplingParams,
-    eos_token_ids: tuple[int, ...],
-    generator: torch.Generator | None,
-) -> GenerationResult:
-    device = next(model.parameters()).device
     # The last generated token is never fed back, so the cache never holds more than this.
-    cache = ContiguousKVCache.for_model(model, max_len=len(prompt) + params.max_tokens - 1)
+    # Without it the default dense backend sees the whole sequence each step, remembers nothing.
+    cache = (ContiguousKVCache.for_model(model, len(prompt) + params.max_tokens - 1)
+             if use_cache else None)
+    tokens = prompt  # grows by one token per step
     output: list[int] = []
-    input_ids = torch.tensor(prompt, device=device)  # first step (prefill): the whole prompt
-    with use_attention_backend(cache):
+    with nullcontext() if cache is None else use_attention_backend(cache):
         while True:
-            num_new = len(input_ids)
-            positions = torch.arange(cache.length, cache.length + num_new, device=device)
+            # What runs: the tokens past the cache (the prompt, then one token per step).
+            start = 0 if cache is None else cache.length
+            input_ids = torch.tensor(tokens[start:], device=device)
+            positions = torch.arange(start, len(tokens), device=device)
             # Only the last position predicts the next token: the LM head runs on one row.
-            last_row = torch.tensor([num_new - 1], device=device)
+            last_row = torch.tensor([len(tokens) - start - 1], device=device)
             logits = model(input_ids, positions, logits_indices=last_row)
-            cache.advance(num_new)
+            if cache is not None:
+                cache.advance(len(tokens) - start)
 
             token = int(sample_batch(logits, [params], [generator])[0])
             output.append(token)
+            tokens.append(token)
             reason = finish_reason(token, len(output), params, eos_token_ids)
             if reason is not None:
                 return GenerationResult(output, reason)
-            input_ids = torch.tensor([token], device=device)  # later steps (decode): one token
-
-
-def _generate_without_cache(
-    model: BaseLLMModel,
-    prompt: list[int],
-    params: SamplingParams,
-    eos_token_ids: tuple[int, ...],
-    generator: torch.Generator | None,
-) -> GenerationResult:
-    device = next(model.parameters()).device
-    tokens = list(prompt)
-    output: list[int] = []
-    while True:
-        # Every step recomputes every layer for every token so far: the default dense
-        # backend sees the whole sequence each time and remembers nothing.
-        input_ids = torch.tensor(tokens, device=device)
-        positions = torch.arange(len(tokens), device=device)
-        last_row = torch.tensor([len(tokens) - 1], device=device)
-        logits = model(input_ids, positions, logits_indices=last_row)
-
-        token = int(sample_batch(logits, [params], [generator])[0])
-        output.append(token)
-        tokens.append(token)
-        reason = finish_reason(token, len(output), params, eos_token_ids)
-        if reason is not None:
-            return GenerationResult(output, reason)

@@ -85,7 +85,7 @@ class PageAllocator:
                 double free), or the same id twice in ``pages``.
         """
         ids = pages.tolist() if isinstance(pages, torch.Tensor) else list(pages)
-        unknown = [p for p in ids if not _is_page_id(p, self._num_pages)]
+        unknown = [p for p in ids if not (is_int(p) and 0 <= p < self._num_pages)]
         if unknown:
             raise ValueError(f"free: page id(s) {unknown[:8]} are not in 0..{self._num_pages - 1}")
         already_free = [p for p in ids if self._is_free[p]]
@@ -101,7 +101,3 @@ class PageAllocator:
     def __repr__(self) -> str:
         return f"PageAllocator(num_pages={self._num_pages}, num_free={self.num_free})"
 
-
-def _is_page_id(value: object, num_pages: int) -> bool:
-    """An integer (Python or NumPy, not bool) in ``0 .. num_pages - 1``."""
-    return is_int(value) and 0 <= value < num_pages

@@ -64,11 +64,9 @@ class BaseKVPool(ABC):
         The same memory as :meth:`kv_cache`, reshaped (no copy): the form
         paged attention kernels such as FlashInfer's take.
         """
-        def by_page(t: torch.Tensor) -> torch.Tensor:
-            return t.view(self.num_pages, self.page_size, *t.shape[1:])
-
         k, v = self.kv_cache(layer_id)
-        return by_page(k), by_page(v)
+        shape = (self.num_pages, self.page_size, *k.shape[1:])
+        return k.view(shape), v.view(shape)
 
 
 @dataclass(frozen=True)

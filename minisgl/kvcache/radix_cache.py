@@ -10,6 +10,7 @@ Chapter 11 tells the story.
 from __future__ import annotations
 
 import heapq
+import itertools
 import operator
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -117,7 +118,7 @@ class RadixCache(BasePrefixCache):
         an edge, that edge is split there, so that the handle can name a node. The nodes on
         the matched path count as used now for LRU eviction.
         """
-        node = self._walk(_as_tokens(token_ids, "match_prefix"))
+        node = self._walk(tuple(_as_ints(token_ids)))
         return PrefixMatch(handle=RadixHandle(num_tokens=node.depth, node=node),
                            pages=self._path_pages(node))
 
@@ -187,8 +188,7 @@ class RadixCache(BasePrefixCache):
             ValueError: ``pages`` do not hold ``token_ids`` in whole pages, a page id repeats,
                 or a page to be kept is one the cache holds already (somewhere else).
         """
-        tokens = _as_tokens(token_ids, "insert")
-        new_pages = _as_pages(pages)
+        tokens, new_pages = tuple(_as_ints(token_ids)), _as_ints(pages)
         if len(tokens) != len(new_pages) * self.page_size:
             raise ValueError(f"insert: {len(new_pages)} page(s) of {self.page_size} tokens cannot "
                              f"hold {len(tokens)} tokens (offer whole pages only)")
@@ -275,12 +275,9 @@ class RadixCache(BasePrefixCache):
         # A heap of (last used, tie-breaker, node): the least recently used leaf on top.
         # A parent is never used less recently than its children (a walk stamps the whole
         # path), so a parent that becomes a leaf never jumps ahead of an older leaf.
-        serial = 0
-        candidates: list[tuple[int, int, RadixNode]] = []
-        for node in self._nodes():
-            if node.is_leaf and node.lock_count == 0 and node.parent is not None:
-                candidates.append((node.last_used, serial, node))
-                serial += 1
+        serial = itertools.count()
+        candidates = [(node.last_used, next(serial), node) for node in self._nodes()
+                      if node.is_leaf and node.lock_count == 0]
         heapq.heapify(candidates)
         freed: list[int] = []
         while len(freed) < num_pages and candidates:
@@ -293,8 +290,7 @@ class RadixCache(BasePrefixCache):
             self._pages.difference_update(leaf.pages)
             self._num_evictable -= leaf.num_pages
             if parent.parent is not None and parent.is_leaf and parent.lock_count == 0:
-                heapq.heappush(candidates, (parent.last_used, serial, parent))
-                serial += 1
+                heapq.heappush(candidates, (parent.last_used, next(serial), parent))
         logger.debug("evicted %d page(s) (asked for %d); %d evictable left",
                      len(freed), num_pages, self._num_evictable)
         return freed
@@ -362,18 +358,13 @@ class RadixCache(BasePrefixCache):
                 it the ids are printed, with ``|`` between pages.
             max_tokens: runs longer than this are cut, with the number of tokens left out.
         """
-        header = (f"root  ({self.num_cached_pages} pages cached: {self.num_locked_pages} "
-                  f"locked, {self.num_evictable_pages} evictable)")
-        lines = [header]
+        lines = [f"root  ({self.num_cached_pages} pages cached: {self.num_locked_pages} "
+                 f"locked, {self.num_evictable_pages} evictable)"]
 
         def run_text(tokens: Tokens) -> str:
-            shown = tokens[:max_tokens]
-            if decode is not None:
-                text = repr(decode(list(shown)))
-            else:
-                pages = [shown[i : i + self.page_size]
-                         for i in range(0, len(shown), self.page_size)]
-                text = "|".join(" ".join(str(t) for t in page) for page in pages)
+            shown, page = tokens[:max_tokens], self.page_size
+            text = repr(decode(list(shown))) if decode is not None else "|".join(
+                " ".join(map(str, shown[i : i + page])) for i in range(0, len(shown), page))
             more = len(tokens) - len(shown)
             return text + (f" …(+{more})" if more else "")
 
@@ -403,24 +394,9 @@ def _pages_in_common(edge: Tokens, tokens: Tokens, page_size: int) -> int:
     return same // page_size
 
 
-def _as_tokens(token_ids: Sequence[int] | torch.Tensor, op: str) -> Tokens:
-    """Token ids as a tuple of ints: hashable, so that a page of them can key a child."""
-    ids = token_ids.tolist() if isinstance(token_ids, torch.Tensor) else token_ids
-    try:
-        return tuple(operator.index(t) for t in ids)
-    except TypeError:
-        raise ValueError(f"{op}: token ids must be integers, got {list(ids)[:8]}") from None
-
-
-def _as_pages(pages: Sequence[int] | torch.Tensor) -> list[int]:
-    ids = pages.tolist() if isinstance(pages, torch.Tensor) else pages
-    try:
-        out = [operator.index(p) for p in ids]
-    except TypeError:
-        raise ValueError(f"insert: page ids must be integers, got {list(ids)[:8]}") from None
-    if any(p < 0 for p in out):
-        raise ValueError(f"insert: page ids must be >= 0, got {out[:8]}")
-    return out
+def _as_ints(ids: Sequence[int] | torch.Tensor) -> list[int]:
+    """Token or page ids as plain ints (a tensor's too): hashable, so a page can key a child."""
+    return ids.tolist() if isinstance(ids, torch.Tensor) else [operator.index(i) for i in ids]
 
 
 def _page_list(pages: list[int], limit: int = 6) -> str:

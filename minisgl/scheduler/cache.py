@@ -21,19 +21,12 @@ from minisgl.kvcache.radix_cache import RadixCache
 if TYPE_CHECKING:
     from minisgl.engine.engine import Engine
 
-# The prefix caches a scheduler can run with, by the name ``SchedulerConfig.prefix_cache`` takes.
-# Each entry builds one from the page size.
+# The prefix caches a scheduler can run with, by the name ``SchedulerConfig.prefix_cache`` takes
+# (checked there). Each entry builds an empty one from the page size.
 PREFIX_CACHES: dict[str, Callable[[int], BasePrefixCache]] = {
     "naive": NaivePrefixCache,
     "radix": RadixCache,  # share the pages of common prefixes
 }
-
-
-def make_prefix_cache(kind: str, page_size: int) -> BasePrefixCache:
-    """A new, empty prefix cache of the named kind."""
-    if kind not in PREFIX_CACHES:
-        raise ValueError(f"prefix_cache must be one of {', '.join(PREFIX_CACHES)}; got {kind!r}")
-    return PREFIX_CACHES[kind](page_size)
 
 
 class CacheManager:

@@ -29,9 +29,8 @@ class ChunkedPrefillBudget(PrefillBudget):
 
     def admits(self, new_tokens: int, pages: int, is_first: bool) -> bool:
         """Whether a new request may start in this batch: a row, its pages, and any token."""
-        if self.rows < 1 or pages > self.pages:
-            return False
-        return self.tokens > 0  # even one token left: the head of its prompt goes in
+        # Even one token left: the head of its prompt goes in, as a first request's would.
+        return self.tokens > 0 and super().admits(new_tokens, pages, is_first=True)
 
     def chunk(self, new_tokens: int) -> int:
         """How many of a request's ``new_tokens`` uncomputed tokens this step computes: as many

@@ -57,8 +57,7 @@ class SchedulerConfig(EngineConfig):
         super().__post_init__()  # the engine's fields first
         check_int("max_prefill_tokens", self.max_prefill_tokens, at_least=1)
         if not isinstance(self.chunked_prefill, bool):
-            raise TypeError(f"chunked_prefill must be True or False, "
-                            f"got {self.chunked_prefill!r}")
+            raise TypeError(f"chunked_prefill must be True or False, got {self.chunked_prefill!r}")
         if self.overlap is None:  # the environment is read once, here, at the edge
             object.__setattr__(self, "overlap", not read_env().disable_overlap)
         if not isinstance(self.overlap, bool):

@@ -73,10 +73,6 @@ class SchedulerIO:
         self._last_uids: tuple[int, ...] = ()  # the previous step's batch
         self._failed_steps = 0  # steps in a row that raised
 
-    @property
-    def has_work(self) -> bool:
-        return self.scheduler.has_work
-
     def receive(self, messages: list[BackendMessage]) -> list[DetokenizerMessage]:
         """Add and abort requests, in the order the messages came.
 
@@ -161,21 +157,18 @@ class SchedulerIO:
         return messages
 
     def _new_tokens(self, req: Req, finished: bool) -> list[DetokenizeRequest]:
-        out = req.output_ids
-        real = len(out)
-        sent = self._sent[req.uid]
+        real, sent = len(req.output_ids), self._sent[req.uid]
         assert real > sent or not finished, f"request {req.uid} finished without a new token"
         messages = []
         for i in range(sent, real):
             last = finished and i == real - 1
             first = i == 0
             messages.append(DetokenizeRequest(
-                req.uid, out[i],
+                req.uid, req.output_ids[i],
                 finish_reason=req.finish_reason if last else None,
                 usage=TokenUsage(len(req.prompt_ids), real) if last else None,
                 stop=req.params.stop if first else (),
-                prompt_tokens=len(req.prompt_ids) if first else 0,
-            ))
+                prompt_tokens=len(req.prompt_ids) if first else 0))
         self._sent[req.uid] = real
         if finished:
             del self.live[req.uid], self._sent[req.uid]
@@ -207,14 +200,8 @@ class SchedulerIO:
         return [AbortRequest(uid, error=error) for uid in uids]
 
     def _publish(self) -> None:
-        if self.stats is None:
-            return
-        self.stats.update(
-            running=self.scheduler.num_running,
-            waiting=self.scheduler.num_waiting,
-            # Held by requests; pages the prefix cache keeps but could evict are not in use.
-            kv_pages_in_use=self.scheduler.cache.pages_held_by_requests,
-        )
+        if self.stats is not None:
+            self.stats.update(**self.scheduler.gauges())
 
 
 def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
@@ -246,10 +233,10 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
         with frozen_heap():  # start-up's objects stay out of the collector's full passes
             while not signals.requested:
                 messages = []
-                if not io.has_work:  # idle: sleep until a message (or a signal) comes
+                if not scheduler.has_work:  # idle: sleep until a message (or a signal) comes
                     messages.append(signals.receive(receive))
                 out = io.receive(messages + receive.drain())
-                if io.has_work:
+                if scheduler.has_work:
                     out += io.step()
                 send.put_many(out)  # one frame per step
     except ShutdownRequested:

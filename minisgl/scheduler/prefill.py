@@ -91,11 +91,6 @@ class PrefillManager:
                 return req
         return None
 
-    @property
-    def runnable(self) -> bool:
-        """Whether any request is waiting (it may still not fit this step)."""
-        return bool(self.waiting)
-
     def schedule(self, budget: PrefillBudget) -> Batch | None:
         """Admit waiting requests in arrival order while they fit ``budget``; None if none fits.
 

@@ -17,7 +17,7 @@ from typing import Protocol
 
 from minisgl.core import Batch, Req
 from minisgl.engine.engine import Engine
-from minisgl.scheduler.cache import CacheManager, make_prefix_cache
+from minisgl.scheduler.cache import PREFIX_CACHES, CacheManager
 from minisgl.scheduler.chunking import ChunkedPrefillBudget, cut_reqs, is_mid_prefill, unsampled
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.decode import DecodeManager
@@ -66,18 +66,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, followers: Followers | None = None) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"Scheduler takes a SchedulerConfig, got {type(config).__name__}")
-        assert isinstance(config.overlap, bool), "SchedulerConfig resolves overlap"
         self.config = config
         self.followers = followers
         self.engine = Engine(config)
-        self.cache = CacheManager(self.engine,
-                                  make_prefix_cache(config.prefix_cache, config.page_size))
+        self.cache = CacheManager(self.engine, PREFIX_CACHES[config.prefix_cache](config.page_size))
         self.prefill = PrefillManager(self.cache)
         self.decode = DecodeManager()
         self.overlap = config.overlap
         self.eos_token_ids = tuple(self.engine.eos_token_ids)
-        self.max_seq_len = min(self.engine.max_seq_len,
-                               self.cache.num_pages * config.page_size)
+        self.max_seq_len = min(self.engine.max_seq_len, self.cache.num_pages * config.page_size)
         self.num_steps = 0
         self._live_uids: set[int] = set()  # waiting, running or retiring
         # Out of the running set, still holding pages: their last token is not read yet.
@@ -291,6 +288,11 @@ class Scheduler:
             finished=tuple(finished),
             new_lens=() if batch is None else tuple(batch.new_lens),
         )
+
+    def gauges(self, prefix: str = "") -> dict[str, int]:
+        """The state ``/metrics`` shows, under counter names that start with ``prefix``."""
+        return {f"{prefix}running": self.num_running, f"{prefix}waiting": self.num_waiting,
+                f"{prefix}kv_pages_in_use": self.cache.pages_held_by_requests}
 
     def check_integrity(self) -> None:
         """Check that no page, row or uid is lost or counted twice, and that every request's

@@ -181,7 +181,8 @@ def run_tp_follower(config: SchedulerConfig, launch: TPLaunch, rank: int,
                     apply_input(scheduler, message.message)
                 else:
                     follow_step(scheduler, message, rank)
-                publish_follower(scheduler, stats, rank)  # an abort frees pages without a step
+                if stats is not None:  # after an abort too: it frees pages without a step
+                    stats.update(**scheduler.gauges(f"rank{rank}_"))
     except ShutdownRequested:
         pass
     finally:
@@ -219,13 +220,3 @@ def follower_counters(rank: int) -> SharedCounters:
     return SharedCounters((f"rank{rank}_running", f"rank{rank}_waiting",
                            f"rank{rank}_kv_pages_in_use"))
 
-
-def publish_follower(scheduler: Scheduler, stats: SharedCounters | None,
-                     rank: int) -> None:
-    if stats is None:
-        return
-    stats.update(**{
-        f"rank{rank}_running": scheduler.num_running,
-        f"rank{rank}_waiting": scheduler.num_waiting,
-        f"rank{rank}_kv_pages_in_use": scheduler.cache.pages_held_by_requests,
-    })
