@@ -41,22 +41,8 @@ from minisgl.message.utils import (
 )
 
 __all__ = [
-    "AbortRequest",
-    "BackendMessage",
-    "DetokenizeRequest",
-    "DetokenizerMessage",
-    "FrontendMessage",
-    "Message",
-    "RequestError",
-    "SerializationError",
-    "TokenUsage",
-    "TokenizeRequest",
-    "TokenizerMessage",
-    "UserReply",
-    "UserRequest",
-    "dumps",
-    "loads",
-    "register_wire_type",
-    "registered_types",
-    "server_error",
+    "AbortRequest", "BackendMessage", "DetokenizeRequest", "DetokenizerMessage",
+    "FrontendMessage", "Message", "RequestError", "SerializationError", "TokenUsage",
+    "TokenizeRequest", "TokenizerMessage", "UserReply", "UserRequest", "dumps", "loads",
+    "register_wire_type", "registered_types", "server_error",
 ]

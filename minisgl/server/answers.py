@@ -1,5 +1,5 @@
-"""How a route waits for its requests' replies: the whole answer, or the first reply and
-then the rest, for a stream.
+"""How a route waits for its requests' replies (one, or one per prompt of a list): the whole
+answers, or the first replies and then the rest, for a stream.
 
 Every wait gives up when the HTTP client disconnects
 (:func:`~minisgl.server.lifecycle.wait_or_disconnect`), and a request that failed is raised
@@ -21,42 +21,52 @@ from minisgl.server.lifecycle import wait_or_disconnect
 from minisgl.server.protocol import APIError
 
 
-async def whole_answer(request: Request, frontend: RequestRouter, uid: int,
-                       prompt_param: str) -> tuple[str, UserReply]:
-    """Request ``uid``'s whole text and last reply, for a response that is not streamed.
+async def whole_answers(request: Request, frontend: RequestRouter, uids: Sequence[int],
+                        prompt_param: str) -> list[tuple[str, UserReply]]:
+    """Requests ``uids``' whole texts and last replies, for a response that is not streamed.
 
-    Nothing is sent to the client until the answer is complete, so a client that
+    Nothing is sent to the client until the answers are complete, so a client that
     disconnects is not noticed by a failed write: a watcher waits for the disconnect at the
     same time, and wins the race if the client goes first. Collecting then stops, and
-    :meth:`RequestRouter.replies` aborts the request. A request that failed is answered
-    with its error's status and an OpenAI error body.
+    :meth:`RequestRouter.replies` aborts the requests. The first request that failed answers
+    for all, with its error's status and an OpenAI error body.
     """
-    text, last = await wait_or_disconnect(frontend.collect(uid), request)
-    if last.error is not None:
-        raise APIError.of(last.error, prompt_param)
-    return text, last
+    async def collect_all() -> list[tuple[str, UserReply]]:
+        return await asyncio.gather(*(frontend.collect(uid) for uid in uids))
+
+    answers = await wait_or_disconnect(collect_all(), request)
+    for _, last in answers:
+        if last.error is not None:
+            raise APIError.of(last.error, prompt_param)
+    return answers
 
 
-async def first_reply_then_rest(request: Request, frontend: RequestRouter, uid: int,
-                                prompt_param: str) -> AsyncIterator[UserReply]:
-    """Request ``uid``'s replies for a streamed response, once its first reply has come.
+async def first_replies_then_rest(request: Request, frontend: RequestRouter,
+                                  uids: Sequence[int],
+                                  prompt_param: str) -> list[AsyncIterator[UserReply]]:
+    """Requests ``uids``' replies for a streamed response, once each has its first reply.
 
-    The response's headers (and its status, 200) go out with the first chunk,
-    so the first reply is awaited before the response starts: a request the workers refuse
-    at once (its prompt is too long) is still answered with a 400 and an error body, not a
-    200 stream holding an error. The client may disconnect during that wait, as it can
-    while a whole answer is collected.
+    The response's headers (and its status, 200) go out with the first chunk, so the first
+    replies are awaited before the response starts: a request the workers refuse at once (its
+    prompt is too long) is still answered with a 400 and an error body, not a 200 stream
+    holding an error. The client may disconnect during that wait, as it can while a whole
+    answer is collected.
     """
-    replies = frontend.replies(uid)
+    streams = [frontend.replies(uid) for uid in uids]
+
+    async def first_replies() -> list[UserReply]:
+        return await asyncio.gather(*(replies.__anext__() for replies in streams))
+
     try:
-        first = await wait_or_disconnect(replies.__anext__(), request)
+        firsts = await wait_or_disconnect(first_replies(), request)
+        failed = next((first.error for first in firsts if first.error is not None), None)
+        if failed is not None:
+            raise APIError.of(failed, prompt_param)
     except BaseException:
-        await replies.aclose()
+        for replies in streams:
+            await replies.aclose()
         raise
-    if first.error is not None:
-        await replies.aclose()
-        raise APIError.of(first.error, prompt_param)
-    return _prepend(first, replies)
+    return [_prepend(first, replies) for first, replies in zip(firsts, streams)]
 
 
 async def _prepend(first: UserReply, rest: AsyncIterator[UserReply]) -> AsyncIterator[UserReply]:
@@ -65,43 +75,6 @@ async def _prepend(first: UserReply, rest: AsyncIterator[UserReply]) -> AsyncIte
         if not first.finished:
             async for reply in rest:
                 yield reply
-
-
-async def whole_answers(request: Request, frontend: RequestRouter,
-                        uids: Sequence[int]) -> list[tuple[str, UserReply]]:
-    """:func:`whole_answer` for several requests at once; the first error answers for all."""
-    answers = await wait_or_disconnect(
-        asyncio.gather(*(frontend.collect(uid) for uid in uids)), request)
-    for _, last in answers:
-        if last.error is not None:
-            raise APIError.of(last.error, "prompt")
-    return answers
-
-
-async def first_replies_then_rest(request: Request, frontend: RequestRouter,
-                                  uids: Sequence[int]) -> list[AsyncIterator[UserReply]]:
-    """:func:`first_reply_then_rest` for several requests: the stream starts once each has
-    its first reply, so a prompt refused at once is a 400 for the whole request."""
-    streams = [frontend.replies(uid) for uid in uids]
-    try:
-        firsts = await wait_or_disconnect(
-            asyncio.gather(*(replies.__anext__() for replies in streams)), request)
-    except BaseException:
-        for replies in streams:
-            await replies.aclose()
-        raise
-    failed = next((first for first in firsts if first.error is not None), None)
-    if failed is not None:
-        for replies in streams:
-            await replies.aclose()
-        raise APIError.of(failed.error, "prompt")
-    return [_prepend(first, replies) for first, replies in zip(firsts, streams)]
-
-
-async def indexed(replies: AsyncIterator[UserReply]) -> AsyncIterator[tuple[int, UserReply]]:
-    async with aclosing(replies):
-        async for reply in replies:
-            yield 0, reply
 
 
 async def merge_replies(streams: Sequence[AsyncIterator[UserReply]]

@@ -23,14 +23,7 @@ from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
 from minisgl.server.access_log import AccessLog, AccessRecord, observed
-from minisgl.server.answers import (
-    first_replies_then_rest,
-    first_reply_then_rest,
-    indexed,
-    merge_replies,
-    whole_answer,
-    whole_answers,
-)
+from minisgl.server.answers import first_replies_then_rest, merge_replies, whole_answers
 from minisgl.server.errors import answer_errors_as_openai
 from minisgl.server.frontend import RequestRouter
 from minisgl.server.metrics import metrics_text
@@ -144,10 +137,10 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     record.uids.append(uid)
     meta = _meta(request, "chatcmpl")
     if body.stream:
-        replies = await first_reply_then_rest(request, frontend, uid, "messages")
+        [replies] = await first_replies_then_rest(request, frontend, [uid], "messages")
         return sse_response(frontend, uid, stream_chat(observed(replies, record), meta,
                                                        body.include_usage))
-    text, last = await whole_answer(request, frontend, uid, "messages")
+    [(text, last)] = await whole_answers(request, frontend, [uid], "messages")
     record.add(last)
     return chat_body(meta, text, last)
 
@@ -166,20 +159,11 @@ async def completions(body: CompletionRequest, request: Request):
     uids = await submit_prompts(frontend, prompts, params, body.max_tokens is not None)
     record.uids += uids
     meta = _meta(request, "cmpl")
-    if len(uids) == 1:
-        uid = uids[0]
-        if body.stream:
-            replies = await first_reply_then_rest(request, frontend, uid, "prompt")
-            return sse_response(frontend, uid, stream_completion(
-                indexed(observed(replies, record)), meta, 1, body.include_usage))
-        text, last = await whole_answer(request, frontend, uid, "prompt")
-        record.add(last)
-        return completion_body(meta, [(text, last)])
     if body.stream:
-        streams = await first_replies_then_rest(request, frontend, uids)
+        streams = await first_replies_then_rest(request, frontend, uids, "prompt")
         merged = merge_replies([observed(replies, record) for replies in streams])
         return SSEResponse(stream_completion(merged, meta, len(uids), body.include_usage))
-    answers = await whole_answers(request, frontend, uids)
+    answers = await whole_answers(request, frontend, uids, "prompt")
     for _, last in answers:
         record.add(last)
     return completion_body(meta, answers)
@@ -191,12 +175,9 @@ async def submit_prompts(frontend: RequestRouter, prompts: Sequence[str | list[i
     uids: list[int] = []
     try:
         for prompt in prompts:
-            if isinstance(prompt, str):
-                uids.append(await frontend.submit(params, text=prompt,
-                                                  strict_max_tokens=strict_max_tokens))
-            else:
-                uids.append(await frontend.submit(params, input_ids=list(prompt),
-                                                  strict_max_tokens=strict_max_tokens))
+            text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
+            uids.append(await frontend.submit(params, text=text, input_ids=ids,
+                                              strict_max_tokens=strict_max_tokens))
     except BaseException:
         for uid in uids:
             frontend.abort(uid)

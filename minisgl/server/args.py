@@ -17,15 +17,18 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.env import parse_mem_bytes
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.server.lifecycle import DEFAULT_REPLY_BUFFER_SIZE, DEFAULT_SLOW_READER_TIMEOUT_S
-from minisgl.utils.checks import check_int, is_number
+from minisgl.server.lifecycle import (
+    DEFAULT_REPLY_BUFFER_SIZE,
+    DEFAULT_SLOW_READER_TIMEOUT_S,
+    check_seconds,
+)
+from minisgl.utils.checks import check_int
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: serving on every interface is a choice to make explicitly
 DEFAULT_PORT = 1919
@@ -107,14 +110,10 @@ class ServerArgs:
         # Whether the model splits --tp ways is checked by the launcher, once the checkpoint
         # is found.
         check_int("--tp", self.tp, at_least=1)
-        if not (math.isfinite(self.startup_timeout_s) and self.startup_timeout_s > 0):
-            raise ValueError(f"--startup-timeout must be a number of seconds > 0, "
-                             f"got {self.startup_timeout_s!r}")
+        check_seconds("--startup-timeout", self.startup_timeout_s)
         check_int("--reply-buffer-size", self.reply_buffer_size, at_least=1)
-        _check_seconds("--slow-reader-timeout", self.slow_reader_timeout_s, minimum=0.0,
-                       inclusive=False)
-        _check_seconds("--shutdown-timeout", self.shutdown_timeout_s, minimum=0.0,
-                       inclusive=True)
+        check_seconds("--slow-reader-timeout", self.slow_reader_timeout_s)
+        check_seconds("--shutdown-timeout", self.shutdown_timeout_s, allow_zero=True)
         unknown = sorted(set(self.engine_options) - set(ENGINE_OPTIONS))
         if unknown:
             raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; "
@@ -246,10 +245,3 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
         parser.error(str(exc))
     return args
 
-
-def _check_seconds(flag: str, value: object, minimum: float, inclusive: bool) -> None:
-    ok = (is_number(value) and math.isfinite(value)  # is_number: True is not 1 s
-          and (value >= minimum if inclusive else value > minimum))
-    if not ok:
-        bound = f"{'>=' if inclusive else '>'} {minimum:g}"
-        raise ValueError(f"{flag} must be a number of seconds {bound}, got {value!r}")

@@ -165,7 +165,7 @@ def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
     if args.model is None:  # the book's default model, found or built here, never downloaded
         args = dataclasses.replace(args, model=_shown_path(default_model()))
     workers: Workers | None = None
-    with _terminate_raises():
+    with _signal_handler(_raise_terminated, signal.SIGTERM):
         try:
             model_path = resolve_model_path(args.model)  # a hub id is downloaded here, once
             workers = start_workers(args, args.scheduler_config(str(model_path)))
@@ -198,7 +198,8 @@ def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
             logger.info("terminated (SIGTERM): shutting down")
             return EXIT_SIGTERM
         finally:
-            with _signals_ignored():  # a second Ctrl-C must not leave workers half-stopped
+            # A second Ctrl-C must not leave workers half-stopped.
+            with _signal_handler(signal.SIG_IGN, signal.SIGINT, signal.SIGTERM):
                 if workers is not None:
                     workers.stop()
                 if listener is not None:
@@ -340,26 +341,17 @@ class _Terminated(BaseException):
 
 
 def _raise_terminated(signum: int, frame: object) -> None:
+    """SIGTERM's handler in the launcher: by default SIGTERM would end the process on the spot,
+    skipping every ``finally`` and leaving the workers behind."""
     raise _Terminated()
 
 
 @contextmanager
-def _terminate_raises() -> Iterator[None]:
-    """SIGTERM raises :class:`_Terminated` (by default it would end the process on the spot,
-    skipping every ``finally`` and leaving the workers behind)."""
-    previous = signal.signal(signal.SIGTERM, _raise_terminated)
+def _signal_handler(handler: Any, *signals: int) -> Iterator[None]:
+    """``handler`` handles ``signals`` while the block runs; then the previous handlers do."""
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
     try:
         yield
     finally:
-        signal.signal(signal.SIGTERM, previous)
-
-
-@contextmanager
-def _signals_ignored() -> Iterator[None]:
-    previous = {sig: signal.signal(sig, signal.SIG_IGN) for sig in (signal.SIGINT,
-                                                                    signal.SIGTERM)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, earlier in previous.items():
+            signal.signal(sig, earlier)

@@ -25,7 +25,7 @@ from typing import Any, Protocol, TypeVar
 
 from minisgl.message import RequestError, UserReply
 from minisgl.server.protocol import APIError
-from minisgl.utils.checks import check_int
+from minisgl.utils.checks import check_int, is_number
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
@@ -34,6 +34,13 @@ T = TypeVar("T")
 
 DEFAULT_REPLY_BUFFER_SIZE = 1024  # replies (about one per token) held for one slow reader
 DEFAULT_SLOW_READER_TIMEOUT_S = 30.0  # how long a reader may stay behind before it is cut off
+
+
+def check_seconds(name: str, value: object, *, allow_zero: bool = False) -> None:
+    """Refuse ``value`` unless it is a finite number of seconds > 0 (>= 0 with ``allow_zero``)."""
+    if not (is_number(value) and math.isfinite(value) and (value > 0 or allow_zero and value == 0)):
+        raise ValueError(f"{name} must be a number of seconds {'>=' if allow_zero else '>'} 0, "
+                         f"got {value!r}")
 
 
 @dataclass
@@ -65,9 +72,6 @@ class ReplyBuffer:
     behind_since: float | None = None
     finished: bool = False
     failed: bool = False
-
-    def __post_init__(self) -> None:
-        check_int("a reply buffer's capacity", self.capacity, at_least=1)
 
     @property
     def full(self) -> bool:
@@ -167,10 +171,7 @@ class LifecyclePolicy:
                  slow_reader_timeout_s: float = DEFAULT_SLOW_READER_TIMEOUT_S,
                  health: Callable[[], str | None] | None = None) -> None:
         check_int("reply_buffer_size", reply_buffer_size, at_least=1)
-        if not (isinstance(slow_reader_timeout_s, (int, float))
-                and math.isfinite(slow_reader_timeout_s) and slow_reader_timeout_s > 0):
-            raise ValueError(f"slow_reader_timeout_s must be a number of seconds > 0, "
-                             f"got {slow_reader_timeout_s!r}")
+        check_seconds("slow_reader_timeout_s", slow_reader_timeout_s)
         self.router = router
         self.reply_buffer_size = reply_buffer_size
         self.slow_reader_timeout_s = float(slow_reader_timeout_s)

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 from minisgl.message import RequestError, TokenUsage, UserReply
@@ -47,22 +47,23 @@ class ResponseMeta:
     created: int
     model: str
 
+    def body(self, kind: str, choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
+        """A body or chunk of object type ``kind``, with ``choices`` and ``extra`` fields."""
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.model,
+                "choices": choices, **extra}
+
 
 def usage_dict(usage: TokenUsage | None) -> dict[str, int] | None:
     """OpenAI's ``usage`` object."""
-    if usage is None:
-        return None
-    return {"prompt_tokens": usage.prompt_tokens, "completion_tokens": usage.completion_tokens,
-            "total_tokens": usage.total_tokens}
+    return None if usage is None else {**asdict(usage), "total_tokens": usage.total_tokens}
 
 
 def chat_body(meta: ResponseMeta, text: str, last: UserReply) -> dict[str, Any]:
     """A whole (non-streamed) chat completion."""
-    return {"id": meta.id, "object": "chat.completion", "created": meta.created,
-            "model": meta.model,
-            "choices": [{"index": 0, "message": {"role": "assistant", "content": text},
-                         "logprobs": None, "finish_reason": last.finish_reason}],
-            "usage": usage_dict(last.usage)}
+    return meta.body("chat.completion",
+                     [{"index": 0, "message": {"role": "assistant", "content": text},
+                       "logprobs": None, "finish_reason": last.finish_reason}],
+                     usage=usage_dict(last.usage))
 
 
 def total_usage(usages: Sequence[TokenUsage | None]) -> TokenUsage | None:
@@ -76,30 +77,24 @@ def total_usage(usages: Sequence[TokenUsage | None]) -> TokenUsage | None:
 def completion_body(meta: ResponseMeta,
                     answers: Sequence[tuple[str, UserReply]]) -> dict[str, Any]:
     """A whole (non-streamed) text completion: a choice per prompt, in the prompts' order."""
-    return {"id": meta.id, "object": "text_completion", "created": meta.created,
-            "model": meta.model,
-            "choices": [{"index": i, "text": text, "logprobs": None,
-                         "finish_reason": last.finish_reason}
-                        for i, (text, last) in enumerate(answers)],
-            "usage": usage_dict(total_usage([last.usage for _, last in answers]))}
+    choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
+               for i, (text, last) in enumerate(answers)]
+    return meta.body("text_completion", choices,
+                     usage=usage_dict(total_usage([last.usage for _, last in answers])))
 
 
 def chat_chunk(meta: ResponseMeta, delta: dict[str, str],
                finish_reason: str | None = None) -> dict[str, Any]:
     """One streamed piece of a chat completion."""
-    return {"id": meta.id, "object": "chat.completion.chunk", "created": meta.created,
-            "model": meta.model,
-            "choices": [{"index": 0, "delta": delta, "logprobs": None,
-                         "finish_reason": finish_reason}]}
+    return meta.body("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None,
+                                                "finish_reason": finish_reason}])
 
 
 def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None,
                      index: int = 0) -> dict[str, Any]:
     """One streamed piece of a text completion (of choice ``index``)."""
-    return {"id": meta.id, "object": "text_completion", "created": meta.created,
-            "model": meta.model,
-            "choices": [{"index": index, "text": text, "logprobs": None,
-                         "finish_reason": finish_reason}]}
+    return meta.body("text_completion", [{"index": index, "text": text, "logprobs": None,
+                                          "finish_reason": finish_reason}])
 
 
 SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
@@ -135,8 +130,8 @@ async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
             elif reply.finished:
                 yield sse_event({**chat_chunk(meta, {}, reply.finish_reason), **extra})
                 if include_usage:
-                    yield sse_event({**chat_chunk(meta, {}), "choices": [],
-                                     "usage": usage_dict(reply.usage)})
+                    yield sse_event(meta.body("chat.completion.chunk", [],
+                                              usage=usage_dict(reply.usage)))
         yield SSE_DONE
 
 
@@ -164,6 +159,6 @@ async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta:
                                  **extra})
                 usages.append(reply.usage)
                 if include_usage and len(usages) == num_choices:
-                    yield sse_event({**completion_chunk(meta, ""), "choices": [],
-                                     "usage": usage_dict(total_usage(usages))})
+                    yield sse_event(meta.body("text_completion", [],
+                                              usage=usage_dict(total_usage(usages))))
         yield SSE_DONE
