@@ -21,7 +21,7 @@ import signal
 import sys
 import threading
 from collections.abc import Awaitable, Callable
-from contextlib import aclosing
+from contextlib import aclosing, suppress
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -182,20 +182,15 @@ async def read_stdin_line(prompt: str) -> str:
     loop = asyncio.get_running_loop()
     future: asyncio.Future[str] = loop.create_future()
 
-    def hand_over(line: str | None, exc: BaseException | None) -> None:
-        try:
-            loop.call_soon_threadsafe(_settle, future, line, exc)
-        except RuntimeError:  # the loop is closed: the shell has left
-            pass
-
     def read() -> None:
+        line: str | None = None
+        error: BaseException | None = None
         try:
             line = input(prompt)
         except (EOFError, OSError, ValueError) as exc:  # Ctrl-D above all; a closed or
-            # undecodable stdin too: handed to the loop as they are
-            hand_over(None, exc)
-        else:
-            hand_over(line, None)
+            error = exc  # undecodable stdin too: handed to the loop as they are
+        with suppress(RuntimeError):  # the loop is closed: the shell has left
+            loop.call_soon_threadsafe(_settle, future, line, error)
 
     threading.Thread(target=read, name="shell-input", daemon=True).start()
     return await future

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 from minisgl.core import SamplingParams
 from minisgl.message.backend import BackendMessage
 from minisgl.message.frontend import RequestError, TokenUsage
-from minisgl.message.utils import TYPE_KEY, Message
+from minisgl.message.utils import Message
 
 if TYPE_CHECKING:
     from minisgl.core import FinishReason
@@ -60,10 +60,6 @@ class TokenizeRequest(TokenizerMessage):
         if len(given) != 1:
             raise ValueError(f"TokenizeRequest {self.uid} needs exactly one of text, input_ids "
                              f"and messages; got {given or 'none'}")
-        for message in self.messages or ():
-            if not isinstance(message, dict) or TYPE_KEY in message:
-                raise ValueError(f"TokenizeRequest {self.uid}: each chat message must be a dict "
-                                 f"without the reserved key {TYPE_KEY!r}, got {message!r}")
 
 
 @dataclass(frozen=True)

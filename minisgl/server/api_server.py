@@ -85,9 +85,8 @@ def _meta(request: Request, prefix: str) -> ResponseMeta:
     return meta
 
 
-def _access(request: Request) -> AccessRecord:
-    record = AccessRecord()
-    request.state.access = record
+def _access(request: Request, uids: list[int]) -> AccessRecord:
+    request.state.access = record = AccessRecord(uids)
     return record
 
 
@@ -99,12 +98,6 @@ def check_model(request: Request, model: str | None) -> None:
         raise APIError(404, f"the model {model!r} does not exist; this server serves "
                             f"{request.app.state.model_name!r}", "model",
                        code="model_not_found")
-
-
-def check_at_most(name: str, value: int, limit: int | None) -> None:
-    if limit is not None and value > limit:
-        raise APIError(400, f"{name} is {value}, but this server serves at most {limit} tokens "
-                            "per request", name, code="context_length_exceeded")
 
 
 def check_token_ids(request: Request, name: str, token_ids: Sequence[int]) -> None:
@@ -129,12 +122,15 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
     if body.max_completion_tokens is not None and body.max_tokens is not None:
         # Both given: max_completion_tokens counts (as in vLLM); the other must still be valid.
         body.sampling_params(body.max_tokens, DEFAULT_CHAT_MAX_TOKENS)
-        check_at_most("max_tokens", body.max_tokens, request.app.state.max_seq_len)
+        limit = request.app.state.max_seq_len
+        if limit is not None and body.max_tokens > limit:
+            raise APIError(400, f"max_tokens is {body.max_tokens}, but this server serves at "
+                                f"most {limit} tokens per request", "max_tokens",
+                           code="context_length_exceeded")
     check_token_ids(request, "stop_token_ids", body.stop_token_ids or ())
-    record = _access(request)
     uid = await frontend.submit(params, messages=[m.as_dict() for m in body.messages],
                                 strict_max_tokens=max_tokens is not None)
-    record.uids.append(uid)
+    record = _access(request, [uid])
     meta = _meta(request, "chatcmpl")
     if body.stream:
         [replies] = await first_replies_then_rest(request, frontend, [uid], "messages")
@@ -155,9 +151,8 @@ async def completions(body: CompletionRequest, request: Request):
     prompts = body.prompts()
     params = body.sampling_params(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
     check_token_ids(request, "stop_token_ids", body.stop_token_ids or ())
-    record = _access(request)
     uids = await submit_prompts(frontend, prompts, params, body.max_tokens is not None)
-    record.uids += uids
+    record = _access(request, uids)
     meta = _meta(request, "cmpl")
     if body.stream:
         streams = await first_replies_then_rest(request, frontend, uids, "prompt")

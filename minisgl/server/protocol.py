@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -129,13 +129,12 @@ STRICT_BODY = ConfigDict(extra="forbid", strict=True)
 
 
 # What the OpenAPI schema says of a field, beyond its type: the ranges and lengths that the
-# engine's own checks (SamplingParams, the endpoints) enforce. The checks stay where they are,
-# with their messages; the schema only tells clients, and schema-driven tools, what they are.
+# engine's own checks (SamplingParams, the endpoints) enforce, and the only values an
+# unsupported field accepts (``enum``). The checks stay where they are, with their messages;
+# the schema only tells clients, and schema-driven tools, what they are.
 def _documented(**constraints: Any) -> Any:
     """An optional field (default None) whose schema states ``constraints``."""
     return Field(None, json_schema_extra=constraints)
-
-
 
 
 class TextPart(BaseModel):
@@ -206,11 +205,6 @@ def _same_json(value: Any, neutral: Any) -> bool:
     return value == neutral
 
 
-def _only(*values: Any) -> Any:
-    """The schema of an unsupported field: its neutral values only."""
-    return Field(None, json_schema_extra={"enum": list(values)})
-
-
 class _GenerationBody(BaseModel):
     """What chat and completion requests share: the sampling parameters and ``stream``.
 
@@ -242,21 +236,20 @@ class _GenerationBody(BaseModel):
     presence_penalty: float = Field(0.0, json_schema_extra={"minimum": 0, "maximum": 0})
     frequency_penalty: float = Field(0.0, json_schema_extra={"minimum": 0, "maximum": 0})
     logit_bias: dict[str, Any] | None = Field(None, json_schema_extra={"maxProperties": 0})
-    service_tier: str | None = _only(None, "auto", "default")
-    store: bool | None = _only(None, False)
+    service_tier: str | None = _documented(enum=[None, "auto", "default"])
+    store: bool | None = _documented(enum=[None, False])
+
+    unsupported: ClassVar[dict[str, Unsupported]] = UNSUPPORTED
 
     def check_supported(self) -> None:
         """Refuse a value this server does not implement (HTTP 400 naming the field)."""
-        for name in UNSUPPORTED.keys() & type(self).model_fields.keys():
+        for name in self.unsupported.keys() & type(self).model_fields.keys():
             value = getattr(self, name)
-            rule = self._unsupported_rule(name)
+            rule = self.unsupported[name]
             if not any(_same_json(value, neutral) for neutral in rule.neutral):
                 raise APIError(400, f"{name} must be {rule.shown} or left out; other values "
                                     f"are not supported by this server (got {json.dumps(value)})",
                                name, code="unsupported_value")
-
-    def _unsupported_rule(self, name: str) -> Unsupported:
-        return UNSUPPORTED[name]
 
     @property
     def include_usage(self) -> bool:
@@ -293,10 +286,10 @@ class ChatCompletionRequest(_GenerationBody):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = _documented(minimum=1)  # OpenAI's newer max_tokens
-    logprobs: bool | None = _only(None, False)
-    top_logprobs: Int64 | None = _only(None, 0)
+    logprobs: bool | None = _documented(enum=[None, False])
+    top_logprobs: Int64 | None = _documented(enum=[None, 0])
     tools: list[Any] | None = Field(None, json_schema_extra={"maxItems": 0})
-    tool_choice: str | dict[str, Any] | None = _only(None, "none", "auto")
+    tool_choice: str | dict[str, Any] | None = _documented(enum=[None, "none", "auto"])
     parallel_tool_calls: bool | None = None  # either way: there are no tools to call
     response_format: dict[str, Any] | None = Field(None, json_schema_extra={
         "anyOf": [{"type": "object", "properties": {"type": {"enum": ["text"]}},
@@ -326,15 +319,14 @@ class CompletionRequest(_GenerationBody):
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
         json_schema_extra=prompt_schema())
-    logprobs: Int64 | None = _only(None)  # completions: the number of top tokens, or null
-    best_of: Int64 | None = _only(None, 1)
+    logprobs: Int64 | None = _documented(enum=[None])  # the number of top tokens, or null
+    best_of: Int64 | None = _documented(enum=[None, 1])
     echo: bool = Field(False, json_schema_extra={"enum": [False]})
-    suffix: str | None = _only(None, "")
+    suffix: str | None = _documented(enum=[None, ""])
 
-    def _unsupported_rule(self, name: str) -> Unsupported:
-        if name == "logprobs":  # a number here, not a switch: only null is neutral
-            return Unsupported((None,), "null")
-        return UNSUPPORTED[name]
+    # logprobs is a number here, not a switch: only null is neutral.
+    unsupported: ClassVar[dict[str, Unsupported]] = {**UNSUPPORTED,
+                                                     "logprobs": Unsupported((None,), "null")}
 
     def prompts(self) -> list[Prompt]:
         """The prompts, one per choice; each must be non-empty (HTTP 400 otherwise)."""
