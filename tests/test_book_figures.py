@@ -798,3 +798,33 @@ def test_ch19_host_step_on_the_cpu() -> None:
     assert round(lane / ms) == 7, "the page calls the host's share a seventh of the lane"
     assert_on_page("ch19", f"costs the host {ms:.2f} ms, {per_request:.1f} µs a request",
                    f"a seventh of the device's {lane:.2f} ms")
+
+
+# --------------------------------------------------------------------------- the home page
+def home_page() -> str:
+    return " ".join((ROOT / "docs" / "index.md").read_text(encoding="utf-8").split())
+
+
+def test_home_page_reading_time_follows_from_the_chapters_word_count() -> None:
+    """Words counted as the chapter check counts them: prose, code fences left out."""
+    words = sum(len(re.findall(r"\w+", re.sub(r"```.*?```", "", p.read_text(encoding="utf-8"),
+                                              flags=re.S)))
+                for p in (ROOT / "chapters").glob("ch*_*.md"))
+    text = home_page()
+    stated = number(text, r"about ([\d,]+) words of prose")
+    assert abs(stated - words) <= 0.08 * words, (
+        f"the home page says about {stated:,} words; the chapters hold {words:,}")
+    rate = number(text, r"reading at (\d+) words a minute")
+    hours = {"four": 4, "four and a half": 4.5, "five": 5, "five and a half": 5.5, "six": 6,
+             "six and a half": 6.5, "seven": 7}[re.search(r"some ([a-z ]+?) hours", text)[1]]
+    assert abs(hours - stated / rate / 60) <= 0.25, f"{stated:,} words at {rate} a minute"
+
+
+def test_home_page_names_every_chapter_with_an_h200_recording() -> None:
+    named = re.search(r"pages of chapters ([\d, and]+) were measured on one NVIDIA H200",
+                      home_page())
+    assert named, "the home page no longer says which chapters' figures need an H200"
+    stated = {int(n) for n in re.findall(r"\d+", named[1])}
+    with_gpu = {int(p.name[2:4]) for p in (ROOT / "chapters").glob("ch*_*.md")
+                if re.search(r'--8<-- "docs/recorded/[^"]*cuda', p.read_text(encoding="utf-8"))}
+    assert with_gpu <= stated, f"chapters {sorted(with_gpu - stated)} include an H200 recording"
