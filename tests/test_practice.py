@@ -97,7 +97,7 @@ def test_calling_the_engine_inside_a_function_is_refused(tmp_path: Path) -> None
 def test_a_failure_shows_input_expected_and_actual(tmp_path: Path) -> None:
     exercise = _ch01()
     solution = exercise.solution.read_text(encoding="utf-8")
-    wrong = solution.replace("2 * config.num_kv_heads", "2 * config.num_qo_heads")
+    wrong = solution.replace('config.get("num_key_value_heads") or heads', "heads")  # query heads
     assert wrong != solution
     learner = tmp_path / exercise.file
     learner.write_text(wrong, encoding="utf-8")
