@@ -3,11 +3,17 @@
 For each exercise under practice/ (found from the directory, so a new one is covered the day it
 lands) the test hands the judge the "import the engine's function" shortcut, the reference
 solution with its answer replaced by an import of the engine's symbol, and checks that every
-test fails with the guard's refusal rather than for some other reason.
+test fails with the guard's refusal rather than for some other reason. And for each exercise
+whose chapter page includes the engine's answer, the page's code, pasted in place of the
+learner's function, must be rejected by the exercise's own tests: an exercise asks for more
+than the page prints.
 """
 from __future__ import annotations
 
+import ast
 import importlib
+import re
+import textwrap
 from pathlib import Path
 
 import pytest
@@ -91,7 +97,7 @@ def test_calling_the_engine_inside_a_function_is_refused(tmp_path: Path) -> None
 def test_a_failure_shows_input_expected_and_actual(tmp_path: Path) -> None:
     exercise = _ch01()
     solution = exercise.solution.read_text(encoding="utf-8")
-    wrong = solution.replace("2 * config.num_kv_heads", "2 * config.num_qo_heads")
+    wrong = solution.replace('config.get("num_key_value_heads") or heads', "heads")  # query heads
     assert wrong != solution
     learner = tmp_path / exercise.file
     learner.write_text(wrong, encoding="utf-8")
@@ -101,3 +107,174 @@ def test_a_failure_shows_input_expected_and_actual(tmp_path: Path) -> None:
     assert "expected 114,688" in failed.message and "got 229,376" in failed.message
     assert failed.values["name"] == "'qwen3-0.6b'" and failed.values["dtype"] == "'bfloat16'"
     assert failed.values["got"] == "229376" and failed.values["expected"] == "114688"
+
+
+# ------------------------------------------------------------ the page's code is not an answer
+# A chapter page shows the engine's code, included by name. An exercise whose answer is that
+# code, retyped, practises typing: for every exercise, the code its page includes of the engine
+# answer is pasted into the reference solution in place of the learner's function (with the
+# engine module's names in scope, and an adapter where the learner's signature differs only in
+# form), and the exercise's own tests must reject it.
+INCLUDE = re.compile(r'--8<-- "([^"]+)"')
+UNWRAPPED = {"staticmethod", "classmethod", "property"}
+
+
+def page_pieces(exercise, spec: str) -> list[str]:
+    """The qualified names the exercise's chapter page includes of `spec`: the symbol itself,
+    or what it holds (a class's methods), or what holds it (a method's class)."""
+    (page,) = (ROOT / "chapters").glob(f"{exercise.chapter}_*.md")
+    module, _, qualname = spec.partition(":")
+    path = module.replace(".", "/") + ".py"
+    found = []
+    for include in INCLUDE.findall(page.read_text(encoding="utf-8")):
+        file, _, names = include.partition("::")
+        if file == path:
+            found += [n for n in names.split() if not n.startswith("-")
+                      and (n == qualname or n.startswith(qualname + ".")
+                           or qualname.startswith(n + "."))]
+    # A method shown with its whole class is shown all the same; a piece inside another
+    # included piece comes with it.
+    found = [qualname if qualname.startswith(n + ".") else n for n in found]
+    return [n for n in dict.fromkeys(found)
+            if not any(n.startswith(other + ".") for other in found)]
+
+
+def pasted_name(qualname: str) -> str:
+    return "_page_" + qualname.replace(".", "_")
+
+
+def engine_definition(module: str, qualname: str) -> str:
+    """The source of `module`'s `qualname`, dedented, renamed to `pasted_name(qualname)`; a
+    method becomes a function of `self`."""
+    source = (ROOT / (module.replace(".", "/") + ".py")).read_text(encoding="utf-8")
+    body = ast.parse(source).body
+    node = None
+    for part in qualname.split("."):
+        node = next(n for n in body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef,
+                                                       ast.ClassDef)) and n.name == part)
+        body = node.body
+    decorators = [d for d in node.decorator_list
+                  if not (isinstance(d, ast.Name) and d.id in UNWRAPPED)]
+    start = min([node.lineno] + [d.lineno for d in decorators])
+    lines = source.splitlines()[start - 1:node.end_lineno]
+    text = textwrap.dedent("\n".join(lines))
+    text = "\n".join(line for line in text.splitlines()
+                     if line.strip() not in {f"@{u}" for u in UNWRAPPED})
+    return re.sub(rf"^((?:async\s+)?(?:def|class)\s+){node.name}\b", rf"\g<1>{pasted_name(qualname)}",
+                  text, count=1, flags=re.M)
+
+
+# How a learner would call the page's code under the exercise's names, where that takes more than
+# a new name: `_page_<Qualified_name>` is the pasted code.
+ADAPTERS: dict[str, dict[str, str]] = {
+    "ch02_rmsnorm": {
+        "rms_norm_heads": """
+            def rms_norm_heads(x, weight, eps, head_dim):
+                return _page_RMSNorm__normalize(SimpleNamespace(weight=weight, eps=eps), x)
+            """,
+        "add_rms_norm_": """
+            def add_rms_norm_(x, residual, weight, eps):
+                norm = SimpleNamespace(weight=weight, eps=eps)
+                norm._normalize = lambda t: _page_RMSNorm__normalize(norm, t)
+                return _page_RMSNorm_forward(norm, x, residual)
+            """,
+    },
+    "ch03_qkv_merge": {
+        "merged_target": """
+            def merged_target(name):
+                model = SimpleNamespace(merged_modules=BaseLLMModel.merged_modules)
+                return _page_BaseLLMModel_checkpoint_to_param(model, name)
+            """,
+    },
+    "ch04_seeded_sampling": {
+        "gumbel_race": """
+            def gumbel_race(logits, temperatures, generators):
+                t = torch.tensor([max(t, 1e-6) for t in temperatures]).unsqueeze(1)
+                probs = torch.softmax(logits / t, dim=-1)
+                return _page_sample_from_probs(probs, generators)
+            """,
+    },
+    "ch05_page_alloc": {
+        "token_slots": """
+            def token_slots(page_ids, rows, starts, ends, page_size):
+                rows_, positions = [], []
+                for row, start, end in zip(rows, starts, ends):
+                    rows_ += [row] * (end - start)
+                    positions += range(start, end)
+                return torch.from_numpy(_page_slots_of(
+                    page_ids.numpy(), np.array(rows_, dtype=np.int64),
+                    np.array(positions, dtype=np.int64), page_size))
+            """,
+    },
+    # The page's loop steps a real Scheduler over real batches; the exercise's runs prompts
+    # through a fake device, so the page's step is all a learner could paste.
+    "ch12_token_pool": {"run_from_pool": "run_from_pool = _page_Scheduler__step\n"},
+    "ch18_expert_routing": {
+        "route": """
+            def route(logits, top_k, renormalize, bias=None):
+                import torch
+                if not logits:
+                    raise ValueError("no rows")
+                r = _page_route_topk(torch.tensor(logits, dtype=torch.float64), top_k,
+                                     renormalize)
+                return [list(zip(e, w)) for e, w in zip(r.expert_ids.tolist(),
+                                                        r.weights.tolist())]
+            """,
+    },
+}
+
+
+def page_paste_source(exercise) -> str | None:
+    """The reference solution with each engine answer the page shows replaced by the page's
+    code; None when the page shows none of it."""
+    solution = exercise.solution.read_text(encoding="utf-8")
+    pasted, replaced = [], []
+    adapters = ADAPTERS.get(exercise.id, {})
+    for name, spec in exercise.engine_answer.items():
+        pieces = page_pieces(exercise, spec)
+        if not pieces:
+            continue
+        module, _, qualname = spec.partition(":")
+        pasted += [engine_definition(module, piece) for piece in pieces]
+        if name in adapters:
+            pasted.append(textwrap.dedent(adapters[name]))
+        else:
+            assert qualname in pieces, (
+                f"{exercise.id}: the page shows only {pieces} of {spec}; say in ADAPTERS how "
+                f"a learner would call them as {name}")
+            pasted.append(f"{name} = {pasted_name(qualname)}")
+        replaced.append(name)
+    if not replaced:
+        return None
+    lines = solution.splitlines()
+    spans = sorted(((min([n.lineno] + [d.lineno for d in n.decorator_list]), n.end_lineno)
+                    for n in ast.parse(solution).body
+                    if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+                    and n.name in replaced), reverse=True)
+    for start, end in spans:
+        del lines[start - 1:end]
+    modules = sorted({spec.partition(":")[0] for spec in exercise.engine_answer.values()})
+    header = ["import importlib as _importlib", "from types import SimpleNamespace"] + [
+        f"globals().update({{k: v for k, v in vars(_importlib.import_module({m!r})).items() "
+        f"if not k.startswith('__')}})" for m in modules]
+    future = [line for line in lines if line.startswith("from __future__")]
+    rest = [line for line in lines if not line.startswith("from __future__")]
+    return "\n".join(future + header + rest + [""] + pasted) + "\n"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("exercise", EXERCISES, ids=IDS)
+def test_the_code_the_page_shows_does_not_pass_the_exercise(exercise, tmp_path: Path) -> None:
+    source = page_paste_source(exercise)
+    if source is None:
+        pytest.skip(f"{exercise.chapter}'s page includes none of {exercise.engine_answer}")
+    learner = tmp_path / exercise.file
+    learner.write_text(source, encoding="utf-8")
+    results = judge.judge(exercise, learner)
+    assert all(r.name != "collecting the tests" for r in results), (
+        f"{exercise.id}: the pasted page code does not even import:\n{results[0].message}")
+    passed = [r.name for r in results if r.passed]
+    rejected = [r.name for r in results if not r.passed and judge.REFUSAL not in r.message]
+    assert rejected, (f"{exercise.id}: the code its page shows, pasted as the answer, passes "
+                      f"{len(passed)} of {len(results)} tests and no test rejects it: the "
+                      f"exercise must ask for something the page does not print")

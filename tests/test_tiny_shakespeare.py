@@ -8,8 +8,9 @@ it writes readable text.
 - the offline engine's greedy chat reply is `transformers`' greedy reply, token for token;
 - readability: sampled continuations of 20 held-out prompts are nearly all words of the plays,
   and the random tiny-qwen3's are not (the figure the training log reports, measured again);
-- the training script's pieces: its chat turns are what the chat template renders, and a few
-  steps of its training loop lower the loss.
+- the training script's pieces: its chat turns are what the chat template renders, a few
+  steps of its training loop lower the loss, and it refuses to write over a checkpoint (the
+  committed one included) without `--overwrite`.
 """
 from __future__ import annotations
 
@@ -162,3 +163,19 @@ def test_training_lowers_the_loss_and_keeps_the_best_weights(trainer: ModuleType
     assert set(best) == set(model.state_dict()) and len(lines) == len(result.history)
     svg = ET.fromstring(trainer.loss_curve_svg(result.history, result.best))
     assert len(svg.findall("{http://www.w3.org/2000/svg}polyline")) == 3  # axes, two curves
+
+
+def test_training_refuses_to_overwrite_a_checkpoint_before_any_work(
+        trainer: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    def no_work(*args: object) -> None:
+        raise AssertionError("training started before --out was checked")
+
+    monkeypatch.setattr(trainer, "find_archive", no_work)
+    monkeypatch.setattr(trainer, "read_plays", no_work)
+    (tmp_path / "config.json").write_text("{}", encoding="utf-8")
+    for argv in ([], ["--out", str(tmp_path)]):  # the default --out is the committed checkpoint
+        with pytest.raises(SystemExit, match="--overwrite"):
+            trainer.main(argv)
+    assert (tmp_path / "config.json").read_text(encoding="utf-8") == "{}"
+    trainer.refuse_to_overwrite(tmp_path, overwrite=True)  # given --overwrite: no refusal
+    trainer.refuse_to_overwrite(tmp_path / "new", overwrite=False)  # a fresh directory: none

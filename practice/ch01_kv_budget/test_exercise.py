@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -25,14 +26,20 @@ BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 GIB = 2**30
 
 
-def config(name: str) -> ModelConfig:
-    return ModelConfig.from_dict(CONFIGS[name])
+def config(name: str) -> dict:
+    """The config.json of a shape, as a checkpoint stores it."""
+    return dict(CONFIGS[name])
+
+
+def engine_bytes(raw: dict, dtype: str) -> int:
+    """What the engine makes of the same dict (the tests may call it; your file may not)."""
+    return ModelConfig.from_dict(raw).kv_bytes_per_token(dtype)
 
 
 @pytest.mark.parametrize("dtype", list(BYTES))
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_kv_bytes_per_token_matches_the_engine(name, dtype) -> None:
-    expected = config(name).kv_bytes_per_token(dtype)  # the engine's; your file may not call it
+    expected = engine_bytes(config(name), dtype)
     got = kv_bytes_per_token(config(name), dtype)
     assert got == expected, f"{name} in {dtype}: expected {expected:,} bytes per token, got {got:,}"
 
@@ -44,16 +51,32 @@ def test_qwen3_0_6b_costs_112_kib_per_token_in_bf16() -> None:
 
 
 def test_query_heads_do_not_count() -> None:
-    gqa = ModelConfig.from_dict({**CONFIGS["multi-head"], "num_key_value_heads": 2})
+    gqa = {**CONFIGS["multi-head"], "num_key_value_heads": 2}
     mha = config("multi-head")
     ratio = kv_bytes_per_token(mha, "float32") / kv_bytes_per_token(gqa, "float32")
     assert ratio == 4, f"8 KV heads instead of 2 must cost exactly 4x as much, got {ratio}x"
 
 
 def test_tiny_model(tiny_model_dir: Path) -> None:
-    tiny = ModelConfig.from_pretrained(tiny_model_dir)
+    tiny = json.loads((tiny_model_dir / "config.json").read_text(encoding="utf-8"))
     got = kv_bytes_per_token(tiny, "float32")
     assert got == 2 * 4 * 2 * 64 * 4 == 4096, f"tiny-qwen3 in float32: expected 4,096, got {got:,}"
+
+
+def test_keys_an_older_config_leaves_out() -> None:
+    mha = config("multi-head")  # no num_key_value_heads: every query head is a KV head
+    assert kv_bytes_per_token(mha, "float32") == 2 * 6 * 8 * (512 // 8) * 4
+    explicit = {**mha, "num_key_value_heads": 8, "head_dim": 64}
+    assert kv_bytes_per_token(explicit, "float32") == kv_bytes_per_token(mha, "float32")
+    null_dim = {**CONFIGS["qwen3-0.6b"], "head_dim": None}  # null: hidden_size / heads = 64
+    got = kv_bytes_per_token(null_dim, "bfloat16")
+    assert got == engine_bytes(null_dim, "bfloat16") == 2 * 28 * 8 * 64 * 2, (
+        f"head_dim null means hidden_size // num_attention_heads; got {got:,}")
+
+
+def test_the_head_dim_a_config_gives_wins_over_the_division() -> None:
+    got = kv_bytes_per_token(config("qwen3-0.6b"), "bfloat16")
+    assert got == 2 * 28 * 8 * 128 * 2, "Qwen3-0.6B's head_dim is 128, not 1024 / 16 = 64"
 
 
 def test_unknown_dtype_is_rejected_by_name() -> None:

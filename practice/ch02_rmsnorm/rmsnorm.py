@@ -1,30 +1,35 @@
-"""RMSNorm, plain and fused with the residual add. See README.md for the rules."""
+"""RMSNorm per head of a flat projection, and the in-place residual form. See README.md."""
 
 from __future__ import annotations
 
 import torch
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Normalise ``x`` over its last dimension by its root mean square, then scale by ``weight``.
+def rms_norm_heads(x: torch.Tensor, weight: torch.Tensor, eps: float,
+                   head_dim: int) -> torch.Tensor:
+    """Normalise every ``head_dim``-wide head of ``x``'s rows on its own, then scale by ``weight``.
 
     Args:
-        x: any shape ``[..., n]``, float32 or bfloat16/float16.
-        weight: ``[n]``, the learned scale.
-        eps: added to the mean of squares before the square root.
+        x: ``[T, heads * head_dim]``, float32 or bfloat16/float16.
+        weight: ``[head_dim]``, the learned scale, shared by every head.
+        eps: added to each head's mean of squares before the square root.
+        head_dim: the width of one head; must divide ``x``'s last dimension.
 
     Returns:
         A new tensor of ``x``'s shape and dtype.
     """
-    raise NotImplementedError("rms_norm: mean of squares in float32, rsqrt, cast back, scale")
+    raise NotImplementedError(
+        "rms_norm_heads: each head's slice of a row gets its own root mean square; "
+        "README.md gives the rules")
 
 
-def add_rms_norm(
+def add_rms_norm_(
     x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Add ``residual`` to ``x`` and normalise the sum.
+    """In place: ``residual`` becomes ``x + residual``, ``x`` its RMSNorm.
 
     Returns:
-        ``(rms_norm(x + residual), x + residual)``.
+        ``(x, residual)``: the tensors given, holding the new values.
     """
-    raise NotImplementedError("add_rms_norm: return the normalised sum and the sum")
+    raise NotImplementedError(
+        "add_rms_norm_: overwrite the two tensors you were given, then return them")

@@ -9,14 +9,15 @@ from __future__ import annotations
 import torch
 
 
-def capture_sizes(max_batch_size: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8 up to ``max_batch_size``, and ``max_batch_size``."""
-    raise NotImplementedError("capture_sizes: small powers of two, then multiples of 8")
+def capture_sizes(max_batch_size: int, step: int = 8) -> list[int]:
+    """Powers of two below ``step``, then its multiples up to ``max_batch_size``, and that."""
+    raise NotImplementedError("capture_sizes: powers of two below step, then multiples of step")
 
 
 def choose_graph_size(batch_size: int, captured: list[int]) -> int | None:
-    """The smallest captured size >= ``batch_size``; None if there is none."""
-    raise NotImplementedError("choose_graph_size: the first captured size that holds the batch")
+    """The smallest captured size >= ``batch_size`` (``captured`` in any order); None if
+    there is none."""
+    raise NotImplementedError("choose_graph_size: the smallest captured size that holds the batch")
 
 
 def pad_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor,

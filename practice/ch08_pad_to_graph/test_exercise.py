@@ -6,6 +6,8 @@ Your capture list and your choice of graph are compared with chapter 8's own fun
 
 from __future__ import annotations
 
+import random
+
 import pytest
 import torch
 from pad_to_graph import capture_sizes, choose_graph_size, pad_decode_inputs, padding_overhead
@@ -29,9 +31,21 @@ def test_capture_sizes_match_the_engine_for_every_maximum_up_to_300() -> None:
         assert capture_sizes(max_bs) == default_capture_sizes(max_bs), f"max_batch_size {max_bs}"
 
 
+@pytest.mark.parametrize(("max_bs", "step", "expected"), [
+    (40, 16, [1, 2, 4, 8, 16, 32, 40]), (10, 4, [1, 2, 4, 8, 10]), (5, 1, [1, 2, 3, 4, 5]),
+    (20, 6, [1, 2, 4, 6, 12, 18, 20]), (3, 16, [1, 2, 3]), (64, 32, [1, 2, 4, 8, 16, 32, 64]),
+])
+def test_capture_sizes_with_another_step(max_bs: int, step: int, expected: list[int]) -> None:
+    got = capture_sizes(max_bs, step=step)
+    assert got == expected, (f"step {step}: the powers of two below {step}, then the multiples "
+                             f"of {step}, then {max_bs}")
+
+
 def test_capture_sizes_below_one_are_an_error() -> None:
     with pytest.raises(ValueError):
         capture_sizes(0)
+    with pytest.raises(ValueError, match="step"):
+        capture_sizes(16, step=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -53,6 +67,21 @@ def test_choose_graph_size_matches_the_engine_for_every_batch_size() -> None:
         for batch_size in range(1, 300):
             assert choose_graph_size(batch_size, captured) == \
                 padded_batch_size(batch_size, captured), f"B={batch_size}, captured={captured}"
+
+
+def test_a_hand_written_list_in_any_order() -> None:
+    captured = [16, 4, 8, 4, 1]
+    assert [choose_graph_size(b, captured) for b in (1, 2, 5, 9, 17)] == [1, 4, 8, 16, None], (
+        "captured may be unsorted and hold a size twice: still the smallest size that holds B")
+
+
+def test_choose_graph_size_of_a_shuffled_list_matches_the_engine_on_the_sorted_one() -> None:
+    rng = random.Random(0)
+    for _ in range(20):
+        captured = rng.sample(range(1, 70), rng.randint(1, 8))
+        for batch_size in range(1, 75):
+            assert choose_graph_size(batch_size, captured) == \
+                padded_batch_size(batch_size, sorted(captured)), f"B={batch_size}, {captured}"
 
 
 def test_a_batch_size_below_one_is_an_error() -> None:

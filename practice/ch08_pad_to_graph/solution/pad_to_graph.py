@@ -10,23 +10,30 @@ from bisect import bisect_left
 import torch
 
 
-def capture_sizes(max_batch_size: int) -> list[int]:
-    """1, 2, 4, then every multiple of 8 up to ``max_batch_size``, and ``max_batch_size``."""
+def capture_sizes(max_batch_size: int, step: int = 8) -> list[int]:
+    """Powers of two below ``step``, then its multiples up to ``max_batch_size``, and that."""
     if max_batch_size < 1:
         raise ValueError(f"max_batch_size must be >= 1, got {max_batch_size}")
-    sizes = [s for s in (1, 2, 4) if s <= max_batch_size]
-    sizes += range(8, max_batch_size + 1, 8)
+    if step < 1:
+        raise ValueError(f"step must be >= 1, got {step}")
+    sizes, small = [], 1
+    while small < step and small <= max_batch_size:  # small batches: each its own graph
+        sizes.append(small)
+        small *= 2
+    sizes += range(step, max_batch_size + 1, step)
     if sizes[-1] != max_batch_size:
         sizes.append(max_batch_size)
     return sizes
 
 
 def choose_graph_size(batch_size: int, captured: list[int]) -> int | None:
-    """The smallest captured size >= ``batch_size``; None if there is none."""
+    """The smallest captured size >= ``batch_size`` (``captured`` in any order); None if
+    there is none."""
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
-    i = bisect_left(captured, batch_size)
-    return captured[i] if i < len(captured) else None
+    ordered = sorted(set(captured))  # a hand-written list need not be sorted
+    i = bisect_left(ordered, batch_size)
+    return ordered[i] if i < len(ordered) else None
 
 
 def pad_decode_inputs(input_ids: torch.Tensor, positions: torch.Tensor,

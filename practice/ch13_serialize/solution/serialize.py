@@ -7,6 +7,9 @@ from typing import Any
 
 from minisgl.message.utils import TUPLE_TAG, TYPE_KEY, SerializationError, registered_types
 
+SET_TYPES = (set, frozenset)
+SET_TAGS = {"set": set, "frozenset": frozenset}
+
 
 def to_wire(obj: Any) -> dict[str, Any]:
     """msgpack's ``default`` hook: the tagged map that stands for ``obj``.
@@ -15,6 +18,8 @@ def to_wire(obj: Any) -> dict[str, Any]:
     """
     if type(obj) is tuple:
         return {TYPE_KEY: TUPLE_TAG, "items": list(obj)}
+    if type(obj) in SET_TYPES:
+        return {TYPE_KEY: type(obj).__name__, "items": sorted(obj)}  # equal sets, equal bytes
     cls = type(obj)
     if registered_types().get(cls.__name__) is not cls:
         raise SerializationError(f"cannot serialize a {cls.__qualname__}: it is not a "
@@ -42,10 +47,14 @@ def from_wire(wire: dict[Any, Any]) -> Any:
         return wire  # an ordinary dict
     if tag == TUPLE_TAG:
         return tuple(wire["items"])
+    if tag in SET_TAGS:
+        return SET_TAGS[tag](wire["items"])
     cls = registered_types().get(tag) if isinstance(tag, str) else None
     if cls is None:
         raise SerializationError(f"unknown type tag {tag!r}")
-    fields = {key: value for key, value in wire.items() if key != TYPE_KEY}
+    # A newer sender may know fields this class does not have: they are dropped.
+    known = {field.name for field in dataclasses.fields(cls)}
+    fields = {key: value for key, value in wire.items() if key != TYPE_KEY and key in known}
     try:
         return cls(**fields)
     except (TypeError, ValueError) as exc:

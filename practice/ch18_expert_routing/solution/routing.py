@@ -14,7 +14,8 @@ def _softmax(row: list[float]) -> list[float]:
     return [e / total for e in exps]
 
 
-def route(logits: list[list[float]], top_k: int, renormalize: bool) -> list[Route]:
+def route(logits: list[list[float]], top_k: int, renormalize: bool,
+          bias: list[float] | None = None) -> list[Route]:
     if not logits:
         raise ValueError("logits has no rows: nothing to route")
     num_experts = len(logits[0])
@@ -22,10 +23,14 @@ def route(logits: list[list[float]], top_k: int, renormalize: bool) -> list[Rout
         raise ValueError(f"every row needs {num_experts} scores (one per expert)")
     if not 1 <= top_k <= num_experts:
         raise ValueError(f"top_k must be in [1, {num_experts}], got {top_k}")
+    bias = [0.0] * num_experts if bias is None else list(bias)
+    if len(bias) != num_experts:
+        raise ValueError(f"bias has {len(bias)} entries; there are {num_experts} experts")
     routes = []
     for row in logits:
         probs = _softmax(row)
-        best = sorted(range(num_experts), key=lambda e: (-probs[e], e))[:top_k]
+        # The bias decides which experts; the unbiased probabilities decide how much.
+        best = sorted(range(num_experts), key=lambda e: (-(probs[e] + bias[e]), e))[:top_k]
         kept = [probs[e] for e in best]
         scale = sum(kept) if renormalize else 1.0
         routes.append([(e, p / scale) for e, p in zip(best, kept)])
