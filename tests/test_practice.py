@@ -262,12 +262,23 @@ def page_paste_source(exercise) -> str | None:
     return "\n".join(future + header + rest + [""] + pasted) + "\n"
 
 
+# The exercises whose chapter page includes none of the engine's answer: nothing to paste.
+NOTHING_SHOWN = {"ch07_positions", "ch09_admission", "ch14_detokenize", "ch15_sse_client",
+                 "ch17_tp_lockstep"}
+PASTABLE = [exercise for exercise in EXERCISES if exercise.id not in NOTHING_SHOWN]
+
+
+def test_the_pages_said_to_show_no_answer_show_none() -> None:
+    shown = [e.id for e in EXERCISES if e.id in NOTHING_SHOWN and page_paste_source(e)]
+    assert not shown, f"these pages now include their exercise's answer: test them too: {shown}"
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("exercise", EXERCISES, ids=IDS)
+@pytest.mark.parametrize("exercise", PASTABLE, ids=[exercise.id for exercise in PASTABLE])
 def test_the_code_the_page_shows_does_not_pass_the_exercise(exercise, tmp_path: Path) -> None:
     source = page_paste_source(exercise)
-    if source is None:
-        pytest.skip(f"{exercise.chapter}'s page includes none of {exercise.engine_answer}")
+    assert source is not None, (f"{exercise.chapter}'s page includes none of "
+                                f"{exercise.engine_answer}: add {exercise.id} to NOTHING_SHOWN")
     learner = tmp_path / exercise.file
     learner.write_text(source, encoding="utf-8")
     results = judge.judge(exercise, learner)
