@@ -863,7 +863,7 @@ def scheduler_with_a_fault(*args: Any, **kwargs: Any) -> None:
     failed: list[bool] = []
 
     def step(self: Any) -> Any:
-        if not failed and FAULTY_SCHEDULER_UID in (r.uid for r in self.decode.running):
+        if not failed and FAULTY_SCHEDULER_UID in self.running:
             failed.append(True)
             raise RuntimeError("the device fell over")
         return real(self)

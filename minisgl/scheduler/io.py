@@ -27,7 +27,7 @@ from minisgl.message import (
 )
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.tp import TPLaunch, close_leader, start_leader
+from minisgl.scheduler.tp import LeaderScheduler, TPLaunch
 from minisgl.scheduler.utils import output_room
 from minisgl.utils.logger import get_logger
 from minisgl.utils.counters import SharedCounters
@@ -228,7 +228,7 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
         with signals.interruptible(), reporting_readiness(ready, "scheduler"):
             receive = ZmqPullQueue(inbox, BackendMessage, bind=True)
             send = ZmqPushQueue(detokenizer_addr, DetokenizerMessage, bind=False)
-            scheduler = Scheduler(config) if tp is None else start_leader(config, tp)
+            scheduler = Scheduler(config) if tp is None else LeaderScheduler(config, tp)
             io = SchedulerIO(scheduler, stats)
         with frozen_heap():  # start-up's objects stay out of the collector's full passes
             while not signals.requested:
@@ -243,6 +243,6 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
         pass
     finally:
         if scheduler is not None:
-            close_leader(scheduler)
+            scheduler.close()
         close_queues(receive, send)
     logger.info("scheduler stopped")

@@ -1,26 +1,23 @@
 """The scheduler: which requests run in the next forward pass, step after step.
 
 Requests wait in a queue (``prefill.py``) until their worst-case pages fit, run in prefill or
-decode batches (``decode.py``), and leave the step their last token is read: continuous batching
+decode batches, and leave the step their last token is read: continuous batching
 (chapter 9). Long prompts may be cut into chunks (``chunking.py``, chapter 10). One loop serves
 both ways of running: synchronously, the host reads a batch's tokens right after launching it;
 with ``overlap`` (chapter 12) it reads them one step later, while the device runs the next batch
 (``overlap.py``: the batch in flight and its copy to the host). Under tensor parallelism rank 0's
-scheduler tells its ``followers`` every input, so that every rank runs the same steps
-(chapter 17).
+scheduler is a :class:`~minisgl.scheduler.tp.LeaderScheduler`, which tells the other ranks every
+input, so that every rank runs the same steps (chapter 17).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from typing import Protocol
-
 from minisgl.core import Batch, Req
 from minisgl.engine.engine import Engine
 from minisgl.scheduler.cache import PREFIX_CACHES, CacheManager
 from minisgl.scheduler.chunking import ChunkedPrefillBudget, cut_reqs, is_mid_prefill, unsampled
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.decode import DecodeManager
 from minisgl.scheduler.overlap import HostTokens, InFlight
 from minisgl.scheduler.prefill import PrefillBudget, PrefillManager
 from minisgl.scheduler.utils import StepResult, lifetime_pages, lifetime_tokens, output_room
@@ -29,31 +26,18 @@ from minisgl.utils.logger import get_logger
 logger = get_logger(__name__)
 
 
-class Followers(Protocol):
-    """Who hears every input of rank 0's scheduler, in order (``scheduler.tp.RankFollowers``)."""
-
-    def added(self, req: Req) -> None: ...
-
-    def aborted(self, uid: int) -> None: ...
-
-    def stepping(self, step: int) -> None: ...
-
-    def failed(self, step: int, exc: Exception) -> BaseException:
-        """What a failed step raises: the ranks may now disagree, so not a plain error."""
-
-
 class Scheduler:
     """Forms batches from requests that come and go, and runs them on an engine.
 
     Args:
         config: the engine's settings and the scheduler's (see :class:`SchedulerConfig`).
-        followers: under tensor parallelism, the other ranks (rank 0 only); None otherwise.
 
     Attributes:
         engine: the engine the batches run on (built from ``config``).
         cache: the cache manager: rows and pages of admitted requests.
         prefill: the waiting queue.
-        decode: the running requests.
+        running: uid -> request, for the requests prefilled and not finished, in the order
+            they joined: each decode batch takes them all.
         overlap: whether a step reads the tokens of the batch before it (switchable while
             ``has_work`` is False).
         max_seq_len: the longest sequence a request may reach.
@@ -63,15 +47,14 @@ class Scheduler:
     token it read: with overlap, those of the batch before.
     """
 
-    def __init__(self, config: SchedulerConfig, followers: Followers | None = None) -> None:
+    def __init__(self, config: SchedulerConfig) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"Scheduler takes a SchedulerConfig, got {type(config).__name__}")
         self.config = config
-        self.followers = followers
         self.engine = Engine(config)
         self.cache = CacheManager(self.engine, PREFIX_CACHES[config.prefix_cache](config.page_size))
         self.prefill = PrefillManager(self.cache)
-        self.decode = DecodeManager()
+        self.running: dict[int, Req] = {}
         self.overlap = config.overlap
         self.eos_token_ids = tuple(self.engine.eos_token_ids)
         self.max_seq_len = min(self.engine.max_seq_len, self.cache.num_pages * config.page_size)
@@ -105,8 +88,6 @@ class Scheduler:
         if len(req.prompt_ids) > self.max_seq_len:
             raise ValueError(f"request {req.uid}: its prompt of {len(req.prompt_ids)} tokens is "
                              f"longer than max_seq_len ({self.max_seq_len})")
-        if self.followers is not None:  # as it came in: a follower's add() adjusts it alike
-            self.followers.added(req)
         if lifetime_tokens(req) > self.max_seq_len:
             room = output_room(len(req.prompt_ids), self.max_seq_len)
             logger.warning("request %d: max_tokens %d lowered to %d to fit max_seq_len %d",
@@ -122,9 +103,7 @@ class Scheduler:
         request is waiting or running: it finished (or its last token is in flight), or never
         came. A client that gives up races with its request finishing: not an error.
         """
-        if self.followers is not None:
-            self.followers.aborted(uid)
-        req = self.prefill.remove(uid) or self.decode.remove(uid)
+        req = self.prefill.remove(uid) or self.running.pop(uid, None)
         if req is None:
             return None
         req.in_flight = 0  # a sample in flight is never read: the batch's reader skips it
@@ -138,7 +117,7 @@ class Scheduler:
 
     @property
     def num_running(self) -> int:
-        return len(self.decode.running)
+        return len(self.running)
 
     @property
     def num_live(self) -> int:
@@ -148,25 +127,14 @@ class Scheduler:
     @property
     def has_work(self) -> bool:
         """Whether a request waits or runs, or a batch's tokens are still to be read."""
-        return bool(self.prefill.waiting or self.decode.running or self._in_flight)
+        return bool(self.prefill.waiting or self.running or self._in_flight)
 
     # ------------------------------------------------------------------ one step
     def step(self) -> StepResult:
         """Launch one batch, prefill or decode, read the tokens due, and report.
 
-        Returns an idle result (``phase`` None) when no batch could be launched. Under tensor
-        parallelism the other ranks hear of the step first, and a failed step raises their
-        ``failed`` error.
+        Returns an idle result (``phase`` None) when no batch could be launched.
         """
-        if self.followers is None:
-            return self._step()
-        self.followers.stepping(self.num_steps)
-        try:
-            return self._step()
-        except Exception as exc:
-            raise self.followers.failed(self.num_steps, exc) from exc
-
-    def _step(self) -> StepResult:
         batch = self.schedule_next_batch()
         new_pages, launched = 0, None
         if batch is not None:
@@ -191,14 +159,14 @@ class Scheduler:
         that cut a prompt, the running requests decode before its next chunk.
         """
         owed, self._decode_owed = self._decode_owed, False
-        if owed and self.decode.running:
-            return self.decode.schedule()
-        if self.prefill.waiting:
+        if self.prefill.waiting and not (owed and self.running):
             batch = self.prefill.schedule(self.prefill_budget())
             if batch is not None:
                 self._decode_owed = bool(cut_reqs(batch))
                 return batch
-        return self.decode.schedule()
+        # Every running request, one new token each. The set changes between steps, so a
+        # batch never carries finished requests nor waits for the slowest.
+        return Batch(list(self.running.values()), "decode") if self.running else None
 
     def prefill_budget(self) -> PrefillBudget:
         """What a prefill batch formed now may take: the pages available minus what admitted
@@ -212,7 +180,7 @@ class Scheduler:
 
     def admitted_reqs(self) -> list[Req]:
         """Requests holding a row: running, retiring, or between two chunks of a prompt."""
-        return (self.decode.running + list(self._retiring.values())
+        return (list(self.running.values()) + list(self._retiring.values())
                 + [req for req in self.prefill.waiting if req.table_row is not None])
 
     def _launch(self, batch: Batch) -> InFlight:
@@ -233,10 +201,10 @@ class Scheduler:
             if not complete:  # only a chunk of its prompt ran
                 continue
             if len(req.output_ids) + req.in_flight >= req.params.max_tokens:
-                self.decode.remove(req.uid)
+                self.running.pop(req.uid, None)
                 self._retiring[req.uid] = req
             elif batch.is_prefill:
-                self.decode.add(req)
+                self.running[req.uid] = req
         return InFlight(batch, *self._host_tokens.copy(tokens))
 
     def _read(self, flight: InFlight) -> list[Req]:
@@ -258,7 +226,7 @@ class Scheduler:
             if req.append_token(token, self.eos_token_ids) is None:
                 continue
             finished.append(req)
-            self.decode.remove(req.uid)
+            self.running.pop(req.uid, None)
             logger.debug("request %d finished (%s) after %d token(s)", req.uid,
                          req.finish_reason, len(req.output_ids))
             if req.in_flight:  # it runs in the batch in flight: keep its pages until then
@@ -284,7 +252,7 @@ class Scheduler:
             pages_in_use=self.cache.pages_in_use,
             num_pages=self.cache.num_pages,
             waiting=tuple(req.uid for req in self.prefill.waiting),
-            running=tuple(req.uid for req in self.decode.running),
+            running=tuple(self.running),
             finished=tuple(finished),
             new_lens=() if batch is None else tuple(batch.new_lens),
         )
@@ -322,6 +290,9 @@ class Scheduler:
             if req.in_flight != (req in unread):
                 raise RuntimeError(f"request {req.uid} counts {req.in_flight} token(s) in "
                                    f"flight; the batch in flight holds {int(req in unread)}")
+
+    def close(self) -> None:
+        """Release what outlives the process's memory: nothing here (a leader leaves its group)."""
 
     def __repr__(self) -> str:
         return (f"Scheduler({self.num_waiting} waiting, {self.num_running} running, "
