@@ -53,7 +53,7 @@ def start_requests(engine: Any, batch_size: int, context_len: int, max_tokens: i
             for i in range(batch_size)]
     for first in range(0, batch_size, PREFILL_CHUNK):
         chunk = reqs[first:first + PREFILL_CHUNK]
-        engine.pages.reserve_all(chunk)
+        engine.pages.reserve(*chunk)
         batch = Batch(chunk, "prefill")
         tokens = engine.forward(batch).tolist()
         batch.advance()
@@ -67,7 +67,7 @@ def decode_step(engine: Any, reqs: list[Any], use_graph: bool) -> float:
     from minisgl.core import Batch
 
     start = time.perf_counter()
-    engine.pages.reserve_all(reqs)  # as the scheduler does: one reservation for the batch
+    engine.pages.reserve(*reqs)  # as the scheduler does: one reservation for the batch
     batch = Batch(reqs, "decode")
     tokens = engine.forward(batch, use_graph=use_graph).tolist()
     batch.advance()

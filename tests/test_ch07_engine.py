@@ -270,7 +270,6 @@ def test_the_engine_logs_its_kv_budget(tiny_model_dir: Path, caplog: pytest.LogC
 
 def test_reserve_maps_the_prompt_and_a_new_page_every_page_size_steps(engine: Engine) -> None:
     req = Req(0, list(range(1, 6)), greedy(max_tokens=20))  # 5 tokens: two 4-token pages
-    assert engine.pages.pages_needed(req) == 2
     assert engine.pages.reserve(req) == 2 and req.table_row is not None
     grew = []
     for step in range(8):
@@ -348,7 +347,7 @@ def test_a_row_can_start_with_pages_someone_else_holds() -> None:
     assert len(prefix) == 2 and pages.num_free == 6
     borrower = Req(1, [1] * 10)  # 8 tokens of that prefix, 2 of its own
     pages.open_row(borrower, prefix)
-    assert pages.pages_needed(borrower) == 1 and pages.reserve(borrower) == 1
+    assert pages.reserve(borrower) == 1
     row = pages.table.row_pages(borrower.table_row).tolist()
     assert row[:2] == prefix and pages.num_free == 5
     with pytest.raises(ValueError, match="already"):
@@ -491,7 +490,7 @@ def test_every_page_and_row_returns_after_release(engine: Engine,
 
 # The calls the chapter's table of one decode step names, as (file under minisgl/, function).
 DECODE_STEP_CALLS = [
-    ("kvcache/request_pages.py", "RequestPages.reserve_all"), ("core.py", "Batch.__post_init__"),
+    ("kvcache/request_pages.py", "RequestPages.reserve"), ("core.py", "Batch.__post_init__"),
     ("engine/engine.py", "Engine.forward"), ("engine/engine.py", "Engine.logits"),
     ("attention/base.py", "BaseAttnBackend.prepare"), ("kvcache/page_table.py", "PageTable.locate"),
     ("attention/base.py", "BaseAttnBackend.forward"), ("kvcache/mha_pool.py", "MHAKVPool.store_kv"),
@@ -513,7 +512,7 @@ def test_one_decode_step_runs_through_the_calls_of_the_chapter_s_table(engine: E
     reqs = [Req(i, p, greedy()) for i, p in enumerate(prompts[:3])]
 
     def step(phase: str) -> None:
-        engine.pages.reserve_all(reqs)
+        engine.pages.reserve(*reqs)
         batch = Batch(reqs, phase)
         tokens = engine.forward(batch).tolist()
         batch.advance()

@@ -43,36 +43,21 @@ class RequestPages:
         self.table = PageTable(max_reqs, self._pages_for(max_seq_len), page_size=page_size,
                                device=device)
 
-    def pages_needed(self, req: Req) -> int:
-        """Pages :meth:`reserve` would take for ``req`` now (what admission control checks)."""
-        row = req.table_row
-        if row is None:
-            return self._pages_for(req.num_tokens)
-        return self.table.pages_needed(row, req.num_tokens)
-
-    def reserve(self, req: Req) -> int:
-        """Make ``req``'s next forward pass possible: a row and pages for all its tokens.
+    def reserve(self, *reqs: Req) -> int:
+        """Make the next forward pass of every request in ``reqs`` possible (one request, or a
+        whole batch): a row and pages for all its tokens.
 
         A request without a row gets one; then its row grows to map all ``req.num_tokens``
-        tokens, the cached ones and those the next pass writes. All or nothing: if the pages
-        are not there, nothing changes, not even the row.
+        tokens, the cached ones and those the next pass writes. All or nothing: if anything is
+        missing, nothing changes, not even a row. The pages come from one allocation.
 
         Returns:
             The number of pages allocated.
 
         Raises:
-            ValueError: the request would outgrow ``max_seq_len``.
+            ValueError: a request would outgrow ``max_seq_len``.
             OutOfPagesError: too few free pages (the caller may free some and retry).
-            RuntimeError: every page-table row is in use.
-        """
-        return self.reserve_all((req,))
-
-    def reserve_all(self, reqs: Sequence[Req]) -> int:
-        """:meth:`reserve` for every request of a batch: all of them or, if anything is
-        missing, none. The pages come from one allocation.
-
-        Returns:
-            The number of pages allocated. Raises as :meth:`reserve` does.
+            RuntimeError: too few page-table rows are free.
         """
         needs: list[int] = []
         for req in reqs:

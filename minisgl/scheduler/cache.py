@@ -114,10 +114,10 @@ class CacheManager:
         reported as ``OutOfPagesError``.
         """
         try:
-            return self.pages.reserve_all(reqs)
+            return self.pages.reserve(*reqs)
         except OutOfPagesError as short:  # nothing was taken: evict the difference, once
             self.evict(short.requested - short.free)
-            return self.pages.reserve_all(reqs)
+            return self.pages.reserve(*reqs)
 
     def evict(self, num_pages: int) -> int:
         """Evict up to ``num_pages`` unlocked pages of the prefix cache; returns how many went
