@@ -354,7 +354,7 @@ def test_abort_a_running_request_frees_its_pages_at_once(scheduler: Scheduler) -
         scheduler.add(req)
     for _ in range(4):
         scheduler.step()
-    held = scheduler.cache.pages_held(reqs[1])
+    held = scheduler.cache.pages.pages_held(reqs[1])
     in_use = scheduler.cache.pages_in_use
     assert scheduler.abort(1) is reqs[1] and held > 0
     assert scheduler.cache.pages_in_use == in_use - held

@@ -322,7 +322,7 @@ def test_abort_mid_prefill_gives_everything_back(tiny_model_dir: Path, plain: Sc
     scheduler.step()  # running decodes
     scheduler.step()  # 8 more tokens of long
     assert is_mid_prefill(long) and long.cached_len == 10
-    held = scheduler.cache.pages_held(long)
+    held = scheduler.cache.pages.pages_held(long)
     in_use = scheduler.cache.pages_in_use
     rows = scheduler.engine.pages.num_free_rows
 

@@ -60,15 +60,6 @@ class CacheManager:
         """Pages not free: held by requests, or kept by the prefix cache."""
         return self.num_pages - self.pages.num_free
 
-    @property
-    def pages_held_by_requests(self) -> int:
-        """Pages in use that the prefix cache could not evict: what ``/metrics`` reports."""
-        return self.pages_in_use - self.prefix_cache.num_evictable_pages
-
-    def pages_held(self, req: Req) -> int:
-        """Pages mapped by ``req``'s page-table row (0 before admission)."""
-        return self.pages.pages_held(req)
-
     def match(self, req: Req) -> PrefixMatch:
         """The longest cached prefix ``req``'s prompt may reuse. No page changes hands here.
 

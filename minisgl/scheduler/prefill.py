@@ -79,10 +79,6 @@ class PrefillManager:
         self.cache = cache
         self.waiting: deque[Req] = deque()
 
-    def add(self, req: Req) -> None:
-        """Queue a new request behind those already waiting."""
-        self.waiting.append(req)
-
     def remove(self, uid: int) -> Req | None:
         """Take request ``uid`` out of the queue (it was aborted); None if it is not waiting."""
         for req in self.waiting:

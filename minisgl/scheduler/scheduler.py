@@ -94,7 +94,7 @@ class Scheduler:
                            req.uid, req.params.max_tokens, room, self.max_seq_len)
             req.params = dataclasses.replace(req.params, max_tokens=room)
         self._live_uids.add(req.uid)
-        self.prefill.add(req)
+        self.prefill.waiting.append(req)
 
     def abort(self, uid: int) -> Req | None:
         """Drop request ``uid``, waiting or running, and free its pages at once.
@@ -118,11 +118,6 @@ class Scheduler:
     @property
     def num_running(self) -> int:
         return len(self.running)
-
-    @property
-    def num_live(self) -> int:
-        """Requests that still own their uid: waiting, running or retiring."""
-        return self.num_waiting + self.num_running + len(self._retiring)
 
     @property
     def has_work(self) -> bool:
@@ -171,8 +166,8 @@ class Scheduler:
     def prefill_budget(self) -> PrefillBudget:
         """What a prefill batch formed now may take: the pages available minus what admitted
         requests may still need to reach their own worst case (a promise is kept)."""
-        promised = sum(lifetime_pages(req, self.config.page_size) - self.cache.pages_held(req)
-                       for req in self.admitted_reqs())
+        promised = sum(lifetime_pages(req, self.config.page_size)
+                       - self.cache.pages.pages_held(req) for req in self.admitted_reqs())
         budget_class = ChunkedPrefillBudget if self.config.chunked_prefill else PrefillBudget
         return budget_class(tokens=self.config.max_prefill_tokens,
                             pages=self.cache.available_pages - promised,
@@ -258,9 +253,11 @@ class Scheduler:
         )
 
     def gauges(self, prefix: str = "") -> dict[str, int]:
-        """The state ``/metrics`` shows, under counter names that start with ``prefix``."""
+        """The state ``/metrics`` shows, under counter names that start with ``prefix``; pages
+        the prefix cache could evict count as free."""
+        in_use = self.cache.pages_in_use - self.cache.prefix_cache.num_evictable_pages
         return {f"{prefix}running": self.num_running, f"{prefix}waiting": self.num_waiting,
-                f"{prefix}kv_pages_in_use": self.cache.pages_held_by_requests}
+                f"{prefix}kv_pages_in_use": in_use}
 
     def check_integrity(self) -> None:
         """Check that no page, row or uid is lost or counted twice, and that every request's
@@ -276,8 +273,9 @@ class Scheduler:
             raise RuntimeError(f"{admitted} request(s) should hold rows, the cache manager "
                                f"tracks {self.cache.num_admitted}, the page table has "
                                f"{rows_used} in use")
-        if len(self._live_uids) != self.num_live:
-            raise RuntimeError(f"{len(self._live_uids)} live uids for {self.num_live} live "
+        live = self.num_waiting + self.num_running + len(self._retiring)
+        if len(self._live_uids) != live:
+            raise RuntimeError(f"{len(self._live_uids)} live uids for {live} live "
                                f"requests ({self.num_waiting} waiting, {self.num_running} running)")
         partial = [req.uid for req in self.prefill.waiting if is_mid_prefill(req)]
         if partial and (len(partial) > 1 or partial[0] != self.prefill.waiting[0].uid):
