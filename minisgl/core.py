@@ -217,11 +217,6 @@ class Req:
         """Tokens the next forward pass computes: those without K/V in the pool yet."""
         return self.num_tokens - self.cached_len
 
-    def new_token_ids(self) -> list[int]:
-        """The token ids the next forward pass feeds to the model for this request, as the
-        host has them (the engine itself reads them from its token pool)."""
-        return self.token_range(self.cached_len, self.num_tokens)
-
     def token_range(self, start: int, end: int) -> list[int]:
         """``token_ids[start:end]``, without building the whole sequence first.
 

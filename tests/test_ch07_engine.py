@@ -110,7 +110,7 @@ def all_pages_return(request: pytest.FixtureRequest) -> Iterator[None]:
 def test_a_new_request_has_its_whole_prompt_to_compute() -> None:
     req = Req(7, [5, 6, 7], greedy())
     assert (req.num_tokens, req.cached_len, req.new_len) == (3, 0, 3)
-    assert req.new_token_ids() == [5, 6, 7] and req.table_row is None
+    assert req.token_range(req.cached_len, req.num_tokens) == [5, 6, 7] and req.table_row is None
 
 
 def test_after_prefill_only_the_sampled_token_is_new() -> None:
@@ -118,7 +118,7 @@ def test_after_prefill_only_the_sampled_token_is_new() -> None:
     req.cached_len = 3  # what Batch.advance does after the prefill
     req.append_token(42)
     assert req.token_ids == [5, 6, 7, 42]
-    assert (req.new_len, req.new_token_ids()) == (1, [42])
+    assert (req.new_len, req.token_range(req.cached_len, req.num_tokens)) == (1, [42])
 
 
 @pytest.mark.parametrize(("params", "tokens", "reason"), [

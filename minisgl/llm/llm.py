@@ -77,10 +77,7 @@ class LLM:
         config = SchedulerConfig(path, device=device, dtype=dtype, **engine_options)
         check_tp(path, tp)
         self._followers: list[BaseProcess] = []
-        if tp == 1:
-            self.scheduler = Scheduler(config)
-        else:
-            self.scheduler = self._start_tp(config, tp)
+        self.scheduler = Scheduler(config) if tp == 1 else self._start_tp(config, tp)
         from transformers import AutoTokenizer  # here: importing transformers is slow
 
         self.tokenizer = AutoTokenizer.from_pretrained(path)
