@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 from minisgl.core import Req, SamplingParams
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.utils import StepResult, lifetime_pages
+from minisgl.scheduler.prefill import lifetime_pages
+from minisgl.scheduler.scheduler import Scheduler, StepResult
 from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import configure_cpu_threads
 

@@ -28,9 +28,8 @@ from minisgl.kvcache import CacheHandle
 from minisgl.kvcache.naive_cache import NaivePrefixCache
 from minisgl.llm import LLM
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.prefill import PrefillBudget
-from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.utils import StepResult, lifetime_pages
+from minisgl.scheduler.prefill import PrefillBudget, lifetime_pages
+from minisgl.scheduler.scheduler import Scheduler, StepResult
 
 PAGE_SIZE = 4
 

@@ -32,10 +32,9 @@ from minisgl.attention.utils import pages_for
 from minisgl.core import Req, SamplingParams
 from minisgl.llm import LLM
 from minisgl.scheduler.cache import PREFIX_CACHES
-from minisgl.scheduler.chunking import ChunkedPrefillBudget, is_mid_prefill
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.utils import StepResult
+from minisgl.scheduler.prefill import ChunkedPrefillBudget, is_mid_prefill
+from minisgl.scheduler.scheduler import Scheduler, StepResult
 
 PAGE_SIZE = 4
 NUM_PAGES = 64

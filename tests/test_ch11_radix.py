@@ -587,7 +587,7 @@ from minisgl.kvcache.naive_cache import NaivePrefixCache  # noqa: E402
 from minisgl.scheduler.cache import PREFIX_CACHES  # noqa: E402
 from minisgl.scheduler.config import SchedulerConfig  # noqa: E402
 from minisgl.scheduler.scheduler import Scheduler  # noqa: E402
-from minisgl.scheduler.utils import StepResult  # noqa: E402
+from minisgl.scheduler.scheduler import StepResult  # noqa: E402
 
 E2E_PAGE_SIZE = 4
 E2E_BUDGETS = {"small": 7, "large": 48}  # prompt tokens per prefill step

@@ -18,8 +18,7 @@ from minisgl.core import Batch, Req, SamplingParams
 from minisgl.llm import LLM
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import InFlight
-from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.utils import StepResult
+from minisgl.scheduler.scheduler import Scheduler, StepResult
 
 PAGE_SIZE = 4
 BUDGETS = {"small": 7, "large": 48}  # prompt tokens per prefill step

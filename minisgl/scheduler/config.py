@@ -46,7 +46,7 @@ class SchedulerConfig(EngineConfig):
     prefix_cache: str = "naive"
     # When True, no prefill step computes more than max_prefill_tokens tokens: the
     # prompt that does not fit is cut, and the rest of it runs in the next prefill steps (see
-    # scheduler/chunking.py). Off by default: a prompt is computed whole unless asked.
+    # scheduler/prefill.py). Off by default: a prompt is computed whole unless asked.
     chunked_prefill: bool = False
     # Whether a step reads the tokens of the batch before it, so that the host's work for the
     # next step overlaps the device's for this one (scheduler/overlap.py). None (the default)

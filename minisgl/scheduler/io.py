@@ -26,9 +26,9 @@ from minisgl.message import (
     server_error,
 )
 from minisgl.scheduler.config import SchedulerConfig
+from minisgl.scheduler.prefill import output_room
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.tp import LeaderScheduler, TPLaunch
-from minisgl.scheduler.utils import output_room
 from minisgl.utils.logger import get_logger
 from minisgl.utils.counters import SharedCounters
 from minisgl.utils.heap import frozen_heap

@@ -1,21 +1,52 @@
 """The waiting queue, and the choice of which waiting requests the next prefill batch takes.
 
 A request is *admitted*, first come, first served, when it fits a :class:`PrefillBudget`: a
-free page-table row, its worst case of pages (:func:`~minisgl.scheduler.utils.lifetime_pages`)
-among those not yet promised, and its prompt tokens within ``max_prefill_tokens`` (except the
-batch's first request; ``chunking.py`` cuts that one instead). The queue stops at the first
-request that does not fit: letting smaller ones jump it again and again would starve a large
-one. Chapter 9 tells the story; chapters 10 and 11 add chunks and cached prefixes.
+free page-table row, its worst case of pages (:func:`lifetime_pages`) among those not yet
+promised, and its prompt tokens within ``max_prefill_tokens`` (except the batch's first
+request). The queue stops at the first request that does not fit: letting smaller ones jump it
+again and again would starve a large one. Chapter 9 tells the story.
+
+With ``SchedulerConfig.chunked_prefill`` the token budget is a hard limit
+(:class:`ChunkedPrefillBudget`): the request that does not fit whole is **cut** to the head of
+its prompt that fits, and stays at the head of the queue holding its row, its pages and its
+promise of pages. Decoding requests get a step between two chunks. Only the last chunk samples
+a real first token. A chunk's K/V are exactly those of the whole prompt, so outputs do not
+change. Chapter 10 tells that story; chapter 11 adds cached prefixes.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 
+import torch
+
+from minisgl.attention.utils import pages_for
 from minisgl.core import Batch, Req
 from minisgl.scheduler.cache import CacheManager
-from minisgl.scheduler.utils import lifetime_pages
+
+
+def lifetime_tokens(req: Req) -> int:
+    """The most tokens whose K/V ``req`` will ever keep in the pool.
+
+    Its prompt plus ``max_tokens - 1`` outputs: the last token it samples is returned to the
+    caller but never fed back through the model, so it never needs a slot.
+    """
+    return len(req.prompt_ids) + req.params.max_tokens - 1
+
+
+def lifetime_pages(req: Req, page_size: int) -> int:
+    """Pages ``req`` holds at most, on its last step, if it runs to ``max_tokens``."""
+    return pages_for(lifetime_tokens(req), page_size)
+
+
+def output_room(prompt_len: int, max_seq_len: int) -> int:
+    """The largest ``max_tokens`` a prompt of ``prompt_len`` tokens leaves room for within
+    ``max_seq_len``: :func:`lifetime_tokens` solved for ``max_tokens`` (the last sample needs
+    no slot, hence the + 1)."""
+    return max_seq_len - prompt_len + 1
 
 
 @dataclass
@@ -53,7 +84,7 @@ class PrefillBudget:
         """How many of a request's ``new_tokens`` uncomputed tokens this step computes.
 
         All of them: this budget never cuts a prompt.
-        :class:`~minisgl.scheduler.chunking.ChunkedPrefillBudget` cuts it to the tokens left.
+        :class:`ChunkedPrefillBudget` cuts it to the tokens left.
         """
         return new_tokens
 
@@ -66,6 +97,25 @@ class PrefillBudget:
         chunk = self.chunk(req.new_len)
         self.tokens -= chunk
         return chunk
+
+
+@dataclass
+class ChunkedPrefillBudget(PrefillBudget):
+    """A prefill budget whose token limit is hard: a prompt that does not fit is cut to fit.
+
+    Rows and pages are checked for the whole request: one cut after its first chunk must be
+    able to finish. Only the *tokens* of this step are cut.
+    """
+
+    def admits(self, new_tokens: int, pages: int, is_first: bool) -> bool:
+        """Whether a new request may start in this batch: a row, its pages, and any token."""
+        # Even one token left: the head of its prompt goes in, as a first request's would.
+        return self.tokens > 0 and super().admits(new_tokens, pages, is_first=True)
+
+    def chunk(self, new_tokens: int) -> int:
+        """How many of a request's ``new_tokens`` uncomputed tokens this step computes: as many
+        as are left in the budget. The rest waits for the next prefill batch."""
+        return min(new_tokens, self.tokens)
 
 
 class PrefillManager:
@@ -131,3 +181,40 @@ class PrefillManager:
         chunk = budget.chunk(new_tokens)
         budget.take(chunk, pages)
         return chunk
+
+
+def is_mid_prefill(req: Req) -> bool:
+    """Whether ``req`` waits in the queue with part of its prompt computed.
+
+    A waiting request holds a page-table row only between two chunks of its prompt: a request
+    admitted whole leaves the queue in the step it is admitted.
+    """
+    return req.table_row is not None and req.cached_len < len(req.prompt_ids)
+
+
+def cut_reqs(batch: Batch) -> list[Req]:
+    """The requests of ``batch`` that compute only part of what they have left (before it runs).
+
+    They sample no real token this step: their prompt goes on in a later chunk.
+    """
+    return [req for req, n in zip(batch.reqs, batch.new_lens) if n < req.new_len]
+
+
+@contextmanager
+def unsampled(reqs: Sequence[Req]) -> Iterator[None]:
+    """Run a step in which the tokens sampled for ``reqs`` are thrown away, as if never drawn.
+
+    A seeded request's draw after a chunk would move its generator on, and every later token
+    would differ from an unchunked run, so its state is restored. A generator made in this
+    step (``Engine.prepare``) is dropped, and the next step makes it afresh from the seed.
+    """
+    saved: list[tuple[Req, torch.Tensor | None]] = [
+        (req, None if req.generator is None else req.generator.get_state()) for req in reqs]
+    try:
+        yield
+    finally:
+        for req, state in saved:
+            if state is None:
+                req.generator = None
+            else:
+                req.generator.set_state(state)

@@ -2,7 +2,7 @@
 
 Requests wait in a queue (``prefill.py``) until their worst-case pages fit, run in prefill or
 decode batches, and leave the step their last token is read: continuous batching
-(chapter 9). Long prompts may be cut into chunks (``chunking.py``, chapter 10). One loop serves
+(chapter 9). Long prompts may be cut into chunks (``prefill.py``, chapter 10). One loop serves
 both ways of running: synchronously, the host reads a batch's tokens right after launching it;
 with ``overlap`` (chapter 12) it reads them one step later, while the device runs the next batch
 (``overlap.py``: the batch in flight and its copy to the host). Under tensor parallelism rank 0's
@@ -13,17 +13,64 @@ input, so that every rank runs the same steps (chapter 17).
 from __future__ import annotations
 
 import dataclasses
-from minisgl.core import Batch, Req
+from dataclasses import dataclass
+from minisgl.core import Batch, Phase, Req
 from minisgl.engine.engine import Engine
 from minisgl.scheduler.cache import PREFIX_CACHES, CacheManager
-from minisgl.scheduler.chunking import ChunkedPrefillBudget, cut_reqs, is_mid_prefill, unsampled
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import HostTokens, InFlight
-from minisgl.scheduler.prefill import PrefillBudget, PrefillManager
-from minisgl.scheduler.utils import StepResult, lifetime_pages, lifetime_tokens, output_room
+from minisgl.scheduler.prefill import (
+    ChunkedPrefillBudget,
+    PrefillBudget,
+    PrefillManager,
+    cut_reqs,
+    is_mid_prefill,
+    lifetime_pages,
+    lifetime_tokens,
+    output_room,
+    unsampled,
+)
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
+
+
+@dataclass(frozen=True)
+class StepResult:
+    """What one scheduler step did.
+
+    Attributes:
+        step: the step's number, from 0.
+        phase: ``"prefill"`` or ``"decode"``; None when there was nothing to run.
+        uids: the requests of the batch, in batch order.
+        num_tokens: tokens fed to the model (prompt tokens in a prefill, one per request in a
+            decode step).
+        new_pages: KV pages allocated for this step.
+        pages_in_use: KV pages held after the step (finished requests' pages already returned).
+        num_pages: KV pages the scheduler manages in all.
+        waiting: uids still in the waiting queue after this step, in arrival order.
+        running: uids holding KV pages after this step (they decode in the next decode step).
+        finished: requests that finished in this step; each has its ``finish_reason``.
+        new_lens: tokens each request of the batch computed, in batch order (a request whose
+            prompt was cut computed only a chunk of it).
+    """
+
+    step: int
+    phase: Phase | None
+    uids: tuple[int, ...]
+    num_tokens: int
+    new_pages: int
+    pages_in_use: int
+    num_pages: int
+    waiting: tuple[int, ...]
+    running: tuple[int, ...]
+    finished: tuple[Req, ...]
+    new_lens: tuple[int, ...] = ()
+
+    @property
+    def idle(self) -> bool:
+        """True when the step ran nothing (no request was waiting or running)."""
+        return self.phase is None
 
 
 class Scheduler:

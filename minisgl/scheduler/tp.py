@@ -28,8 +28,7 @@ from minisgl.distributed.peers import failure_reason, group_aborted
 from minisgl.message import AbortRequest, BackendMessage, Message, UserRequest
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.utils import StepResult
+from minisgl.scheduler.scheduler import Scheduler, StepResult
 from minisgl.utils.logger import get_logger
 from minisgl.utils.counters import SharedCounters
 from minisgl.utils.heap import frozen_heap
