@@ -69,8 +69,6 @@ class SchedulerIO:
         self.scheduler = scheduler
         self.stats = stats
         self.live: dict[int, Req] = {}
-        self._sent: dict[int, int] = {}  # uid -> tokens sent to the detokenizer so far
-        self._last_uids: tuple[int, ...] = ()  # the previous step's batch
         self._failed_steps = 0  # steps in a row that raised
 
     def receive(self, messages: list[BackendMessage]) -> list[DetokenizerMessage]:
@@ -90,7 +88,6 @@ class SchedulerIO:
             elif isinstance(message, AbortRequest):
                 if self.scheduler.abort(message.uid) is not None:
                     self.live.pop(message.uid, None)
-                    self._sent.pop(message.uid, None)
                     forward.append(message)
                 elif message.error is not None:
                     forward.append(message)
@@ -127,52 +124,39 @@ class SchedulerIO:
             logger.exception("request %d could not be added", message.uid)
             return server_error("the scheduler could not accept the request", exc)
         self.live[req.uid] = req
-        self._sent[req.uid] = 0
         return None
 
     def step(self) -> list[DetokenizerMessage]:
-        """Run one scheduler step; one message per token it produced.
+        """Run one scheduler step; one message for each token the host read in it.
 
-        With overlap a step reads the tokens of the batch launched the step before, so new
-        tokens may come from this step's batch and the previous one. ``output_ids`` hold only
-        tokens the host has read.
+        The step's ``read`` names those requests: with overlap, the tokens are those of the
+        batch launched the step before. A token still on the device is in ``in_flight``, not
+        in ``output_ids``, so the token read is the last of ``output_ids``.
         """
         live = list(self.live)
         try:
-            result = self.scheduler.step()
-            finished = {req.uid: req for req in result.finished}
-            messages: list[DetokenizerMessage] = []
-            for uid in dict.fromkeys((*self._last_uids, *result.uids, *finished)):
-                req = self.live.get(uid)
-                if req is not None:
-                    messages += self._new_tokens(req, finished.get(uid) is req)
+            read = self.scheduler.step().read
+            messages = [self._new_token(req) for req in read if self.live.get(req.uid) is req]
         except Exception as exc:  # noqa: BLE001 - fail the requests, not the process
             return self._fail(live, exc)
         self._failed_steps = 0
-        self._last_uids = result.uids
         if self.stats is not None and messages:  # one shared-memory update per step
             self.stats.add(generation_tokens=len(messages),  # one message per token
                            prompt_tokens=sum(m.prompt_tokens for m in messages))
         self._publish()
         return messages
 
-    def _new_tokens(self, req: Req, finished: bool) -> list[DetokenizeRequest]:
-        real, sent = len(req.output_ids), self._sent[req.uid]
-        assert real > sent or not finished, f"request {req.uid} finished without a new token"
-        messages = []
-        for i in range(sent, real):
-            last = finished and i == real - 1
-            first = i == 0
-            messages.append(DetokenizeRequest(
-                req.uid, req.output_ids[i],
-                finish_reason=req.finish_reason if last else None,
-                usage=TokenUsage(len(req.prompt_ids), real) if last else None,
-                stop=req.params.stop if first else (),
-                prompt_tokens=len(req.prompt_ids) if first else 0))
-        self._sent[req.uid] = real
-        if finished:
-            del self.live[req.uid], self._sent[req.uid]
-        return messages
+    def _new_token(self, req: Req) -> DetokenizeRequest:
+        """The message for ``req``'s newest token: its first carries the stop strings and the
+        prompt's length, its last the finish reason and usage."""
+        num_prompt, num_output = len(req.prompt_ids), len(req.output_ids)
+        first, last = num_output == 1, req.is_finished
+        if last:
+            del self.live[req.uid]
+        return DetokenizeRequest(req.uid, req.output_ids[-1], finish_reason=req.finish_reason,
+                                 usage=TokenUsage(num_prompt, num_output) if last else None,
+                                 stop=req.params.stop if first else (),
+                                 prompt_tokens=num_prompt if first else 0)
 
     def _fail(self, uids: list[int], exc: Exception) -> list[DetokenizerMessage]:
         """A step raised: end every request that was live before it with an error.
@@ -194,8 +178,6 @@ class SchedulerIO:
             except Exception:  # keep freeing the others
                 logger.exception("request %d could not be aborted", uid)
             self.live.pop(uid, None)
-            self._sent.pop(uid, None)
-        self._last_uids = ()
         self._publish()
         return [AbortRequest(uid, error=error) for uid in uids]
 

@@ -53,6 +53,8 @@ class StepResult:
         finished: requests that finished in this step; each has its ``finish_reason``.
         new_lens: tokens each request of the batch computed, in batch order (a request whose
             prompt was cut computed only a chunk of it).
+        read: the requests whose next token the host read in this step (``finished`` among
+            them): with overlap, those of the batch before.
     """
 
     step: int
@@ -66,6 +68,7 @@ class StepResult:
     running: tuple[int, ...]
     finished: tuple[Req, ...]
     new_lens: tuple[int, ...] = ()
+    read: tuple[Req, ...] = ()
 
     @property
     def idle(self) -> bool:
@@ -190,8 +193,8 @@ class Scheduler:
             due, self._in_flight = self._in_flight, launched
         else:
             due = launched
-        finished = [] if due is None else self._read(due)
-        return self._report(batch, finished, new_pages)
+        read = [] if due is None else self._read(due)
+        return self._report(batch, read, new_pages)
 
     def schedule_next_batch(self) -> Batch | None:
         """The next batch: prefill first, then decode.
@@ -250,13 +253,14 @@ class Scheduler:
         return InFlight(batch, *self._host_tokens.copy(tokens))
 
     def _read(self, flight: InFlight) -> list[Req]:
-        """Append ``flight``'s tokens to their requests and retire the finished; returns those.
+        """Append ``flight``'s tokens to their requests and retire the finished; returns the
+        requests that took a token.
 
         A request that finished while it also runs in the batch now in flight (an EOS the host
         could not foresee) is a *zombie*: that batch's token for it is dropped when read, and
         its pages go back only then, because that batch still writes into them.
         """
-        finished: list[Req] = []
+        read: list[Req] = []
         for req, complete, token in zip(flight.batch.reqs, flight.batch.completes,
                                         flight.wait(), strict=True):
             if not complete or req.table_row is None:  # a cut chunk, or aborted since launch
@@ -265,9 +269,9 @@ class Scheduler:
                 req.in_flight -= 1
                 self._release(req)
                 continue
+            read.append(req)
             if req.append_token(token, self.eos_token_ids) is None:
                 continue
-            finished.append(req)
             self.running.pop(req.uid, None)
             logger.debug("request %d finished (%s) after %d token(s)", req.uid,
                          req.finish_reason, len(req.output_ids))
@@ -275,7 +279,7 @@ class Scheduler:
                 self._retiring[req.uid] = req
             else:
                 self._release(req)
-        return finished
+        return read
 
     def _release(self, req: Req) -> None:
         self._retiring.pop(req.uid, None)
@@ -284,7 +288,7 @@ class Scheduler:
         self._live_uids.discard(req.uid)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _report(self, batch: Batch | None, finished: list[Req], new_pages: int) -> StepResult:
+    def _report(self, batch: Batch | None, read: list[Req], new_pages: int) -> StepResult:
         return StepResult(
             step=self.num_steps - (batch is not None),
             phase=None if batch is None else batch.phase,
@@ -295,8 +299,9 @@ class Scheduler:
             num_pages=self.cache.num_pages,
             waiting=tuple(req.uid for req in self.prefill.waiting),
             running=tuple(self.running),
-            finished=tuple(finished),
+            finished=tuple(req for req in read if req.is_finished),
             new_lens=() if batch is None else tuple(batch.new_lens),
+            read=tuple(read),
         )
 
     def gauges(self, prefix: str = "") -> dict[str, int]:
