@@ -75,9 +75,8 @@ class CacheManager:
         while ``req`` reads them; ``req.cached_len`` jumps past it. The pages for the rest are
         allocated by :meth:`reserve`, step by step.
         """
-        if req.table_row is not None or req in self._handles:
-            raise ValueError(f"request {req.uid} was admitted already")
-        self.pages.open_row(req, match.pages)  # first: if no row is free, nothing has changed
+        # First: it refuses a request that holds a row, and if no row is free nothing changes.
+        self.pages.open_row(req, match.pages)
         req.cached_len = match.num_tokens
         self._handles[req] = match.handle
 

@@ -24,9 +24,7 @@ from minisgl.scheduler.prefill import (
     PrefillBudget,
     PrefillManager,
     cut_reqs,
-    is_mid_prefill,
     lifetime_pages,
-    lifetime_tokens,
     output_room,
     unsampled,
 )
@@ -138,8 +136,8 @@ class Scheduler:
         if len(req.prompt_ids) > self.max_seq_len:
             raise ValueError(f"request {req.uid}: its prompt of {len(req.prompt_ids)} tokens is "
                              f"longer than max_seq_len ({self.max_seq_len})")
-        if lifetime_tokens(req) > self.max_seq_len:
-            room = output_room(len(req.prompt_ids), self.max_seq_len)
+        room = output_room(len(req.prompt_ids), self.max_seq_len)
+        if req.params.max_tokens > room:
             logger.warning("request %d: max_tokens %d lowered to %d to fit max_seq_len %d",
                            req.uid, req.params.max_tokens, room, self.max_seq_len)
             req.params = dataclasses.replace(req.params, max_tokens=room)
@@ -329,7 +327,7 @@ class Scheduler:
         if len(self._live_uids) != live:
             raise RuntimeError(f"{len(self._live_uids)} live uids for {live} live "
                                f"requests ({self.num_waiting} waiting, {self.num_running} running)")
-        partial = [req.uid for req in self.prefill.waiting if is_mid_prefill(req)]
+        partial = [req.uid for req in self.prefill.waiting if req.table_row is not None]
         if partial and (len(partial) > 1 or partial[0] != self.prefill.waiting[0].uid):
             raise RuntimeError(f"requests {partial} are partly prefilled; only the head of the "
                                f"queue ({self.prefill.waiting[0].uid}) may be")
