@@ -297,7 +297,7 @@ class Scheduler:
             num_pages=self.cache.num_pages,
             waiting=tuple(req.uid for req in self.prefill.waiting),
             running=tuple(self.running),
-            finished=tuple(req for req in read if req.is_finished),
+            finished=tuple(req for req in read if req.finish_reason is not None),
             new_lens=() if batch is None else tuple(batch.new_lens),
             read=tuple(read),
         )
