@@ -270,6 +270,7 @@ def test_the_engine_logs_its_kv_budget(tiny_model_dir: Path, caplog: pytest.LogC
 
 def test_reserve_maps_the_prompt_and_a_new_page_every_page_size_steps(engine: Engine) -> None:
     req = Req(0, list(range(1, 6)), greedy(max_tokens=20))  # 5 tokens: two 4-token pages
+    assert engine.pages.pages_needed(req) == 2
     assert engine.pages.reserve(req) == 2 and req.table_row is not None
     grew = []
     for step in range(8):
@@ -347,7 +348,7 @@ def test_a_row_can_start_with_pages_someone_else_holds() -> None:
     assert len(prefix) == 2 and pages.num_free == 6
     borrower = Req(1, [1] * 10)  # 8 tokens of that prefix, 2 of its own
     pages.open_row(borrower, prefix)
-    assert pages.reserve(borrower) == 1
+    assert pages.pages_needed(borrower) == 1 and pages.reserve(borrower) == 1
     row = pages.table.row_pages(borrower.table_row).tolist()
     assert row[:2] == prefix and pages.num_free == 5
     with pytest.raises(ValueError, match="already"):

@@ -43,6 +43,14 @@ class RequestPages:
         self.table = PageTable(max_reqs, self._pages_for(max_seq_len), page_size=page_size,
                                device=device)
 
+    def pages_needed(self, req: Req) -> int:
+        """Pages :meth:`reserve` would take for ``req`` now (0 once its row maps all its
+        tokens: what a forward pass checks)."""
+        row = req.table_row
+        if row is None:
+            return self._pages_for(req.num_tokens)
+        return self.table.pages_needed(row, req.num_tokens)
+
     def reserve(self, *reqs: Req) -> int:
         """Make the next forward pass of every request in ``reqs`` possible (one request, or a
         whole batch): a row and pages for all its tokens.
