@@ -12,26 +12,11 @@ Chapter 5 tells the story; chapter 7 adds ``request_pages``.
 from __future__ import annotations
 
 from minisgl.kvcache.allocator import OutOfPagesError, PageAllocator
-from minisgl.kvcache.base import (
-    BaseKVPool,
-    BasePrefixCache,
-    CacheHandle,
-    InsertResult,
-    PrefixMatch,
-)
+from minisgl.kvcache.base import (BaseKVPool, BasePrefixCache, CacheHandle, InsertResult,
+                                  PrefixMatch)
 from minisgl.kvcache.mha_pool import MHAKVPool
 from minisgl.kvcache.page_table import PageTable
 from minisgl.kvcache.request_pages import RequestPages
 
-__all__ = [
-    "BaseKVPool",
-    "BasePrefixCache",
-    "CacheHandle",
-    "InsertResult",
-    "MHAKVPool",
-    "OutOfPagesError",
-    "PageAllocator",
-    "PageTable",
-    "PrefixMatch",
-    "RequestPages",
-]
+__all__ = ["BaseKVPool", "BasePrefixCache", "CacheHandle", "InsertResult", "MHAKVPool",
+           "OutOfPagesError", "PageAllocator", "PageTable", "PrefixMatch", "RequestPages"]

@@ -15,16 +15,8 @@ from __future__ import annotations
 import multiprocessing
 
 from minisgl.core import Req
-from minisgl.message import (
-    AbortRequest,
-    BackendMessage,
-    DetokenizeRequest,
-    DetokenizerMessage,
-    RequestError,
-    TokenUsage,
-    UserRequest,
-    server_error,
-)
+from minisgl.message import (AbortRequest, BackendMessage, DetokenizeRequest, DetokenizerMessage,
+                             RequestError, TokenUsage, UserRequest, server_error)
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.prefill import output_room
 from minisgl.scheduler.scheduler import Scheduler

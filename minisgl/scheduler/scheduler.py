@@ -19,15 +19,8 @@ from minisgl.engine.engine import Engine
 from minisgl.scheduler.cache import PREFIX_CACHES, CacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import HostTokens, InFlight
-from minisgl.scheduler.prefill import (
-    ChunkedPrefillBudget,
-    PrefillBudget,
-    PrefillManager,
-    cut_reqs,
-    lifetime_pages,
-    output_room,
-    unsampled,
-)
+from minisgl.scheduler.prefill import (ChunkedPrefillBudget, PrefillBudget, PrefillManager,
+                                       cut_reqs, lifetime_pages, output_room, unsampled)
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)

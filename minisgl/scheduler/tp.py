@@ -17,13 +17,8 @@ import os
 from dataclasses import dataclass
 
 from minisgl.core import Req
-from minisgl.distributed.group import (
-    check_tp_size,
-    destroy_tp_group,
-    device_for_rank,
-    free_loopback_address,
-    init_tp_group,
-)
+from minisgl.distributed.group import (check_tp_size, destroy_tp_group, device_for_rank,
+                                       free_loopback_address, init_tp_group)
 from minisgl.distributed.peers import failure_reason, group_aborted
 from minisgl.message import AbortRequest, BackendMessage, Message, UserRequest
 from minisgl.models.config import ModelConfig
