@@ -27,9 +27,8 @@ from minisgl.attention import (
 )
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.attention.base import pad_batch
-from minisgl.attention.fi import import_flashinfer
+from minisgl.attention.fi import import_flashinfer, page_arrays
 from minisgl.attention.utils import (
-    gather_page_ids,
     indptr_of,
     last_page_len,
     pages_for,
@@ -163,12 +162,16 @@ def test_the_decode_slot_table_holds_each_request_s_slots_and_masks_the_padding(
         assert set(meta.slot_table[i, total:].tolist()) <= {slots[0]}, "padding: position 0"
 
 
-def test_gather_page_ids_reads_each_rows_first_pages() -> None:
+def test_page_arrays_read_each_rows_first_pages() -> None:
     table = PageTable(3, 4, page_size=16)
     a, b = table.alloc_row(), table.alloc_row()
     table.append_pages(a, [9, 2, 7])
     table.append_pages(b, [5])
-    assert gather_page_ids(table, [b, a], [1, 2]).tolist() == [5, 9, 2]
+    arrays = page_arrays(table, layout_of([b, a], [0, 20], [1, 3]))  # 1 and 23 tokens
+    assert arrays["page_indices"].tolist() == [5, 9, 2]
+    assert arrays["page_indptr"].tolist() == [0, 1, 3]
+    assert arrays["last_page_lens"].tolist() == [1, 7]
+    assert arrays["qo_indptr"].tolist() == [0, 1, 4]
 
 
 # ---------------------------------------------------------------------------------------------

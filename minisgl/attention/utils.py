@@ -12,11 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-import numpy as np
 import torch
-
-from minisgl.kvcache.page_table import PageTable
-from minisgl.utils.torch_utils import host_to_device
 
 
 def indptr_of(lengths: Sequence[int]) -> list[int]:
@@ -44,17 +40,3 @@ def pages_for(num_tokens: int, page_size: int) -> int:
 def last_page_len(num_tokens: int, page_size: int) -> int:
     """Tokens in the last of those pages: between 1 and ``page_size`` for a non-empty sequence."""
     return num_tokens - (pages_for(num_tokens, page_size) - 1) * page_size
-
-
-def gather_page_ids(page_table: PageTable, rows: Sequence[int],
-                    num_pages: Sequence[int]) -> torch.Tensor:
-    """The first ``num_pages[i]`` page ids of row ``rows[i]``, requests concatenated, on the
-    device.
-
-    This is the ``indices`` array of a paged-attention kernel: with the page indptr built from
-    ``num_pages`` it says, for each request, which pages of the pool hold its tokens, in order.
-    The host table has them; one copy moves them to the device.
-    """
-    ids = np.empty(sum(num_pages), dtype=np.int32)
-    page_table.gather_pages(rows, num_pages, out=ids)
-    return host_to_device(torch.from_numpy(ids), page_table.device)
