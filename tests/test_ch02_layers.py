@@ -281,7 +281,7 @@ def test_qkv_linear_equals_separate_q_k_v_projections() -> None:
 
 
 def test_merged_layers_reject_an_unknown_shard_id() -> None:
-    with pytest.raises(ValueError, match="'q', 'k' or 'v'"):
+    with pytest.raises(ValueError, match=r"shard_id in \('q', 'k', 'v'\), got 'o'"):
         QKVParallelLinear(HIDDEN, HEAD_DIM, 4, 2).load_weight(torch.zeros(256, HIDDEN), "o")
     with pytest.raises(ValueError, match=r"shard_id in \(0, 1\)"):
         MergedColumnParallelLinear(HIDDEN, [8, 8]).load_weight(torch.zeros(8, HIDDEN), 2)
