@@ -53,9 +53,8 @@ ROPE_SCALINGS: dict[str, dict | None] = {
     "llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 1024},
     "yarn": {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 1024},
-    "yarn-betas-mscale": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16, "beta_slow": 2,
-                          "mscale": 1.0, "mscale_all_dim": 0.5,
-                          "original_max_position_embeddings": 512},
+    "yarn-betas": {"rope_type": "yarn", "factor": 8.0, "beta_fast": 16, "beta_slow": 2,
+                   "original_max_position_embeddings": 512},
 }
 
 

@@ -53,8 +53,6 @@ class _LinearBase(BaseLayer):
 
     def __init__(self, local_input_size: int, local_output_size: int, bias: bool) -> None:
         super().__init__()
-        self.local_input_size = local_input_size
-        self.local_output_size = local_output_size
         self.weight = new_parameter(local_output_size, local_input_size)
         if bias:
             self.bias = new_parameter(local_output_size)
@@ -63,10 +61,6 @@ class _LinearBase(BaseLayer):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return matmul(x, self.weight, self.bias)
-
-    def extra_repr(self) -> str:
-        return (f"local_in={self.local_input_size}, local_out={self.local_output_size}, "
-                f"bias={self.bias is not None}, tp={self.tp_rank}/{self.tp_size}")
 
 
 class ReplicatedLinear(_LinearBase):
@@ -189,6 +183,6 @@ class RowParallelLinear(_LinearBase):
         if param_name == "bias":  # one output vector, the same on every rank
             copy_checked(self.bias, loaded, what)
             return
-        cols = self.local_input_size
+        cols = self.weight.shape[1]
         src = take_slice(loaded, 1, self.tp_rank * cols, cols, self.input_size, what)
         copy_checked(self.weight, src, what)
