@@ -91,12 +91,8 @@ class ParallelLMHead(_VocabParallelBase):
     which is how the weight loader knows not to expect a second copy.
     """
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        tie_to: VocabParallelEmbedding | None = None,
-    ) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 tie_to: VocabParallelEmbedding | None = None) -> None:
         if tie_to is not None and (tie_to.num_embeddings, tie_to.embedding_dim) != (
                 num_embeddings, embedding_dim):
             raise ValueError(

@@ -23,16 +23,8 @@ import torch.nn.functional as F
 from minisgl.distributed import all_reduce, get_tp_info
 
 from . import fast
-from .base import (
-    BaseLayer,
-    ShardId,
-    copy_checked,
-    divide,
-    first_local_kv_head,
-    local_kv_heads,
-    new_parameter,
-    take_slice,
-)
+from .base import (BaseLayer, ShardId, copy_checked, divide, first_local_kv_head, local_kv_heads,
+                   new_parameter, take_slice)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -137,14 +129,8 @@ class QKVParallelLinear(_ColumnSlots):
     :class:`~minisgl.layers.attention.AttentionLayer` splits apart again.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        head_dim: int,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        bias: bool = False,
-    ) -> None:
+    def __init__(self, hidden_size: int, head_dim: int, num_qo_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
         tp = get_tp_info()
         local_qo = divide(num_qo_heads, tp.size, "num_qo_heads")
         local_kv = local_kv_heads(num_kv_heads, tp.size)

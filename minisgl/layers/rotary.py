@@ -39,14 +39,8 @@ class RotaryEmbedding(nn.Module):
     every layer. It is a buffer (moves with ``.to(device)``) that is not saved with the weights.
     """
 
-    def __init__(
-        self,
-        head_dim: int,
-        rotary_dim: int,
-        max_position: int,
-        inv_freq: torch.Tensor,
-        attention_scaling: float = 1.0,
-    ) -> None:
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, inv_freq: torch.Tensor,
+                 attention_scaling: float = 1.0) -> None:
         super().__init__()
         # rotary_dim is even and at most head_dim: ModelConfig checked it, where the config enters
         self.head_dim = head_dim
@@ -178,13 +172,8 @@ _SCALINGS: dict[str, Callable[[int, float, Mapping[str, Any]], Scaled]] = {
 SUPPORTED_ROPE_TYPES = ("default", *_SCALINGS)
 
 
-def get_rope(
-    head_dim: int,
-    rotary_dim: int,
-    max_position: int,
-    base: float,
-    rope_scaling: Mapping[str, Any] | None = None,
-) -> RotaryEmbedding:
+def get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
+             rope_scaling: Mapping[str, Any] | None = None) -> RotaryEmbedding:
     """Build the :class:`RotaryEmbedding` a config describes.
 
     ``rope_scaling`` is the checkpoint's ``rope_scaling`` (or ``rope_parameters``) dict, or

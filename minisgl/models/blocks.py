@@ -21,17 +21,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minisgl.layers import (
-    MergedColumnParallelLinear,
-    ParallelLMHead,
-    QKVParallelLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    get_rope,
-    silu_and_mul,
-)
+from minisgl.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                            RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, get_rope,
+                            silu_and_mul)
 from minisgl.layers.attention import AttentionLayer
 from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ConfigError, ModelConfig
