@@ -72,25 +72,13 @@ def layout_of(rows: Sequence[int], cached_lens: Sequence[int], new_lens: Sequenc
                    sum(new_lens))
 
 
-@dataclass(frozen=True)
-class PaddedBatch:
-    """A decode batch's layout with padding entries after its requests: each one token at
-    position 0 of the padding row, a row whose one page no request owns. A CUDA graph captured
-    for ``size`` requests runs a smaller batch padded so (chapter 8)."""
-
-    rows: list[int]
-    cached_lens: list[int]
-    new_lens: list[int]
-    size: int
-    num_tokens: int
-    is_decode: bool = True
-
-
-def pad_batch(batch: BatchLayout | None, size: int, pad_row: int) -> PaddedBatch:
-    """``batch`` (None: no requests) padded to ``size`` entries with ``pad_row``'s."""
+def pad_batch(batch: BatchLayout | None, size: int, pad_row: int) -> BatchLayout:
+    """A decode batch (None: no requests) with padding entries after its requests, ``size`` in
+    all: each one token at position 0 of ``pad_row``, a row whose one page no request owns. A
+    CUDA graph captured for ``size`` requests runs a smaller batch padded so (chapter 8)."""
     rows, cached = (list(batch.rows), list(batch.cached_lens)) if batch is not None else ([], [])
     pad = size - len(rows)
-    return PaddedBatch(rows + [pad_row] * pad, cached + [0] * pad, [1] * size, size, size)
+    return _Layout(rows + [pad_row] * pad, cached + [0] * pad, [1] * size, True, size, size)
 
 
 def total_lens(layout: BatchLayout) -> list[int]:
