@@ -153,8 +153,8 @@ class BaseAttnBackend(ABC):
         that a CUDA graph runs from fixed memory (chapter 8). The backend's :meth:`_plan` adds
         what its kernel needs.
         """
-        positions, slots = self.page_table.locate(layout.rows, layout.cached_lens,
-                                                  total_lens(layout))
+        ends = np.add(layout.cached_lens, layout.new_lens)
+        positions, slots = self.page_table.locate(layout.rows, layout.cached_lens, ends)
         last_indices = np.cumsum(layout.new_lens) - 1  # each request's last new token
         host = torch.from_numpy(np.concatenate([positions, slots, last_indices]))
         if out is None:

@@ -24,7 +24,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout, total_lens
+from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout
 from minisgl.attention.utils import indptr_tensor, last_page_len, pages_for
 from minisgl.kvcache.mha_pool import MHAKVPool
 from minisgl.kvcache.page_table import PageTable
@@ -70,15 +70,14 @@ def page_arrays(page_table: PageTable, layout: BatchLayout) -> dict[str, Any]:
     """The CSR description of where each request's keys are (pages, not token slots), on the
     host: FlashInfer's ``indptr``, ``indices``, ``last_page_len`` and ``qo_indptr``."""
     page_size = page_table.page_size
-    totals = total_lens(layout)
-    num_pages = [pages_for(n, page_size) for n in totals]
-    ids = np.empty(sum(num_pages), dtype=np.int32)
-    page_table.gather_pages(layout.rows, num_pages, out=ids)
+    totals = np.add(layout.cached_lens, layout.new_lens)  # keys each request attends over
+    num_pages = pages_for(totals, page_size)
+    ids = np.empty(int(num_pages.sum()), dtype=np.int32)
+    page_table.gather_pages(layout.rows, num_pages.tolist(), out=ids)
     return {
         "page_indptr": indptr_tensor(num_pages),
         "page_indices": torch.from_numpy(ids),
-        "last_page_lens": torch.tensor([last_page_len(n, page_size) for n in totals],
-                                       dtype=torch.int32),
+        "last_page_lens": torch.from_numpy(last_page_len(totals, page_size).astype(np.int32)),
         "qo_indptr": indptr_tensor(layout.new_lens),
     }
 
@@ -100,7 +99,7 @@ def piece_arrays(page_table: PageTable, layout: BatchLayout, num_pieces: int,
         last_lens = np.concatenate([last_lens, np.ones(spare, dtype=np.int64)])
         owners = np.concatenate([owners, np.zeros(spare, dtype=np.int64)])
         arrays["page_indices"] = torch.cat([ids, ids[-1:].repeat(spare)])
-    arrays.update(page_indptr=indptr_tensor(pages.tolist()),
+    arrays.update(page_indptr=indptr_tensor(pages),
                   last_page_lens=torch.from_numpy(last_lens.astype(np.int32)),
                   query_rows=QueryRows(owners=torch.from_numpy(owners.astype(np.int64)),
                                        indptr=torch.from_numpy(piece_indptr.astype(np.int32))))

@@ -11,8 +11,12 @@ these few functions.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
+import numpy as np
 import torch
+
+Count = TypeVar("Count", int, np.ndarray)  # one request's count, or one per request
 
 
 def indptr_of(lengths: Sequence[int]) -> list[int]:
@@ -27,16 +31,19 @@ def indptr_of(lengths: Sequence[int]) -> list[int]:
     return offsets
 
 
-def indptr_tensor(lengths: Sequence[int]) -> torch.Tensor:
-    """:func:`indptr_of` as an int32 tensor on the host, the form FlashInfer's ``plan`` reads."""
-    return torch.tensor(indptr_of(lengths), dtype=torch.int32)
+def indptr_tensor(lengths: Sequence[int] | np.ndarray) -> torch.Tensor:
+    """:func:`indptr_of` as an int32 tensor on the host, the form FlashInfer's ``plan`` reads
+    (one numpy running sum, however long the batch)."""
+    indptr = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=indptr[1:])
+    return torch.from_numpy(indptr)
 
 
-def pages_for(num_tokens: int, page_size: int) -> int:
+def pages_for(num_tokens: Count, page_size: int) -> Count:
     """Pages that ``num_tokens`` tokens occupy (the last one may be partly filled)."""
     return -(-num_tokens // page_size)  # ceiling division
 
 
-def last_page_len(num_tokens: int, page_size: int) -> int:
+def last_page_len(num_tokens: Count, page_size: int) -> Count:
     """Tokens in the last of those pages: between 1 and ``page_size`` for a non-empty sequence."""
     return num_tokens - (pages_for(num_tokens, page_size) - 1) * page_size

@@ -282,7 +282,7 @@ class Engine:
         if launched:
             self._run_graph_inputs(bs)
         else:
-            self.graph_runner.replay(bs)
+            self.graph_runner.graphs[bs].replay()
         return self.graph_inputs.logits[: batch.size]
 
     def _load_graph_inputs(self, batch: Batch | None, bs: int,

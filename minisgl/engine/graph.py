@@ -180,10 +180,6 @@ class GraphRunner:
             return None
         return padded_batch_size(batch.size, self.batch_sizes)
 
-    def replay(self, bs: int) -> None:
-        """Replay the graph captured for ``bs`` over what the fixed memory holds now."""
-        self.graphs[bs].replay()
-
     def __repr__(self) -> str:
         if not self.enabled:
             return f"GraphRunner(disabled: {self.disabled_reason})"
