@@ -12,6 +12,7 @@ story.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -33,9 +34,7 @@ class SerializationError(ValueError):
 # The registry: tag -> class. It only grows at import time (a class statement or a module's
 # register_wire_type call), so every process that imports ``minisgl.message`` holds the same map.
 _WIRE_TYPES: dict[str, type] = {}
-# Per class: (field name, default) pairs in declaration order; _REQUIRED when there is none.
-_FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {}
-_REQUIRED = object()
+_REQUIRED = object()  # the "default" of a field that has none
 
 
 def register_wire_type(cls: C) -> C:
@@ -45,8 +44,6 @@ def register_wire_type(cls: C) -> C:
     version of it, from the same module) replaces it; two classes of one name from different
     places are an error, since the name is the tag.
     """
-    if not isinstance(cls, type):
-        raise TypeError(f"register_wire_type takes a class, got {cls!r}")
     name = cls.__name__
     if name == TUPLE_TAG:
         raise ValueError(f"the tag {TUPLE_TAG!r} is reserved for tuples; rename the class")
@@ -95,21 +92,16 @@ class Message:
         return loads(frame)
 
 
+@functools.cache  # once per class
 def _wire_fields(cls: type) -> tuple[tuple[str, Any], ...]:
-    """The fields of ``cls`` with their plain defaults, computed once per class."""
-    fields = _FIELDS.get(cls)
-    if fields is None:
-        if not dataclasses.is_dataclass(cls):
-            raise SerializationError(f"{cls.__module__}.{cls.__qualname__} is registered as a "
-                                     f"wire type but is not a dataclass")
-        fields = tuple(
-            # A default_factory default is a fresh object each time: always send the field.
-            (f.name, _REQUIRED if f.default is dataclasses.MISSING else f.default)
-            for f in dataclasses.fields(cls)
-            if f.init  # a derived field is computed again by the receiver's constructor
-        )
-        _FIELDS[cls] = fields
-    return fields
+    """The (name, default) pairs of ``cls``'s fields, in order; _REQUIRED where none."""
+    if not dataclasses.is_dataclass(cls):
+        raise SerializationError(f"{cls.__module__}.{cls.__qualname__} is registered as a "
+                                 f"wire type but is not a dataclass")
+    # A default_factory default is a fresh object each time: always send the field. A derived
+    # (init=False) field is computed again by the receiver's constructor.
+    return tuple((f.name, _REQUIRED if f.default is dataclasses.MISSING else f.default)
+                 for f in dataclasses.fields(cls) if f.init)
 
 
 def to_wire(obj: Any) -> dict[str, Any]:
