@@ -47,13 +47,13 @@ GUARD_HINT = ('put the code that starts the engine under `if __name__ == "__main
 
 
 def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...] = (),
-                  kwargs: Mapping[str, Any] | None = None, daemon: bool = True,
+                  kwargs: Mapping[str, Any] | None = None,
                   own_process_group: bool = False) -> BaseProcess:
     """Start ``target(*args, **kwargs)`` in a new process called ``name``, with spawn.
 
     ``target`` must be importable by name (a module-level function), and ``args``/``kwargs``
     picklable: pass queue addresses, not queues. ``name`` is the process name that the log
-    lines show. A daemon process (the default) is terminated when its parent exits normally, so
+    lines show. It is a daemon: it is terminated when its parent exits normally, so
     a crashed launcher leaves fewer orphans behind.
 
     ``own_process_group`` puts the process in a process group of its own. Ctrl-C
@@ -68,7 +68,7 @@ def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...
     if own_process_group:
         args, target = (target, *args), _run_in_own_process_group
     process = SPAWN.Process(target=target, name=name, args=args, kwargs=dict(kwargs or {}),
-                             daemon=daemon)
+                             daemon=True)
     process.start()
     logger.debug("started process %s (pid %d)", name, process.pid)
     return process
@@ -202,15 +202,10 @@ def wait_ready(queue: multiprocessing.Queue, processes: Sequence[BaseProcess],
             continue
         _, name = waiting.pop(pid, (None, reported))
         if status == FAILED:
-            raise WorkerFailed(f"worker {name} (pid {pid}) failed to start: "
-                               f"{_last_line(text)}\n{text.rstrip()}")
+            error = text.strip().splitlines()[-1]  # the traceback's last line, shown first
+            raise WorkerFailed(f"worker {name} (pid {pid}) failed to start: {error}\n"
+                               f"{text.rstrip()}")
         logger.debug("worker %s (pid %d) is ready", name, pid)
-
-
-def _last_line(text: str) -> str:
-    """A traceback's last line: the error itself, which a one-line log shows first."""
-    lines = text.strip().splitlines()
-    return lines[-1] if lines else "(no traceback)"
 
 
 class WorkerFailed(RuntimeError):
