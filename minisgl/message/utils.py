@@ -62,36 +62,6 @@ def registered_types() -> Mapping[str, type]:
     return MappingProxyType(_WIRE_TYPES)
 
 
-class Message:
-    """The base of every message exchanged between the processes.
-
-    A message is a frozen dataclass that subclasses one *family*: the base class of everything
-    one kind of process receives (``TokenizerMessage``, ``DetokenizerMessage``,
-    ``BackendMessage``, ``FrontendMessage``). A queue is typed with a family, so a message sent
-    to the wrong process is caught at once. A message that a worker forwards unchanged
-    subclasses both families.
-
-    Subclasses register themselves under their class name; a family base says
-    ``class BackendMessage(Message, family=True)`` and is not registered (it is never sent).
-    """
-
-    def __init_subclass__(cls, family: bool = False, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if not family:
-            register_wire_type(cls)
-
-    # The codec comes with the family: a queue (``minisgl.utils.queues``, in a lower package
-    # that knows nothing of messages) writes and reads its frames with the class it is typed
-    # with.
-    @staticmethod
-    def dumps(obj: Any) -> bytes:
-        return dumps(obj)
-
-    @staticmethod
-    def loads(frame: bytes) -> Any:
-        return loads(frame)
-
-
 @functools.cache  # once per class
 def _wire_fields(cls: type) -> tuple[tuple[str, Any], ...]:
     """The (name, default) pairs of ``cls``'s fields, in order; _REQUIRED where none."""
@@ -178,6 +148,31 @@ def loads(frame: bytes) -> Any:
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise SerializationError(f"not a message frame ({len(frame)} bytes, starting "
                                  f"{bytes(frame[:16])!r}): {reason}") from exc
+
+
+class Message:
+    """The base of every message exchanged between the processes.
+
+    A message is a frozen dataclass that subclasses one *family*: the base class of everything
+    one kind of process receives (``TokenizerMessage``, ``DetokenizerMessage``,
+    ``BackendMessage``, ``FrontendMessage``). A queue is typed with a family, so a message sent
+    to the wrong process is caught at once. A message that a worker forwards unchanged
+    subclasses both families.
+
+    Subclasses register themselves under their class name; a family base says
+    ``class BackendMessage(Message, family=True)`` and is not registered (it is never sent).
+    """
+
+    def __init_subclass__(cls, family: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not family:
+            register_wire_type(cls)
+
+    # The codec comes with the family: a queue (``minisgl.utils.queues``, in a lower package
+    # that knows nothing of messages) writes and reads its frames with the class it is typed
+    # with.
+    dumps = staticmethod(dumps)
+    loads = staticmethod(loads)
 
 
 register_wire_type(SamplingParams)
