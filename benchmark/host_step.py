@@ -55,19 +55,20 @@ def without_device_work(engine: Any) -> None:
     """
     import torch
 
-    from minisgl.attention.fi import GraphBuffers, stage_decode_batch
+    from minisgl.attention import fi
     from minisgl.layers.fast import paths
 
     table = engine.pages.table
-    max_batch = engine.config.max_running_reqs
-    graph = GraphBuffers.allocate(max_batch, table.max_pages_per_req, pad_page=0,
-                                  device=torch.device("cpu"),
-                                  max_pieces=paths.decode_pieces(max_batch))
+
     def logits(batch: Any, use_graph: bool = True) -> torch.Tensor:
         engine.input_ids(batch)  # gathering the step's input ids is host work too
-        if batch.is_decode:  # a large batch is cut into pieces, as a replay cuts it
-            stage_decode_batch(graph, table, batch.rows, batch.cached_lens, batch.size,
-                               paths.decode_pieces(batch.size))
+        if batch.is_decode:  # slots, then the page arrays (in pieces, as a replay cuts them)
+            table.locate(batch.rows, batch.cached_lens, [c + 1 for c in batch.cached_lens])
+            pieces = paths.decode_pieces(batch.size)
+            if pieces:
+                fi.piece_arrays(table, batch, pieces, spares=True)
+            else:
+                fi.page_arrays(table, batch)
         return torch.zeros(batch.size, 1)
 
     engine.logits = logits

@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from minisgl.attention import create_attention_backend, layout_of, total_lens
-from minisgl.attention.utils import gather_page_ids, indptr_of, last_page_len, pages_for
+from minisgl.attention.fi import page_arrays
+from minisgl.attention.utils import indptr_of, pages_for
 from minisgl.kvcache import MHAKVPool
 from minisgl.layers.attention import DenseCausalAttention, use_attention_backend
 from minisgl.models import load_model
@@ -85,7 +86,6 @@ def show_metadata(config: ModelConfig, device: torch.device, dtype: torch.dtype)
     backend = create_attention_backend("torch", batch.pool, batch.table, config.num_qo_heads)
     meta = backend.prepare(batch.layout)
     layout, table = batch.layout, batch.table
-    num_pages = [pages_for(t, 16) for t in total_lens(layout)]
     print("\none batch, 16-token pages: (row, cached, new) = "
           + ", ".join(f"({r}, {c}, {n})" for r, c, n in
                       zip(layout.rows, layout.cached_lens, layout.new_lens)))
@@ -96,9 +96,10 @@ def show_metadata(config: ModelConfig, device: torch.device, dtype: torch.dtype)
     print(f"  last_indices  {meta.last_indices.tolist()}   (rows whose logits are sampled)")
     print(f"  qo_indptr     {indptr_of(layout.new_lens)}   (new tokens per request)")
     print(f"  kv_indptr     {indptr_of(total_lens(layout))}   (torch: token slots per request)")
-    print(f"  page_indptr   {indptr_of(num_pages)}   (FlashInfer: pages per request)")
-    print(f"  page_indices  {gather_page_ids(table, layout.rows, num_pages).tolist()}")
-    print(f"  last_page_len {[last_page_len(t, 16) for t in total_lens(layout)]}")
+    arrays = page_arrays(table, layout)  # FlashInfer's description, built on the host
+    print(f"  page_indptr   {arrays['page_indptr'].tolist()}   (FlashInfer: pages per request)")
+    print(f"  page_indices  {arrays['page_indices'].tolist()}")
+    print(f"  last_page_len {arrays['last_page_lens'].tolist()}")
 
 
 def compare_backends(config: ModelConfig, device: torch.device, dtype: torch.dtype,

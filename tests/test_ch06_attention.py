@@ -26,9 +26,9 @@ from minisgl.attention import (
     total_lens,
 )
 from minisgl.attention.base import BaseAttnBackend
-from minisgl.attention.fi import import_flashinfer
+from minisgl.attention.base import pad_batch
+from minisgl.attention.fi import import_flashinfer, page_arrays
 from minisgl.attention.utils import (
-    gather_page_ids,
     indptr_of,
     last_page_len,
     pages_for,
@@ -162,12 +162,16 @@ def test_the_decode_slot_table_holds_each_request_s_slots_and_masks_the_padding(
         assert set(meta.slot_table[i, total:].tolist()) <= {slots[0]}, "padding: position 0"
 
 
-def test_gather_page_ids_reads_each_rows_first_pages() -> None:
+def test_page_arrays_read_each_rows_first_pages() -> None:
     table = PageTable(3, 4, page_size=16)
     a, b = table.alloc_row(), table.alloc_row()
     table.append_pages(a, [9, 2, 7])
     table.append_pages(b, [5])
-    assert gather_page_ids(table, [b, a], [1, 2]).tolist() == [5, 9, 2]
+    arrays = page_arrays(table, layout_of([b, a], [0, 20], [1, 3]))  # 1 and 23 tokens
+    assert arrays["page_indices"].tolist() == [5, 9, 2]
+    assert arrays["page_indptr"].tolist() == [0, 1, 3]
+    assert arrays["last_page_lens"].tolist() == [1, 7]
+    assert arrays["qo_indptr"].tolist() == [0, 1, 4]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -245,7 +249,7 @@ def test_backend_rejects_a_page_table_with_another_page_size() -> None:
 def test_torch_backend_has_no_cuda_graph_hooks() -> None:
     s = make_scenario([(0, 3)], page_size=1)
     with pytest.raises(NotImplementedError, match="CUDA graphs"):
-        TorchNativeBackend(s.pool, s.table, HQ).init_graph_buffers(4, 0)
+        TorchNativeBackend(s.pool, s.table, HQ).enable_cuda_graphs([4])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -455,22 +459,24 @@ def check_graph_decode_replay(page_size: int, case: list[tuple[int, int]], graph
     s = make_scenario(case, page_size, is_decode=True, dtype=torch.bfloat16, device="cuda")
     backend = flashinfer_backend(s)
     used = set(s.table.page_ids[s.table.page_ids >= 0].tolist())
-    pad_page = next(p for p in range(s.pool.num_pages) if p not in used)
+    pad_row = s.table.alloc_row()  # the padding row: one page no request owns
+    s.table.append_pages(pad_row, [next(p for p in range(s.pool.num_pages) if p not in used)])
     num_reqs = len(case)
-    backend.init_graph_buffers(max_batch_size=graph_bs, pad_page=pad_page)
+    backend.enable_cuda_graphs([graph_bs])
+    fields = torch.zeros(3 * graph_bs, dtype=torch.int64, device="cuda")  # fixed, as the engine's
     static_q = torch.zeros(graph_bs, HQ, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     static_k = torch.zeros(graph_bs, HKV, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
     static_v = torch.zeros_like(static_k)
-    backend.prepare_for_capture(graph_bs)
+    backend.prepare(pad_batch(None, graph_bs, pad_row), out=fields)
     backend.forward(static_q, static_k, static_v, 0)  # warm up (and compile) outside the graph
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         static_out = backend.forward(static_q, static_k, static_v, 0)
 
-    meta = backend.prepare_for_replay(s.layout, graph_bs)
-    assert meta.out_loc.shape[0] == graph_bs and meta.positions.tolist()[num_reqs:] == [0] * (
-        graph_bs - num_reqs)
+    meta = backend.prepare(pad_batch(s.layout, graph_bs, pad_row), out=fields)
+    assert meta.out_loc.data_ptr() == fields[graph_bs:].data_ptr(), "read where captured"
+    assert meta.positions.tolist()[num_reqs:] == [0] * (graph_bs - num_reqs)
     assert (meta.query_rows is not None) == bool(fast.paths.decode_pieces(graph_bs))
     q, k, v = s.new_tokens(0)
     static_q[:num_reqs], static_k[:num_reqs], static_v[:num_reqs] = q, k, v

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-from minisgl.attention import TorchNativeBackend
+from minisgl.attention import TorchNativeBackend, pad_batch
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.engine import Engine
@@ -30,7 +30,7 @@ from minisgl.engine.graph import (
     default_capture_sizes,
     padded_batch_size,
 )
-from minisgl.kvcache import MHAKVPool
+from minisgl.kvcache import MHAKVPool, RequestPages
 from minisgl.kvcache.page_table import PageTable
 
 QWEN3_06B_LIKE = Path(__file__).resolve().parent.parent / "models" / "qwen3-0.6b-like"
@@ -97,23 +97,33 @@ def test_config_rejects_graph_sizes_beyond_the_running_requests() -> None:
 # --------------------------------------------------------------------------------------------
 
 
-class CapturableBackend:
-    name = "capturable"
-    supports_cuda_graph = True
-
-
-def torch_backend() -> TorchNativeBackend:
-    pool = MHAKVPool(1, 1, 8, 4, 1, torch.float32, "cpu")
-    return TorchNativeBackend(pool, PageTable(2, 4, page_size=1), 1)
-
-
 def test_disabled_reason_names_the_flag_the_device_and_the_backend() -> None:
     cuda = torch.device("cuda")
-    assert "cuda_graph setting" in cuda_graph_disabled_reason(False, cuda, CapturableBackend())
+    assert "cuda_graph setting" in cuda_graph_disabled_reason(False, cuda, "flashinfer")
     assert "needs a CUDA GPU" in cuda_graph_disabled_reason(True, torch.device("cpu"),
-                                                             CapturableBackend())
-    assert "torch attention backend" in cuda_graph_disabled_reason(True, cuda, torch_backend())
-    assert cuda_graph_disabled_reason(True, cuda, CapturableBackend()) is None
+                                                             "flashinfer")
+    assert "torch attention backend" in cuda_graph_disabled_reason(True, cuda, "torch")
+    assert cuda_graph_disabled_reason(True, cuda, "flashinfer") is None
+
+
+def test_padding_entries_are_one_token_at_position_0_of_the_padding_row() -> None:
+    """A padded decode batch is the batch's requests, then padding entries that the backend
+    prepares like any other: one token in the padding row's one page."""
+    pages = RequestPages(16, 4, 64, page_size=4)
+    pad_row = pages.padding_row()
+    reqs = [Req(i, [1] * (3 + 4 * i)) for i in range(2)]
+    for req in reqs:
+        pages.reserve(req)
+        req.cached_len = req.num_tokens - 1
+    padded = pad_batch(Batch(reqs, "decode"), 4, pad_row)
+    assert padded.rows == [reqs[0].table_row, reqs[1].table_row, pad_row, pad_row]
+    assert (padded.cached_lens, padded.new_lens) == ([2, 6, 0, 0], [1] * 4)
+    pool = MHAKVPool(1, 1, 8, 16, 4, torch.float32, "cpu")  # 16 pages of 4 tokens
+    meta = TorchNativeBackend(pool, pages.table, 1).prepare(padded)
+    pad_slot = int(pages.table.row_pages(pad_row)[0]) * 4
+    assert meta.positions.tolist() == [2, 6, 0, 0]
+    assert meta.out_loc.tolist()[2:] == [pad_slot, pad_slot]
+    assert pages.num_free_rows == 1 and pages.num_used == 1 + 1 + 2  # the padding row's page
 
 
 def test_a_disabled_runner_replays_nothing() -> None:
@@ -149,9 +159,9 @@ def test_on_cpu_graphs_are_off_and_the_engine_still_decodes(cpu_engine: Engine) 
     assert cpu_engine.pages.num_free == cpu_engine.kv_budget.num_pages, "no pad page taken"
     reqs = decode_batch(cpu_engine, [[1, 2, 3], [4, 5]])
     batch = Batch(reqs, "decode")
-    assert not runner.can_replay(batch)
+    assert runner.size_for(batch) is None
     with pytest.raises(ValueError, match="no captured graph"):
-        runner.replay(batch, cpu_engine.input_ids(batch))
+        cpu_engine.replay(batch, cpu_engine.input_ids(batch))
     tokens = cpu_engine.forward(batch)  # eager, as if nothing happened
     assert tokens.shape == (2,)
     for req in reqs:
@@ -193,36 +203,6 @@ def random_decode_batches(table: PageTable, steps: int, seed: int
             yield rows, lens, rng.randint(len(rows), table.max_reqs + 2)
 
 
-def test_replay_staging_writes_the_arrays_an_eager_plan_builds() -> None:
-    """The arrays a replay copies into the graph's buffers, staged on the host from the page
-    table's host copy, equal those the eager decode plan builds from the device table, with
-    each padding entry one token in the pad page; rows grow, are freed and reused between
-    steps. (The staging is numpy on the host, so this runs on a CPU; the copies and the
-    plan are checked on a GPU below.)"""
-    from minisgl.attention.fi import GraphBuffers, stage_decode_batch
-    from minisgl.attention.utils import gather_page_ids, last_page_len, pages_for
-
-    size, width, pad_page = 4, 12, 99
-    table = PageTable(6, width, page_size=size)
-    graph = GraphBuffers.allocate(8, width, pad_page, torch.device("cpu"))
-    for rows, lens, batch_size in random_decode_batches(table, 60, seed=0):
-        total = stage_decode_batch(graph, table, rows, [lens[row] for row in rows], batch_size)
-        pad = batch_size - len(rows)
-        num_pages = [pages_for(lens[row] + 1, size) for row in rows]
-        assert total == sum(num_pages) + pad
-        assert graph.host_page_indices[:total].tolist() == \
-            gather_page_ids(table, rows, num_pages).tolist() + [pad_page] * pad
-        assert graph.host_page_indptr[: batch_size + 1].tolist() == \
-            np.cumsum([0] + num_pages + [1] * pad).tolist()
-        assert graph.host_last_page_lens[:batch_size].tolist() == \
-            [last_page_len(lens[row] + 1, size) for row in rows] + [1] * pad
-        cached = [lens[row] for row in rows]
-        assert graph.host_token_fields[0, :batch_size].tolist() == cached + [0] * pad
-        assert graph.host_token_fields[1, :batch_size].tolist() == \
-            table.batch_token_slots(rows, cached, [c + 1 for c in cached]).tolist() + \
-            [pad_page * size] * pad
-
-
 # --------------------------------------------------------------------------------------------
 # On a GPU: replay against eager
 # --------------------------------------------------------------------------------------------
@@ -261,10 +241,10 @@ def check_replay_against_eager(engine: Engine, batch_sizes: list[int], steps: in
                 engine.pages.reserve(req)
             batch = Batch(reqs, "decode")
             ids = engine.input_ids(batch)
-            assert runner.can_replay(batch)
+            assert runner.size_for(batch) is not None
             eager = engine.logits(batch, use_graph=False).clone()
-            launched = runner.run_padded_eagerly(batch, ids).clone()
-            replayed = runner.replay(batch, ids).clone()
+            launched = engine.replay(batch, ids, launched=True).clone()
+            replayed = engine.replay(batch, ids).clone()
             assert replayed.shape == eager.shape == (bs, engine.model_config.vocab_size)
             # A graph replays the recorded kernels on the same buffers: bit for bit the same.
             assert torch.equal(replayed, launched), f"batch {bs}, step {step}: replay differs"
@@ -338,10 +318,10 @@ def test_batches_the_graphs_cannot_serve_run_eagerly(tiny_model_dir: Path) -> No
     runner = engine.graph_runner
     prefill = [Req(0, [1, 2, 3])]
     engine.pages.reserve(prefill[0])
-    assert not runner.can_replay(Batch(prefill, "prefill"))
+    assert runner.size_for(Batch(prefill, "prefill")) is None
     engine.pages.release(prefill[0])
     reqs = decode_batch(engine, [[1, 2], [3, 4, 5], [6]])
-    assert not runner.can_replay(Batch(reqs, "decode")), "3 requests exceed the largest graph (2)"
+    assert runner.size_for(Batch(reqs, "decode")) is None, "3 requests exceed the largest graph (2)"
     assert engine.forward(Batch(reqs, "decode")).shape == (3,)
     for req in reqs:
         engine.pages.release(req)
@@ -370,9 +350,9 @@ def test_a_replayed_decode_step_allocates_nothing(tiny_model_dir: Path, num_reqs
             engine.pages.reserve(req)
         batch = Batch(reqs, "decode")
         ids = engine.input_ids(batch)
-        assert runner.can_replay(batch)
+        assert runner.size_for(batch) is not None
         before = allocations()
-        logits = runner.replay(batch, ids)
+        logits = engine.replay(batch, ids)
         if step >= 5:  # after a warm-up
             new_allocations.append(allocations() - before)
         tokens = engine.sample(batch, logits).tolist()

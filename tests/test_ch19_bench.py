@@ -16,6 +16,7 @@ import math
 import subprocess
 import sys
 from collections.abc import Callable
+from typing import Any
 from pathlib import Path
 from types import ModuleType
 
@@ -358,17 +359,16 @@ def test_the_host_step_benchmark_times_whole_decode_batches_without_the_model(
 
     host_step = repo_script("benchmark/host_step.py")
     staged: list[int] = []
-    real_stage = fi.stage_decode_batch
+    real_arrays = fi.page_arrays
 
-    def stage(graph: object, table: object, rows: list, cached_lens: list, batch_size: int,
-              num_pieces: int = 0) -> int:
-        staged.append(batch_size)
-        return real_stage(graph, table, rows, cached_lens, batch_size, num_pieces)
+    def stage(table: object, layout: Any) -> dict:
+        staged.append(layout.size)
+        return real_arrays(table, layout)
 
     def device_work(self: Engine, batch: object, use_graph: bool = True) -> None:
         raise AssertionError("the model ran")
 
-    monkeypatch.setattr(fi, "stage_decode_batch", stage)
+    monkeypatch.setattr(fi, "page_arrays", stage)
     monkeypatch.setattr(Engine, "logits", device_work)
     times = host_step.host_step_ms(str(tiny_model_dir), batch_size=5, context_len=20, steps=4)
     assert len(times) == 4 and all(t > 0 for t in times)

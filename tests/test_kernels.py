@@ -197,50 +197,48 @@ def test_the_merge_reference_equals_attention_over_whole_requests() -> None:
 
 
 @pytest.mark.parametrize("pieces_per_request", [1, 2, 4])
-def test_replay_staging_in_pieces_covers_each_request_once_in_order(
+def test_replay_arrays_in_pieces_cover_each_request_once_in_order(
         pieces_per_request: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Staged in pieces, the kernel's entries are runs of each request's pages: one request's
-    runs, concatenated, are its pages in order, each run but the last made of full pages; the
-    entries left over are spares of one token in the pad page, which no request merges; and
-    the batch's pieces fill the graph's count whenever there are pages enough."""
-    from minisgl.attention.fi import GraphBuffers, stage_decode_batch
-    from minisgl.attention.utils import gather_page_ids, last_page_len, pages_for
+    """Cut into pieces for a graph, the kernel's entries are runs of each request's pages: one
+    request's runs, concatenated, are its pages in order, each run but the last made of full
+    pages; and the entries left over, up to the graph's count, are spares of one token, which
+    no request merges."""
+    from minisgl.attention import layout_of
+    from minisgl.attention.fi import piece_arrays
+    from minisgl.attention.utils import last_page_len, pages_for
     from minisgl.kernel import KERNELS
     from minisgl.layers import fast
 
-    # The cut is host code (numpy): the kernels' answer stages here even without a GPU.
+    # The cut is host code (numpy): the kernels' answer runs here even without a GPU.
     monkeypatch.setattr(fast, "paths", KERNELS)
-    size, width, pad_page = 4, 12, 99
+    size, width = 4, 12
     table = PageTable(6, width, page_size=size)
-    graph = GraphBuffers.allocate(8, width, pad_page, torch.device("cpu"),
-                                  max_pieces=8 * pieces_per_request)
     for rows, lens, batch_size in random_decode_batches(table, 60, seed=1):
-        num_pieces = pieces_per_request * batch_size
-        total = stage_decode_batch(graph, table, rows, [lens[row] for row in rows], batch_size,
-                                   num_pieces)
-        pad = batch_size - len(rows)
-        num_pages = [pages_for(lens[row] + 1, size) for row in rows] + [1] * pad
-        pages = gather_page_ids(table, rows, num_pages[: len(rows)]).tolist() + [pad_page] * pad
-        last_lens = [last_page_len(lens[row] + 1, size) for row in rows] + [1] * pad
-        indices = graph.host_page_indices[:total].tolist()
-        indptr = graph.host_page_indptr[: num_pieces + 1].tolist()
-        entry_last = graph.host_last_page_lens[:num_pieces].tolist()
-        owners = graph.host_piece_owners[:num_pieces].tolist()
-        piece_indptr = graph.host_piece_indptr[: batch_size + 1].tolist()
+        num_pieces = pieces_per_request * len(rows) + (batch_size - len(rows))
+        cached = [lens[row] for row in rows]
+        arrays = piece_arrays(table, layout_of(rows, cached, [1] * len(rows), is_decode=True),
+                              num_pieces, spares=True)
+        num_pages = [pages_for(c + 1, size) for c in cached]
+        pages = sum((table.row_pages(row)[:n].tolist() for row, n in zip(rows, num_pages)), [])
+        last_lens = [last_page_len(c + 1, size) for c in cached]
+        indices = arrays["page_indices"].tolist()
+        indptr = arrays["page_indptr"].tolist()
+        entry_last = arrays["last_page_lens"].tolist()
+        owners = arrays["query_rows"].owners.tolist()
+        piece_indptr = arrays["query_rows"].indptr.tolist()
+        assert len(indptr) == num_pieces + 1 and len(owners) == num_pieces
         assert piece_indptr[0] == 0 and indptr[0] == 0
         start = 0
-        for req in range(batch_size):
+        for req in range(len(rows)):
             mine = range(piece_indptr[req], piece_indptr[req + 1])
             assert len(mine) >= 1 and all(owners[p] == req for p in mine)
             runs = [indices[indptr[p]: indptr[p + 1]] for p in mine]
             assert sum(runs, []) == pages[start: start + num_pages[req]]
             assert [entry_last[p] for p in mine] == [size] * (len(mine) - 1) + [last_lens[req]]
             start += num_pages[req]
-        used = piece_indptr[batch_size]
-        spares = range(used, num_pieces)
-        assert total == start + len(spares)
-        assert [indices[indptr[p]: indptr[p + 1]] for p in spares] == [[pad_page]] * len(spares)
-        assert all(entry_last[p] == 1 for p in spares)
+        spares = range(piece_indptr[len(rows)], num_pieces)
+        assert len(indices) == start + len(spares)
+        assert all(indptr[p + 1] - indptr[p] == 1 and entry_last[p] == 1 for p in spares)
         for row in rows:
             lens[row] += 1
 

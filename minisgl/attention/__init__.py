@@ -24,6 +24,7 @@ from minisgl.attention.base import (
     BaseAttnBackend,
     BatchLayout,
     layout_of,
+    pad_batch,
     total_lens,
 )
 from minisgl.attention.torch_native import TorchNativeBackend
@@ -95,6 +96,7 @@ __all__ = [
     "TorchNativeBackend",
     "create_attention_backend",
     "layout_of",
+    "pad_batch",
     "resolve_attention_backend",
     "total_lens",
 ]

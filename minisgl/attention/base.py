@@ -72,6 +72,15 @@ def layout_of(rows: Sequence[int], cached_lens: Sequence[int], new_lens: Sequenc
                    sum(new_lens))
 
 
+def pad_batch(batch: BatchLayout | None, size: int, pad_row: int) -> BatchLayout:
+    """A decode batch (None: no requests) with padding entries after its requests, ``size`` in
+    all: each one token at position 0 of ``pad_row``, a row whose one page no request owns. A
+    CUDA graph captured for ``size`` requests runs a smaller batch padded so (chapter 8)."""
+    rows, cached = (list(batch.rows), list(batch.cached_lens)) if batch is not None else ([], [])
+    pad = size - len(rows)
+    return _Layout(rows + [pad_row] * pad, cached + [0] * pad, [1] * size, True, size, size)
+
+
 def total_lens(layout: BatchLayout) -> list[int]:
     """Keys each request's queries attend over: its cached tokens and its new ones."""
     return [c + n for c, n in zip(layout.cached_lens, layout.new_lens)]
@@ -112,7 +121,6 @@ class BaseAttnBackend(ABC):
     """
 
     name: ClassVar[str]
-    supports_cuda_graph: ClassVar[bool] = False
 
     def __init__(self, kv_pool: MHAKVPool, page_table: PageTable, num_qo_heads: int) -> None:
         if kv_pool.page_size != page_table.page_size:
@@ -133,31 +141,38 @@ class BaseAttnBackend(ABC):
         self.device = kv_pool.device
         self._metadata: AttnMetadata | None = None
 
-    def prepare(self, layout: BatchLayout) -> AttnMetadata:
+    def prepare(self, layout: BatchLayout, out: torch.Tensor | None = None) -> AttnMetadata:
         """Compute the metadata of the next forward pass; call once per batch, before the model.
 
         The returned metadata stays in effect (every :meth:`forward` call uses it) until the
         next ``prepare``. Its ``positions`` and ``last_indices`` are the model's inputs. The new
         tokens of request ``i`` are its positions ``cached_len .. total_len - 1``; the page
         table finds their slots on the host (and checks that the row holds pages for all of
-        them), and the three arrays cross to the device in one copy the host does not wait for.
-        The backend's :meth:`_plan` adds what its kernel needs.
+        them), and the three arrays cross to the device in one copy the host does not wait for:
+        into a new tensor, or into ``out`` (int64, at least ``2 * T + B`` long) for a batch
+        that a CUDA graph runs from fixed memory (chapter 8). The backend's :meth:`_plan` adds
+        what its kernel needs.
         """
-        positions, slots = self.page_table.locate(layout.rows, layout.cached_lens,
-                                                  total_lens(layout))
+        ends = np.add(layout.cached_lens, layout.new_lens)
+        positions, slots = self.page_table.locate(layout.rows, layout.cached_lens, ends)
         last_indices = np.cumsum(layout.new_lens) - 1  # each request's last new token
-        fields = host_to_device(torch.from_numpy(np.concatenate([positions, slots,
-                                                                 last_indices])), self.device)
+        host = torch.from_numpy(np.concatenate([positions, slots, last_indices]))
+        if out is None:
+            fields = host_to_device(host, self.device)
+        else:  # pinned, so that the copy does not wait for the device either
+            fields = out[: len(host)].copy_(host.pin_memory() if out.is_cuda else host,
+                                            non_blocking=True)
         positions, out_loc, last_indices = fields.split([len(slots), len(slots), layout.size])
         self._metadata = self._plan(layout, {"layout": layout, "out_loc": out_loc,
                                              "positions": positions,
-                                             "last_indices": last_indices})
+                                             "last_indices": last_indices}, out is not None)
         return self._metadata
 
     @abstractmethod
-    def _plan(self, layout: BatchLayout, fields: dict[str, Any]) -> AttnMetadata:
+    def _plan(self, layout: BatchLayout, fields: dict[str, Any], static: bool) -> AttnMetadata:
         """This backend's metadata for ``layout``, built on the :class:`AttnMetadata`
-        ``fields`` every backend has (and its kernel planned, if it has one)."""
+        ``fields`` every backend has (and its kernel planned, if it has one). ``static``: a
+        CUDA graph will run the batch (:meth:`enable_cuda_graphs`)."""
 
     @property
     def metadata(self) -> AttnMetadata:
@@ -227,20 +242,10 @@ class BaseAttnBackend(ABC):
         """Attention over the pool's keys of layer ``layer_id``, as ``meta`` says, of the
         queries ``q`` in the kernel's rows (``meta.query_rows``)."""
 
-    # CUDA-graph hooks. Only a backend whose decode kernel reads fixed buffers can
-    # be captured; the others say so instead of failing somewhere inside the capture.
-    def init_graph_buffers(self, max_batch_size: int, pad_page: int) -> None:
-        """Allocate the fixed buffers that captured decode graphs read."""
-        raise NotImplementedError(f"the {self.name} attention backend does not support "
-                                  "CUDA graphs")
-
-    def prepare_for_capture(self, batch_size: int) -> AttnMetadata:
-        """Make a padding-only decode batch of ``batch_size`` current, for capturing its graph."""
-        raise NotImplementedError(f"the {self.name} attention backend does not support "
-                                  "CUDA graphs")
-
-    def prepare_for_replay(self, layout: BatchLayout, batch_size: int) -> AttnMetadata:
-        """Fill the captured ``batch_size`` graph's buffers for the decode batch ``layout``."""
+    def enable_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
+        """Get ready for decode batches of ``batch_sizes`` that CUDA graphs run from fixed
+        memory. Only a backend whose kernels can read fixed arrays can be captured; the
+        others say so instead of failing somewhere inside the capture."""
         raise NotImplementedError(f"the {self.name} attention backend does not support "
                                   "CUDA graphs")
 

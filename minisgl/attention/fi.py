@@ -8,7 +8,7 @@ wrappers ``plan`` once per batch on the host (how to split the work into thread 
 ``run`` once per layer: hence the backend's ``prepare`` per batch and ``forward`` per layer.
 The prefill wrapper serves batches with several new tokens per request (causal mask aligned
 to each sequence's end), the decode wrapper one token per request; decode also runs inside a
-CUDA graph over fixed buffers (:meth:`FlashInferBackend.init_graph_buffers`). Where
+CUDA graph over fixed arrays (:meth:`FlashInferBackend.enable_cuda_graphs`). Where
 :mod:`minisgl.layers.fast` has kernels (chapter 20), a large decode batch is cut into pieces,
 each an entry of the kernel, merged after it. ``flashinfer`` is imported when a backend is
 built, so the package imports on machines without it.
@@ -24,15 +24,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout, total_lens
-from minisgl.attention.utils import (
-    gather_page_ids,
-    indptr_tensor,
-    last_page_len,
-    pages_for,
-)
+from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout
+from minisgl.attention.utils import indptr_tensor, last_page_len, pages_for
 from minisgl.kvcache.mha_pool import MHAKVPool
-from minisgl.kvcache.page_table import PageTable, slots_of
+from minisgl.kvcache.page_table import PageTable
 from minisgl.layers import fast
 from minisgl.layers.fast import QueryRows
 from minisgl.utils.logger import get_logger
@@ -71,122 +66,44 @@ class FIMetadata(AttnMetadata):
     wrapper: Any  # the FlashInfer wrapper whose plan matches these arrays
 
 
-@dataclass
-class GraphBuffers:
-    """The fixed memory that captured decode graphs read, and its host staging.
-
-    A CUDA graph records the addresses its kernels read. Replaying it for a new batch means
-    writing the new batch's arrays *into these same tensors*: every one of them is made here,
-    once, and a replay only copies into it. The host builds a batch's arrays in the pinned
-    ``host_*`` mirrors; one asynchronous copy per array moves them to the device, and nothing
-    is allocated on the device per step. The kernel's entries are requests (or pieces, for a
-    batch :mod:`minisgl.layers.fast` cuts into them): up to ``max_entries`` of either.
-    """
-
-    max_batch_size: int
-    max_pieces: int  # 0 when no captured size is cut into pieces
-    pad_page: int  # a page no request owns: padding entries write and read it
-    page_indptr: torch.Tensor  # [max_entries + 1] int32 (the wrappers' plan copies into it)
-    page_indices: torch.Tensor  # [max_batch_size * max_pages_per_req + max_pieces] int32
-    last_page_lens: torch.Tensor  # [max_entries] int32 (plan copies into it)
-    token_fields: torch.Tensor  # [2, max_batch_size] int64: positions, then out_loc
-    last_indices: torch.Tensor  # [max_batch_size] int64, 0 .. max_batch_size - 1
-    piece_owners: torch.Tensor  # [max_pieces] int64
-    piece_indptr: torch.Tensor  # [max_batch_size + 1] int32
-    host_page_indptr: torch.Tensor  # pinned host mirrors of the arrays above
-    host_page_indices: torch.Tensor
-    host_last_page_lens: torch.Tensor
-    host_token_fields: torch.Tensor
-    host_piece_owners: torch.Tensor
-    host_piece_indptr: torch.Tensor
-    host_qo_indptr: torch.Tensor  # [max_entries + 1] int32, 0 .. max_entries (host)
-
-    @classmethod
-    def allocate(cls, max_batch_size: int, max_pages_per_req: int, pad_page: int,
-                 device: torch.device, max_pieces: int = 0) -> GraphBuffers:
-        """Every buffer, zeroed; the host mirrors pinned when ``device`` is a GPU."""
-        pin = device.type == "cuda"
-
-        def device_and_host(*shape: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-            # Pinned host memory: a copy from it is truly asynchronous (from pageable memory
-            # the driver may first wait for the stream).
-            return (torch.zeros(shape, dtype=dtype, device=device),
-                    torch.zeros(shape, dtype=dtype, pin_memory=pin))
-
-        max_entries = max(max_batch_size, max_pieces)
-        indptr, host_indptr = device_and_host(max_entries + 1, dtype=torch.int32)
-        indices, host_indices = device_and_host(max_batch_size * max_pages_per_req + max_pieces,
-                                                dtype=torch.int32)
-        last, host_last = device_and_host(max_entries, dtype=torch.int32)
-        fields, host_fields = device_and_host(2, max_batch_size, dtype=torch.int64)
-        owners, host_owners = device_and_host(max_pieces, dtype=torch.int64)
-        piece_indptr, host_piece_indptr = device_and_host(max_batch_size + 1, dtype=torch.int32)
-        return cls(max_batch_size=max_batch_size, max_pieces=max_pieces, pad_page=pad_page,
-                   page_indptr=indptr, page_indices=indices, last_page_lens=last,
-                   token_fields=fields, last_indices=torch.arange(max_batch_size, device=device),
-                   piece_owners=owners, piece_indptr=piece_indptr,
-                   host_page_indptr=host_indptr, host_page_indices=host_indices,
-                   host_last_page_lens=host_last, host_token_fields=host_fields,
-                   host_piece_owners=host_owners, host_piece_indptr=host_piece_indptr,
-                   host_qo_indptr=torch.arange(max_entries + 1, dtype=torch.int32))
+def page_arrays(page_table: PageTable, layout: BatchLayout) -> dict[str, Any]:
+    """The CSR description of where each request's keys are (pages, not token slots), on the
+    host: FlashInfer's ``indptr``, ``indices``, ``last_page_len`` and ``qo_indptr``."""
+    page_size = page_table.page_size
+    totals = np.add(layout.cached_lens, layout.new_lens)  # keys each request attends over
+    num_pages = pages_for(totals, page_size)
+    ids = np.empty(int(num_pages.sum()), dtype=np.int32)
+    page_table.gather_pages(layout.rows, num_pages.tolist(), out=ids)
+    return {
+        "page_indptr": indptr_tensor(num_pages),
+        "page_indices": torch.from_numpy(ids),
+        "last_page_lens": torch.from_numpy(last_page_len(totals, page_size).astype(np.int32)),
+        "qo_indptr": indptr_tensor(layout.new_lens),
+    }
 
 
-def stage_decode_batch(graph: GraphBuffers, page_table: PageTable, rows: Sequence[int],
-                       cached_lens: Sequence[int], batch_size: int, num_pieces: int = 0) -> int:
-    """Write a decode batch, padded to ``batch_size``, into the host mirrors of ``graph``.
-
-    Numpy over the page table: a copy per request and a few vectorised operations,
-    nothing allocated on the device, and the device never waited for. Each padding entry is one
-    token in the pad page. Returns how many page ids were written. (``num_pieces``: the
-    entries are pieces instead, :func:`stage_pieces`.)
-    """
-    size, num_real = page_table.page_size, len(rows)
-    rows = np.fromiter(rows, dtype=np.int64, count=num_real)
-    cached = np.fromiter(cached_lens, dtype=np.int64, count=num_real)
-    counts = np.ones(batch_size, dtype=np.int64)  # a padding entry: one page, one token
-    counts[:num_real] = cached // size + 1  # the new token is at position cached_len
-    last_lens = np.ones(batch_size, dtype=np.int64)
-    last_lens[:num_real] = cached % size + 1
-    indices = graph.host_page_indices.numpy()
-    total = page_table.gather_pages(rows.tolist(), counts[:num_real].tolist(), out=indices)
-    indices[total: total + batch_size - num_real] = graph.pad_page
-    total += batch_size - num_real
-    fields = graph.host_token_fields.numpy()
-    fields[0, :num_real], fields[0, num_real:batch_size] = cached, 0
-    fields[1, :num_real] = slots_of(page_table.page_ids, rows, cached, size)
-    fields[1, num_real:batch_size] = graph.pad_page * size
-    if num_pieces:
-        return stage_pieces(graph, counts, last_lens, size, num_pieces, total)
-    np.cumsum(counts, out=graph.host_page_indptr.numpy()[1: batch_size + 1])
-    graph.host_last_page_lens.numpy()[:batch_size] = last_lens
-    return total
-
-
-def stage_pieces(graph: GraphBuffers, counts: np.ndarray, last_lens: np.ndarray,
-                 page_size: int, num_pieces: int, total: int) -> int:
-    """:func:`stage_decode_batch`'s entries when :mod:`minisgl.layers.fast` cuts the batch into
-    exactly ``num_pieces`` pieces: the spare ones are one token in the pad page, and no request
-    merges them. The page ids stay the requests' own; ``total`` of them are written."""
-    pages, piece_last_lens, owners, piece_indptr = fast.paths.cut_into_pieces(
-        counts, last_lens, page_size, num_pieces)
-    indices, batch_size = graph.host_page_indices.numpy(), len(counts)
-    indptr, entry_last_lens = graph.host_page_indptr.numpy(), graph.host_last_page_lens.numpy()
-    used = len(pages)
-    pages = np.concatenate([pages, np.ones(num_pieces - used, dtype=np.int64)])  # the spares
-    indices[total: total + num_pieces - used] = graph.pad_page
-    np.cumsum(pages, out=indptr[1: num_pieces + 1])
-    entry_last_lens[:used], entry_last_lens[used:num_pieces] = piece_last_lens, 1
-    owners_out = graph.host_piece_owners.numpy()
-    owners_out[:used], owners_out[used:num_pieces] = owners, 0
-    graph.host_piece_indptr.numpy()[: batch_size + 1] = piece_indptr
-    return total + num_pieces - used
-
-
-def copy_pieces(graph: GraphBuffers, batch_size: int, num_pieces: int) -> None:
-    """Start the device copies of what :func:`stage_pieces` staged."""
-    graph.piece_owners[:num_pieces].copy_(graph.host_piece_owners[:num_pieces], non_blocking=True)
-    graph.piece_indptr[: batch_size + 1].copy_(graph.host_piece_indptr[: batch_size + 1],
-                                               non_blocking=True)
+def piece_arrays(page_table: PageTable, layout: BatchLayout, num_pieces: int,
+                 spares: bool = False) -> dict[str, Any]:
+    """:func:`page_arrays` for a decode batch :mod:`minisgl.layers.fast` cuts into at most
+    ``num_pieces`` pieces: one entry per piece, and the pieces' ``query_rows``. With
+    ``spares``, exactly ``num_pieces`` entries (a captured graph's count): the pieces left
+    over read one token of the batch's last page, and no request merges them."""
+    arrays = page_arrays(page_table, layout)
+    num_pages = np.diff(arrays["page_indptr"].numpy()).astype(np.int64)
+    pages, last_lens, owners, piece_indptr = fast.paths.cut_into_pieces(
+        num_pages, arrays["last_page_lens"].numpy().astype(np.int64), page_table.page_size,
+        num_pieces)
+    if spares:
+        spare, ids = num_pieces - len(pages), arrays["page_indices"]
+        pages = np.concatenate([pages, np.ones(spare, dtype=np.int64)])
+        last_lens = np.concatenate([last_lens, np.ones(spare, dtype=np.int64)])
+        owners = np.concatenate([owners, np.zeros(spare, dtype=np.int64)])
+        arrays["page_indices"] = torch.cat([ids, ids[-1:].repeat(spare)])
+    arrays.update(page_indptr=indptr_tensor(pages),
+                  last_page_lens=torch.from_numpy(last_lens.astype(np.int32)),
+                  query_rows=QueryRows(owners=torch.from_numpy(owners.astype(np.int64)),
+                                       indptr=torch.from_numpy(piece_indptr.astype(np.int32))))
+    return arrays
 
 
 class FlashInferBackend(BaseAttnBackend):
@@ -200,7 +117,6 @@ class FlashInferBackend(BaseAttnBackend):
     """
 
     name = "flashinfer"
-    supports_cuda_graph = True
 
     def __init__(self, kv_pool: MHAKVPool, page_table: PageTable, num_qo_heads: int,
                  workspace_bytes: int = WORKSPACE_BYTES) -> None:
@@ -217,9 +133,8 @@ class FlashInferBackend(BaseAttnBackend):
             self._workspace, kv_layout="NHD", backend="fa2")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, kv_layout="NHD", use_tensor_cores=self.use_tensor_cores)
-        self._graph: GraphBuffers | None = None
-        # captured batch size -> its metadata, whose wrapper reads the fixed buffers
-        self._graph_metadata_by_size: dict[int, FIMetadata] = {}
+        # captured batch size -> its decode wrapper over fixed arrays, and its fixed query rows
+        self._graph_wrappers: dict[int, tuple[Any, QueryRows | None]] = {}
         # plan() stages its arrays in pinned host memory and copies them to the GPU
         # asynchronously. Planning again before that copy ran would overwrite the staging
         # memory under it, so each plan waits for the previous one's copy (see _run_plan).
@@ -236,41 +151,29 @@ class FlashInferBackend(BaseAttnBackend):
         """
         return self.num_qo_heads // self.num_kv_heads >= 4
 
-    def _page_arrays(self, layout: BatchLayout) -> dict[str, torch.Tensor]:
-        """The CSR description of where each request's keys are: pages, not token slots."""
-        totals = total_lens(layout)
-        num_pages = [pages_for(n, self.page_size) for n in totals]
-        return {
-            "page_indptr": indptr_tensor(num_pages),
-            "page_indices": gather_page_ids(self.page_table, layout.rows, num_pages),
-            "last_page_lens": torch.tensor([last_page_len(n, self.page_size) for n in totals],
-                                           dtype=torch.int32),
-            "qo_indptr": indptr_tensor(layout.new_lens),
-        }
-
-    def _piece_arrays(self, layout: BatchLayout) -> dict[str, Any]:
-        """:meth:`_page_arrays` for a decode batch :mod:`minisgl.layers.fast` cuts into pieces:
-        one entry per piece."""
-        arrays = self._page_arrays(layout)
-        num_pages = np.diff(arrays["page_indptr"].numpy()).astype(np.int64)
-        pages, last_lens, owners, piece_indptr = fast.paths.cut_into_pieces(
-            num_pages, arrays["last_page_lens"].numpy().astype(np.int64), self.page_size,
-            fast.paths.decode_pieces(layout.size))
-        arrays.update(page_indptr=indptr_tensor(pages.tolist()),
-                      last_page_lens=torch.from_numpy(last_lens.astype(np.int32)),
-                      query_rows=QueryRows(
-                          owners=host_to_device(torch.from_numpy(owners), self.device),
-                          indptr=host_to_device(torch.from_numpy(
-                              piece_indptr.astype(np.int32)), self.device)))
-        return arrays
-
-    def _plan(self, layout: BatchLayout, fields: dict[str, Any]) -> FIMetadata:
-        if not layout.is_decode:
-            arrays, wrapper = self._page_arrays(layout), self._prefill
-        elif fast.paths.decode_pieces(layout.size):
-            arrays, wrapper = self._piece_arrays(layout), self._decode
+    def _plan(self, layout: BatchLayout, fields: dict[str, Any], static: bool) -> FIMetadata:
+        num_pieces = fast.paths.decode_pieces(layout.size) if layout.is_decode else 0
+        arrays = (piece_arrays(self.page_table, layout, num_pieces, spares=static)
+                  if num_pieces else page_arrays(self.page_table, layout))
+        rows: QueryRows | None = arrays.get("query_rows")
+        if static:  # a CUDA graph's batch: into the fixed arrays its kernels read
+            wrapper, fixed_rows = self._graph_wrappers[layout.size]
+            # Pinned, so that the host does not wait for the device to reach the copies.
+            for name in ("page_indptr", "last_page_lens"):  # plan() copies these two
+                arrays[name] = arrays[name].pin_memory()
+            ids = arrays["page_indices"]
+            self._graph_page_indices[: len(ids)].copy_(ids.pin_memory(), non_blocking=True)
+            arrays["page_indices"] = self._graph_page_indices[:0]  # nothing for plan() to copy
+            if rows is not None and fixed_rows is not None:
+                fixed_rows.owners.copy_(rows.owners.pin_memory(), non_blocking=True)
+                fixed_rows.indptr.copy_(rows.indptr.pin_memory(), non_blocking=True)
+                arrays["query_rows"] = fixed_rows
         else:
-            arrays, wrapper = self._page_arrays(layout), self._decode
+            wrapper = self._decode if layout.is_decode else self._prefill
+            arrays["page_indices"] = host_to_device(arrays["page_indices"], self.device)
+            if rows is not None:
+                arrays["query_rows"] = QueryRows(host_to_device(rows.owners, self.device),
+                                                 host_to_device(rows.indptr, self.device))
         meta = FIMetadata(**fields, **arrays, wrapper=wrapper)
         self._run_plan(meta)
         return meta
@@ -306,112 +209,34 @@ class FlashInferBackend(BaseAttnBackend):
         out, lse = wrapper.run(q, kv_pages, return_lse=True)
         return fast.paths.merge_pieces(out, lse, pieces.indptr)
 
-    def init_graph_buffers(self, max_batch_size: int, pad_page: int) -> None:
-        """Allocate the buffers every captured decode graph reads; call once, before capturing.
+    def enable_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
+        """Give each decode batch size to be captured a wrapper over fixed arrays.
 
-        Args:
-            max_batch_size: the largest batch size that will be captured.
-            pad_page: a page of the pool that no request will ever own (the engine takes it
-                from the allocator and keeps it). A batch smaller than its graph is padded
-                with entries of one token in this page: they compute garbage nobody reads,
-                and they write it where nobody looks.
+        A CUDA graph records the addresses its kernels read, so the page arrays of a captured
+        batch size live in tensors made here, once; planning a batch for it (``prepare`` with
+        ``out``) copies the batch's arrays into them. All sizes share one set: only one graph
+        runs at a time.
         """
-        if self._graph is not None:
-            raise RuntimeError("init_graph_buffers was already called")
-        if not 0 <= pad_page < self.kv_pool.num_pages:
-            raise ValueError(f"pad_page {pad_page} is not a page of the pool "
-                             f"(0..{self.kv_pool.num_pages - 1})")
-        if max_batch_size < 1 or max_batch_size > self.page_table.max_reqs:
-            raise ValueError(f"max_batch_size {max_batch_size} must be between 1 and the page "
-                             f"table's {self.page_table.max_reqs} rows")
-        self._graph = GraphBuffers.allocate(max_batch_size, self.page_table.max_pages_per_req,
-                                            pad_page, self.device,
-                                            max_pieces=fast.paths.decode_pieces(max_batch_size))
-
-    def _graph_metadata(self, batch_size: int) -> FIMetadata:
-        """The metadata of one captured batch size: views of the fixed buffers, made once.
-
-        The decode wrapper of that size is built over slices of the same buffers. Its plan is
-        given no page indices to copy (an empty view): :meth:`_stage_graph_batch` copies them.
-        """
-        graph = self._graph
-        if graph is None:
-            raise RuntimeError("call init_graph_buffers() before capturing CUDA graphs")
-        if not 1 <= batch_size <= graph.max_batch_size:
-            raise ValueError(f"batch_size {batch_size} must be between 1 and the "
-                             f"max_batch_size {graph.max_batch_size} given to init_graph_buffers")
-        if batch_size not in self._graph_metadata_by_size:
-            num_pieces = fast.paths.decode_pieces(batch_size)
-            entries = num_pieces or batch_size  # the kernel's requests: pieces, or the batch's
+        pieces = {bs: fast.paths.decode_pieces(bs) for bs in batch_sizes}
+        max_bs = max(batch_sizes)
+        max_entries = max(max_bs, *pieces.values())
+        indptr = torch.zeros(max_entries + 1, dtype=torch.int32, device=self.device)
+        self._graph_page_indices = indices = torch.zeros(
+            max_bs * self.page_table.max_pages_per_req + max(pieces.values()),
+            dtype=torch.int32, device=self.device)
+        last_lens = torch.zeros(max_entries, dtype=torch.int32, device=self.device)
+        for bs, num_pieces in pieces.items():
+            entries = num_pieces or bs  # the kernel's requests: pieces, or the batch's
             wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
                 self._workspace, kv_layout="NHD", use_cuda_graph=True,
                 use_tensor_cores=self.use_tensor_cores,
-                paged_kv_indptr_buffer=graph.page_indptr[: entries + 1],
-                paged_kv_indices_buffer=graph.page_indices,
-                paged_kv_last_page_len_buffer=graph.last_page_lens[:entries])
-            query_rows = QueryRows(owners=graph.piece_owners[:num_pieces],
-                               indptr=graph.piece_indptr[: batch_size + 1]) if num_pieces else None
-            self._graph_metadata_by_size[batch_size] = FIMetadata(
-                layout=None, out_loc=graph.token_fields[1, :batch_size],
-                positions=graph.token_fields[0, :batch_size],
-                last_indices=graph.last_indices[:batch_size],
-                page_indptr=graph.host_page_indptr[: entries + 1],
-                page_indices=graph.page_indices[:0],
-                last_page_lens=graph.host_last_page_lens[:entries],
-                qo_indptr=graph.host_qo_indptr[: entries + 1], wrapper=wrapper,
-                query_rows=query_rows)
-        return self._graph_metadata_by_size[batch_size]
-
-    def prepare_for_capture(self, batch_size: int) -> FIMetadata:
-        """Make a decode batch of ``batch_size`` padding entries current, to capture its graph.
-
-        The model's forward pass is then run inside ``torch.cuda.graph``; it records reads of
-        the fixed buffers, whatever values they hold now.
-        """
-        return self._prepare_graph_batch(None, batch_size)
-
-    def prepare_for_replay(self, layout: BatchLayout, batch_size: int) -> FIMetadata:
-        """Point the graph captured for ``batch_size`` at the decode batch ``layout``.
-
-        Writes the batch, padded with ``batch_size - layout.size`` padding entries, into
-        the graph's fixed buffers and plans its wrapper; allocates no device memory. The
-        returned metadata (the same object at every replay of this size) describes the padded
-        batch; its ``positions`` are padded with zeros.
-        """
-        if not layout.is_decode:
-            raise ValueError("only decode batches are replayed as CUDA graphs")
-        if layout.size > batch_size:
-            raise ValueError(f"a batch of {layout.size} requests does not fit the graph "
-                             f"captured for {batch_size}")
-        return self._prepare_graph_batch(layout, batch_size)
-
-    def _prepare_graph_batch(self, layout: BatchLayout | None, batch_size: int) -> FIMetadata:
-        meta = self._graph_metadata(batch_size)
-        # The staging may still be the source of the previous step's copies: the event that
-        # guards plan()'s own pinned staging guards it too.
-        self._plan_copied.synchronize()
-        if layout is None:
-            self._stage_graph_batch((), (), batch_size)
-        else:
-            self._stage_graph_batch(layout.rows, layout.cached_lens, batch_size)
-        meta.layout = layout
-        self._run_plan(meta)  # copies page_indptr and last_page_lens into the fixed buffers
-        self._metadata = meta
-        return meta
-
-    def _stage_graph_batch(self, rows: Sequence[int], cached_lens: Sequence[int],
-                           batch_size: int) -> None:
-        """Write the padded batch's arrays to the host staging (:func:`stage_decode_batch`);
-        start their device copies, one per array."""
-        graph = self._graph
-        assert graph is not None
-        num_pieces = fast.paths.decode_pieces(batch_size)
-        total = stage_decode_batch(graph, self.page_table, rows, cached_lens, batch_size,
-                                   num_pieces)
-        graph.token_fields.copy_(graph.host_token_fields, non_blocking=True)
-        graph.page_indices[:total].copy_(graph.host_page_indices[:total], non_blocking=True)
-        if num_pieces:
-            copy_pieces(graph, batch_size, num_pieces)
+                paged_kv_indptr_buffer=indptr[: entries + 1], paged_kv_indices_buffer=indices,
+                paged_kv_last_page_len_buffer=last_lens[:entries])
+            rows = QueryRows(
+                owners=torch.zeros(num_pieces, dtype=torch.int64, device=self.device),
+                indptr=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
+            ) if num_pieces else None
+            self._graph_wrappers[bs] = (wrapper, rows)
 
 
 def check_flashinfer_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:

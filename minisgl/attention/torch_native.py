@@ -47,7 +47,8 @@ class TorchNativeBackend(BaseAttnBackend):
 
     name = "torch"
 
-    def _plan(self, layout: BatchLayout, fields: dict[str, Any]) -> TorchNativeMetadata:
+    def _plan(self, layout: BatchLayout, fields: dict[str, Any],
+              static: bool) -> TorchNativeMetadata:
         totals = total_lens(layout)
         if layout.is_decode:
             # Every request's slots side by side, [B, max_len] (prepare checked that its row

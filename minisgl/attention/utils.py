@@ -11,12 +11,12 @@ these few functions.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
 
-from minisgl.kvcache.page_table import PageTable
-from minisgl.utils.torch_utils import host_to_device
+Count = TypeVar("Count", int, np.ndarray)  # one request's count, or one per request
 
 
 def indptr_of(lengths: Sequence[int]) -> list[int]:
@@ -31,30 +31,19 @@ def indptr_of(lengths: Sequence[int]) -> list[int]:
     return offsets
 
 
-def indptr_tensor(lengths: Sequence[int]) -> torch.Tensor:
-    """:func:`indptr_of` as an int32 tensor on the host, the form FlashInfer's ``plan`` reads."""
-    return torch.tensor(indptr_of(lengths), dtype=torch.int32)
+def indptr_tensor(lengths: Sequence[int] | np.ndarray) -> torch.Tensor:
+    """:func:`indptr_of` as an int32 tensor on the host, the form FlashInfer's ``plan`` reads
+    (one numpy running sum, however long the batch)."""
+    indptr = np.zeros(len(lengths) + 1, dtype=np.int32)
+    np.cumsum(lengths, out=indptr[1:])
+    return torch.from_numpy(indptr)
 
 
-def pages_for(num_tokens: int, page_size: int) -> int:
+def pages_for(num_tokens: Count, page_size: int) -> Count:
     """Pages that ``num_tokens`` tokens occupy (the last one may be partly filled)."""
     return -(-num_tokens // page_size)  # ceiling division
 
 
-def last_page_len(num_tokens: int, page_size: int) -> int:
+def last_page_len(num_tokens: Count, page_size: int) -> Count:
     """Tokens in the last of those pages: between 1 and ``page_size`` for a non-empty sequence."""
     return num_tokens - (pages_for(num_tokens, page_size) - 1) * page_size
-
-
-def gather_page_ids(page_table: PageTable, rows: Sequence[int],
-                    num_pages: Sequence[int]) -> torch.Tensor:
-    """The first ``num_pages[i]`` page ids of row ``rows[i]``, requests concatenated, on the
-    device.
-
-    This is the ``indices`` array of a paged-attention kernel: with the page indptr built from
-    ``num_pages`` it says, for each request, which pages of the pool hold its tokens, in order.
-    The host table has them; one copy moves them to the device.
-    """
-    ids = np.empty(sum(num_pages), dtype=np.int32)
-    page_table.gather_pages(rows, num_pages, out=ids)
-    return host_to_device(torch.from_numpy(ids), page_table.device)

@@ -61,16 +61,14 @@ def set_tp_info(rank: int, size: int) -> TPInfo:
     return previous
 
 
-def set_all_reduce(fn: AllReduceFn | None) -> AllReduceFn | None:
-    """Register the function that sums a tensor over all ranks; returns the previous one.
+def set_all_reduce(fn: AllReduceFn | None) -> None:
+    """Register the function that sums a tensor over all ranks.
 
     ``fn(x)`` must return the element-wise sum of ``x`` over the group (it may work in place and
     return ``x``). Pass ``None`` to go back to the default.
     """
     global _all_reduce_fn
-    previous = _all_reduce_fn
     _all_reduce_fn = fn
-    return previous
 
 
 def all_reduce(x: torch.Tensor) -> torch.Tensor:

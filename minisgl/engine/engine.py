@@ -18,13 +18,18 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention import create_attention_backend
+from minisgl.attention import create_attention_backend, pad_batch, resolve_attention_backend
 from minisgl.attention.utils import pages_for
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
 from minisgl.distributed.group import broadcast_from_rank0, device_for_rank, min_over_ranks
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.graph import GraphRunner, capture_batch_sizes, cuda_graph_disabled_reason
+from minisgl.engine.graph import (
+    GraphInputs,
+    GraphRunner,
+    capture_batch_sizes,
+    cuda_graph_disabled_reason,
+)
 from minisgl.engine.sample import make_generator, sample_batch
 from minisgl.engine.token_pool import TokenPool
 from minisgl.kvcache import MHAKVPool, RequestPages
@@ -143,16 +148,20 @@ class Engine:
                                              config.page_size, self.dtype, self.device)
         # One request can never outgrow the pool, so neither may its page-table row.
         self.max_seq_len = min(model_max_len, self.kv_budget.num_tokens)
-        self.pages = RequestPages(self.kv_budget.num_pages, config.max_running_reqs,
-                                  self.max_seq_len, page_size=config.page_size,
-                                  device=self.device)
+        backend = resolve_attention_backend(config.attention_backend, self.device, self.dtype,
+                                            self.rank_config.head_dim)
+        no_graphs = cuda_graph_disabled_reason(config.cuda_graph, self.device, backend)
+        # With CUDA graphs, one row more: the padding row (see _make_graph_runner).
+        num_rows = config.max_running_reqs + (no_graphs is None)
+        self.pages = RequestPages(self.kv_budget.num_pages, num_rows, self.max_seq_len,
+                                  page_size=config.page_size, device=self.device)
         self.attn_backend = create_attention_backend(
-            config.attention_backend, self.kv_pool, self.pages.table, self.rank_config.num_qo_heads)
+            backend, self.kv_pool, self.pages.table, self.rank_config.num_qo_heads)
         # The token ids of every row, on the device, so that a step can be launched
         # before the host has read the tokens the step before sampled.
-        self.token_pool = TokenPool(config.max_running_reqs, self.max_seq_len, self.device)
+        self.token_pool = TokenPool(num_rows, self.max_seq_len, self.device)
         self._log_kv_budget()
-        self.graph_runner = self._make_graph_runner()
+        self.graph_runner = self._make_graph_runner(no_graphs)
 
     def _model_max_seq_len(self) -> int:
         limit = self.model_config.max_position_embeddings
@@ -203,20 +212,22 @@ class Engine:
                     " (capped: enough for every page-table row)" if b.capped else "",
                     self.max_seq_len)
 
-    def _make_graph_runner(self) -> GraphRunner:
+    def _make_graph_runner(self, disabled_reason: str | None) -> GraphRunner:
         """Capture decode steps as CUDA graphs, or say why not.
 
         The runner is built in either case; a disabled one replays nothing, so every batch
         runs eagerly, and its ``disabled_reason`` says why.
         """
-        reason = cuda_graph_disabled_reason(self.config.cuda_graph, self.device,
-                                            self.attn_backend)
-        if reason is not None:
-            return GraphRunner.disabled(reason)
-        # A page no request will ever own: padding entries of a graph's batch write there.
-        pad_page = self.pages.set_aside_page()
-        return GraphRunner(self.model, self.attn_backend, capture_batch_sizes(self.config),
-                           pad_page=pad_page, vocab_size=self.model_config.vocab_size)
+        if disabled_reason is not None:
+            return GraphRunner.disabled(disabled_reason)
+        sizes = capture_batch_sizes(self.config)
+        # A row whose one page no request will ever own: padding entries write there.
+        self.pad_row = self.pages.padding_row()
+        self.graph_inputs = GraphInputs.allocate(max(sizes), self.model_config.vocab_size,
+                                                 self.device)
+        self.attn_backend.enable_cuda_graphs(sizes)
+        return GraphRunner(sizes, self.device, run=self._run_graph_inputs,
+                           prepare=lambda bs: self._load_graph_inputs(None, bs))
 
     # ----------------------------------------------------------------------- one forward step
     @torch.no_grad()
@@ -247,11 +258,50 @@ class Engine:
                 raise ValueError(f"request {req.uid} has no pages for its {req.num_tokens} "
                                  "tokens: call engine.pages.reserve(req) before running it")
         input_ids = self.token_pool.input_ids(batch)
-        if use_graph and self.graph_runner.can_replay(batch):
-            return self.graph_runner.replay(batch, input_ids)
+        if use_graph and self.graph_runner.size_for(batch) is not None:
+            return self.replay(batch, input_ids)
         meta = self.attn_backend.prepare(batch)
         with use_attention_backend(self.attn_backend):
             return self.model.forward(input_ids, meta.positions, meta.last_indices)
+
+    def replay(self, batch: Batch, input_ids: torch.Tensor, launched: bool = False
+               ) -> torch.Tensor:
+        """The logits of a decode batch, from the CUDA graph captured for its padded size.
+
+        The batch is padded and written into the fixed memory (ids here; positions, slots and
+        page arrays by the backend's ``prepare``); nothing is allocated on the device. The
+        result is a view of the fixed logits: the next replay overwrites it. ``launched=True``
+        runs the same padded batch, memory and plan with the kernels launched one by one
+        instead of from the graph (tests show the two are equal bit for bit).
+        """
+        bs = self.graph_runner.size_for(batch)
+        if bs is None:
+            raise ValueError(f"no captured graph serves a {batch.phase} batch of {batch.size} "
+                             f"(captured decode sizes: {self.graph_runner.batch_sizes or 'none'})")
+        self._load_graph_inputs(batch, bs, input_ids)
+        if launched:
+            self._run_graph_inputs(bs)
+        else:
+            self.graph_runner.graphs[bs].replay()
+        return self.graph_inputs.logits[: batch.size]
+
+    def _load_graph_inputs(self, batch: Batch | None, bs: int,
+                           input_ids: torch.Tensor | None = None) -> None:
+        """Write ``batch`` (None: no requests), padded to ``bs``, into the fixed memory the
+        graph of ``bs`` reads."""
+        self.attn_backend.prepare(pad_batch(batch, bs, self.pad_row),
+                                  out=self.graph_inputs.fields)
+        real = 0 if input_ids is None else input_ids.shape[0]
+        if input_ids is not None:
+            self.graph_inputs.input_ids[:real].copy_(input_ids)
+        self.graph_inputs.input_ids[real:bs].zero_()  # padding reads token 0
+
+    def _run_graph_inputs(self, bs: int) -> None:
+        """The step a graph records: the model over the first ``bs`` fixed inputs. Every row is
+        one request's one new token, so every row is scored."""
+        g = self.graph_inputs
+        with use_attention_backend(self.attn_backend):
+            g.logits[:bs] = self.model.forward(g.input_ids[:bs], g.fields[:bs])
 
     def input_ids(self, batch: Batch) -> torch.Tensor:
         """The ``[T]`` token ids ``batch`` feeds, on the device, gathered from the token pool."""

@@ -2,28 +2,26 @@
 
 A small model's decode step is short on the GPU and long on the CPU, which launches hundreds
 of kernels a token. A captured graph replays them all with one launch; the price is that it
-knows only the addresses and shapes it recorded. So the inputs live in static buffers made at
-capture (``input_ids``, the logits, and the attention backend's positions, slots and page
-arrays), one graph is captured per batch size, a batch is padded up to the next captured size
-with entries that read and write a spare page nobody owns, and only decode batches qualify.
-Graphs are off on a CPU, when ``cuda_graph`` says so, or when the backend cannot be captured;
-the runner then says why. Chapter 8 tells the story.
+knows only the addresses and shapes it recorded. So the engine keeps a step's inputs and
+logits in :class:`GraphInputs`, made once (and the attention backend its page arrays), one
+graph is captured per batch size, a batch is padded up to the next captured size with entries
+in a padding row whose one page nobody owns (:func:`~minisgl.attention.base.pad_batch`), and
+only decode batches qualify. Graphs are off on a CPU, when ``cuda_graph`` says so, or when the backend cannot be
+captured; the runner then says why. Chapter 8 tells the story.
 """
 
 from __future__ import annotations
 
 import time
 from bisect import bisect_left
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 from tqdm import tqdm
 
-from minisgl.attention import BaseAttnBackend
 from minisgl.core import Batch
 from minisgl.engine.config import EngineConfig
-from minisgl.layers.attention import use_attention_backend
-from minisgl.models.base import BaseLLMModel
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
@@ -64,53 +62,63 @@ def padded_batch_size(batch_size: int, capture_sizes: Sequence[int]) -> int | No
 
 
 def cuda_graph_disabled_reason(enabled: bool, device: torch.device,
-                               attn_backend: BaseAttnBackend) -> str | None:
+                               attn_backend: str) -> str | None:
     """Why decode steps cannot be captured here, or None when they can."""
     if not enabled:
         return "turned off by the cuda_graph setting"
     if device.type != "cuda":
         return (f"the device is {device.type}: a CUDA graph records CUDA kernel launches, so "
                 "it needs a CUDA GPU")
-    if not attn_backend.supports_cuda_graph:
-        return (f"the {attn_backend.name} attention backend cannot be captured (it builds new "
+    if attn_backend != "flashinfer":
+        return (f"the {attn_backend} attention backend cannot be captured (it builds new "
                 "metadata tensors every step); the flashinfer backend can")
     return None
 
 
+@dataclass(frozen=True)
+class GraphInputs:
+    """The memory captured decode steps read their inputs from and write their logits to.
+
+    A replay changes these tensors' contents, never their addresses. ``fields`` holds what
+    the attention backend's ``prepare`` computes for a batch of ``bs`` tokens: positions in
+    ``fields[:bs]``, slots in ``fields[bs:2 * bs]``, last indices after them.
+    """
+
+    input_ids: torch.Tensor  # [max_bs] int64
+    fields: torch.Tensor  # [3 * max_bs] int64
+    logits: torch.Tensor  # [max_bs, vocab] float32
+
+    @classmethod
+    def allocate(cls, max_bs: int, vocab_size: int, device: torch.device) -> GraphInputs:
+        return cls(torch.zeros(max_bs, dtype=torch.int64, device=device),
+                   torch.zeros(3 * max_bs, dtype=torch.int64, device=device),
+                   torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=device))
+
+
 class GraphRunner:
-    """Captures the model's decode step for a list of batch sizes and replays it.
+    """Captures the engine's decode step for a list of batch sizes and replays it.
 
     Args:
-        model: the model (on a CUDA device).
-        attn_backend: a backend with ``supports_cuda_graph`` (FlashInfer).
         batch_sizes: the batch sizes to capture.
-        pad_page: a KV page no request owns, for the padding entries.
-        vocab_size: width of the logits.
+        device: the CUDA device.
+        prepare: ``prepare(bs)`` readies a batch of ``bs`` padding entries in the fixed
+            memory (outside the graph: planning runs on the host).
+        run: ``run(bs)`` is the step a graph records: the model over the fixed inputs.
 
     Use :meth:`disabled` for a runner that replays nothing.
     """
 
-    def __init__(self, model: BaseLLMModel, attn_backend: BaseAttnBackend,
-                 batch_sizes: Sequence[int], *, pad_page: int, vocab_size: int) -> None:
+    def __init__(self, batch_sizes: Sequence[int], device: torch.device,
+                 prepare: Callable[[int], object], run: Callable[[int], None]) -> None:
         if not batch_sizes:
             raise ValueError("batch_sizes must name at least one batch size to capture")
         self.disabled_reason: str | None = None
         self.batch_sizes: tuple[int, ...] = tuple(sorted(set(batch_sizes)))
         self.max_batch_size = self.batch_sizes[-1]  # the largest captured size (0 when disabled)
-        self.model = model
-        self.attn_backend = attn_backend
-        self.device = attn_backend.device
-        max_bs = self.max_batch_size
-        attn_backend.init_graph_buffers(max_bs, pad_page)
-        # The graphs read their inputs from, and write their logits to, these tensors (and the
-        # backend's buffers, positions among them) and no others: a replay changes their
-        # contents, never their addresses. The padding rows keep token 0; their results are
-        # never read.
-        self.input_ids = torch.zeros(max_bs, dtype=torch.int64, device=self.device)
-        self.logits = torch.zeros(max_bs, vocab_size, dtype=torch.float32, device=self.device)
+        self.device = device
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
-        self._capture_all()
+        self._capture_all(prepare, run)
 
     @classmethod
     def disabled(cls, reason: str) -> GraphRunner:
@@ -129,7 +137,7 @@ class GraphRunner:
         return self.disabled_reason is None
 
     @torch.no_grad()
-    def _capture_all(self) -> None:
+    def _capture_all(self, prepare: Callable[[int], object], run: Callable[[int], None]) -> None:
         """Capture one graph per batch size, largest first, all in one memory pool.
 
         Largest first: the first capture sizes the pool for the biggest intermediate tensors,
@@ -141,19 +149,17 @@ class GraphRunner:
         pool = None
         for bs in tqdm(sorted(self.batch_sizes, reverse=True), desc="capturing CUDA graphs",
                        unit="graph", leave=False, disable=None):
-            # A batch of bs padding entries, planned outside the graph: plan() runs on the
-            # CPU and is redone before every replay with the real batch.
-            self.attn_backend.prepare_for_capture(bs)
+            prepare(bs)  # redone before every replay, with the real batch
             # Warm up once eagerly on the capture stream: lazy initialisation (cuBLAS handles
             # and workspaces, kernel compilation) must not happen inside the capture.
             stream.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(stream):
-                self._forward_padded(bs)
+                run(bs)
             torch.cuda.current_stream(self.device).wait_stream(stream)
             graph = torch.cuda.CUDAGraph()
             try:
                 with torch.cuda.graph(graph, pool=pool, stream=stream):
-                    self._forward_padded(bs)
+                    run(bs)
             except RuntimeError as exc:
                 raise RuntimeError(f"capturing the decode step for batch size {bs} failed; "
                                    "run eagerly with cuda_graph=False") from exc
@@ -167,53 +173,12 @@ class GraphRunner:
                     len(self.graphs), _short_list(self.batch_sizes), self.capture_seconds,
                     used / 2**20)
 
-    def _forward_padded(self, bs: int) -> None:
-        """The step a graph records: the model over the first ``bs`` rows of the buffers."""
-        positions = self.attn_backend.metadata.positions  # a view of the backend's buffer
-        with use_attention_backend(self.attn_backend):
-            # Every row is a request's one new token, so every row is scored: no logits
-            # indices needed.
-            self.logits[:bs] = self.model.forward(self.input_ids[:bs], positions)
-
-    def can_replay(self, batch: Batch) -> bool:
-        """A decode batch no larger than the largest captured size."""
-        return batch.is_decode and batch.size <= self.max_batch_size  # 0 when disabled
-
-    def replay(self, batch: Batch, input_ids: torch.Tensor) -> torch.Tensor:
-        """The ``[B, vocab]`` logits of the decode batch, by replaying a graph.
-
-        The batch is padded to the next captured size. The result is a view of the static
-        logits buffer: it is overwritten by the next replay, so use (or clone) it first.
-        """
-        bs = self._load(batch, input_ids)
-        self.graphs[bs].replay()
-        return self.logits[: batch.size]
-
-    def run_padded_eagerly(self, batch: Batch, input_ids: torch.Tensor) -> torch.Tensor:
-        """What :meth:`replay` computes, launched kernel by kernel instead of from the graph.
-
-        The same padded batch, the same buffers, the same attention plan: only the graph is
-        missing. Tests use it to show that a replay computes exactly what the recorded
-        launches compute.
-        """
-        bs = self._load(batch, input_ids)
-        with torch.no_grad():
-            self._forward_padded(bs)
-        return self.logits[: batch.size]
-
-    def _load(self, batch: Batch, input_ids: torch.Tensor) -> int:
-        """Copy the batch into the static buffers, padded; returns the graph's batch size."""
-        if not self.can_replay(batch):
-            raise ValueError(f"no captured graph serves a {batch.phase} batch of {batch.size} "
-                             f"(captured decode sizes: {_short_list(self.batch_sizes) or 'none'})")
-        bs = padded_batch_size(batch.size, self.batch_sizes)
-        assert bs is not None  # can_replay checked the size
-        # The backend writes the real entries' positions, slots and pages into its fixed
-        # buffers and points the padding entries at the spare page; nothing is allocated.
-        self.attn_backend.prepare_for_replay(batch, bs)
-        self.input_ids[: batch.size].copy_(input_ids)
-        self.input_ids[batch.size:bs].zero_()
-        return bs
+    def size_for(self, batch: Batch) -> int | None:
+        """The captured size that replays ``batch``: None unless it is a decode batch no
+        larger than the largest captured size."""
+        if not batch.is_decode or batch.size > self.max_batch_size:  # 0 when disabled
+            return None
+        return padded_batch_size(batch.size, self.batch_sizes)
 
     def __repr__(self) -> str:
         if not self.enabled:

@@ -137,13 +137,15 @@ class RequestPages:
         """Return pages that no row maps any more (closed rows, evicted cache entries)."""
         self._allocator.free(pages)
 
-    def set_aside_page(self) -> int:
-        """Take one page out of circulation for good; returns its id.
+    def padding_row(self) -> int:
+        """Take a row and one page out of circulation for good; returns the row.
 
-        CUDA graphs (``engine/graph.py``) pad a batch with entries that write somewhere
-        harmless: this page, which no request will ever own.
+        CUDA graphs (``engine/graph.py``) pad a batch with entries that read and write
+        somewhere harmless: the one page of this row, which no request will ever own.
         """
-        return self._allocator.alloc(1)[0]
+        row = self.table.alloc_row()
+        self.table.append_pages(row, self._allocator.alloc(1))
+        return row
 
     # ----------------------------------------------------------------------- counts
     @property

@@ -11,27 +11,11 @@ from __future__ import annotations
 from .activation import silu_and_mul
 from .base import BaseLayer
 from .embedding import ParallelLMHead, VocabParallelEmbedding
-from .linear import (
-    ColumnParallelLinear,
-    MergedColumnParallelLinear,
-    QKVParallelLinear,
-    ReplicatedLinear,
-    RowParallelLinear,
-)
+from .linear import (ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear,
+                     ReplicatedLinear, RowParallelLinear)
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding, get_rope
 
-__all__ = [
-    "BaseLayer",
-    "ColumnParallelLinear",
-    "MergedColumnParallelLinear",
-    "ParallelLMHead",
-    "QKVParallelLinear",
-    "RMSNorm",
-    "ReplicatedLinear",
-    "RotaryEmbedding",
-    "RowParallelLinear",
-    "VocabParallelEmbedding",
-    "get_rope",
-    "silu_and_mul",
-]
+__all__ = ["BaseLayer", "ColumnParallelLinear", "MergedColumnParallelLinear", "ParallelLMHead",
+           "QKVParallelLinear", "RMSNorm", "ReplicatedLinear", "RotaryEmbedding",
+           "RowParallelLinear", "VocabParallelEmbedding", "get_rope", "silu_and_mul"]

@@ -45,13 +45,17 @@ class VocabShard:
 
 
 class _VocabParallelBase(BaseLayer):
-    """The bookkeeping both vocabulary-sharded layers share."""
+    """The bookkeeping both vocabulary-sharded layers share: this rank's rows and their loading."""
 
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 weight: torch.nn.Parameter | None = None) -> None:
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.shard = VocabShard.for_rank(num_embeddings, self.tp_rank, self.tp_size)
+        if weight is None:
+            weight = new_parameter(self.shard.padded_rows, embedding_dim)
+        self.weight = weight
 
     def load_weight(
         self, loaded: torch.Tensor, shard_id: ShardId = None, param_name: str = "weight"
@@ -62,10 +66,6 @@ class _VocabParallelBase(BaseLayer):
             self.weight[self.shard.rows:].zero_()  # padding rows: never looked up, score 0
         copy_checked(self.weight[: self.shard.rows], src, what)
 
-    def extra_repr(self) -> str:
-        return (f"vocab={self.num_embeddings}, dim={self.embedding_dim}, "
-                f"rows=[{self.shard.start}, {self.shard.end}), tp={self.tp_rank}/{self.tp_size}")
-
 
 class VocabParallelEmbedding(_VocabParallelBase):
     """Token id -> hidden vector, with the vocabulary rows split across ranks.
@@ -73,10 +73,6 @@ class VocabParallelEmbedding(_VocabParallelBase):
     A rank can only look up ids inside its own block. It returns zeros for the other ids, and the
     all-reduce (a sum) fills each position in from the one rank that owns that id.
     """
-
-    def __init__(self, num_embeddings: int, embedding_dim: int) -> None:
-        super().__init__(num_embeddings, embedding_dim)
-        self.weight = new_parameter(self.shard.padded_rows, embedding_dim)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
@@ -95,23 +91,16 @@ class ParallelLMHead(_VocabParallelBase):
     which is how the weight loader knows not to expect a second copy.
     """
 
-    def __init__(
-        self,
-        num_embeddings: int,
-        embedding_dim: int,
-        tie_to: VocabParallelEmbedding | None = None,
-    ) -> None:
-        super().__init__(num_embeddings, embedding_dim)
-        if tie_to is None:
-            self.weight = new_parameter(self.shard.padded_rows, embedding_dim)
-        else:
-            if (tie_to.num_embeddings, tie_to.embedding_dim) != (num_embeddings, embedding_dim):
-                raise ValueError(
-                    f"cannot tie an LM head of shape ({num_embeddings}, {embedding_dim}) to an "
-                    f"embedding of shape ({tie_to.num_embeddings}, {tie_to.embedding_dim})"
-                )
-            self.weight = tie_to.weight  # the same Parameter object, not a copy
-        self.tied = tie_to is not None
+    def __init__(self, num_embeddings: int, embedding_dim: int,
+                 tie_to: VocabParallelEmbedding | None = None) -> None:
+        if tie_to is not None and (tie_to.num_embeddings, tie_to.embedding_dim) != (
+                num_embeddings, embedding_dim):
+            raise ValueError(
+                f"cannot tie an LM head of shape ({num_embeddings}, {embedding_dim}) to an "
+                f"embedding of shape ({tie_to.num_embeddings}, {tie_to.embedding_dim})"
+            )
+        # Tied: the embedding's Parameter object itself, not a copy.
+        super().__init__(num_embeddings, embedding_dim, None if tie_to is None else tie_to.weight)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # [T, padded_rows] float32: scores for our block only

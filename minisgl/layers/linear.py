@@ -23,16 +23,8 @@ import torch.nn.functional as F
 from minisgl.distributed import all_reduce, get_tp_info
 
 from . import fast
-from .base import (
-    BaseLayer,
-    ShardId,
-    copy_checked,
-    divide,
-    first_local_kv_head,
-    local_kv_heads,
-    new_parameter,
-    take_slice,
-)
+from .base import (BaseLayer, ShardId, copy_checked, divide, first_local_kv_head, local_kv_heads,
+                   new_parameter, take_slice)
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
@@ -53,8 +45,6 @@ class _LinearBase(BaseLayer):
 
     def __init__(self, local_input_size: int, local_output_size: int, bias: bool) -> None:
         super().__init__()
-        self.local_input_size = local_input_size
-        self.local_output_size = local_output_size
         self.weight = new_parameter(local_output_size, local_input_size)
         if bias:
             self.bias = new_parameter(local_output_size)
@@ -64,10 +54,6 @@ class _LinearBase(BaseLayer):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return matmul(x, self.weight, self.bias)
 
-    def extra_repr(self) -> str:
-        return (f"local_in={self.local_input_size}, local_out={self.local_output_size}, "
-                f"bias={self.bias is not None}, tp={self.tp_rank}/{self.tp_size}")
-
 
 class ReplicatedLinear(_LinearBase):
     """A linear layer every rank holds whole (small matrices such as an MoE router)."""
@@ -76,60 +62,65 @@ class ReplicatedLinear(_LinearBase):
         super().__init__(input_size, output_size, bias)
 
 
-class ColumnParallelLinear(_LinearBase):
-    """A linear layer whose output features are split: rank ``r`` computes block ``r`` of ``y``."""
+class _ColumnSlots(_LinearBase):
+    """A column-parallel layer whose output is one or more checkpoint tensors' rows, side by side.
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        tp_size = get_tp_info().size
-        super().__init__(input_size, divide(output_size, tp_size, "output_size"), bias)
-        self.output_size = output_size
+    ``slots`` maps each checkpoint tensor's ``shard_id`` to (its full rows, the first row this
+    rank keeps, how many it keeps), in output order. Each tensor is sliced on its own and copied
+    to its offset in the local parameter.
+    """
+
+    def __init__(self, input_size: int, slots: dict[ShardId, tuple[int, int, int]],
+                 bias: bool) -> None:
+        super().__init__(input_size, sum(rows for _, _, rows in slots.values()), bias)
+        self.slots = slots
+
+    def shard_ids(self, param_name: str = "weight") -> tuple[ShardId, ...]:
+        return tuple(self.slots)
 
     def load_weight(
         self, loaded: torch.Tensor, shard_id: ShardId = None, param_name: str = "weight"
     ) -> None:
-        # Both W [out, in] and b [out] are split along their first (output) dimension.
-        param = getattr(self, param_name)
-        rows = self.local_output_size
-        src = take_slice(loaded, 0, self.tp_rank * rows, rows, self.output_size,
-                         f"{type(self).__name__}.{param_name}")
-        copy_checked(param, src, f"{type(self).__name__}.{param_name}")
+        """Copy this rank's rows of slot ``shard_id``'s full checkpoint tensor into place."""
+        name = type(self).__name__
+        if shard_id not in self.slots:
+            raise ValueError(f"{name} needs shard_id in {self.shard_ids()}, got {shard_id!r}")
+        what = f"{name}.{param_name}" + ("" if shard_id is None else f"[{shard_id}]")
+        ids = list(self.slots)
+        offset = sum(self.slots[s][2] for s in ids[: ids.index(shard_id)])  # earlier slots' rows
+        full, first, rows = self.slots[shard_id]
+        src = take_slice(loaded, 0, first, rows, full, what)  # W [out, in] and b [out] alike
+        copy_checked(getattr(self, param_name).narrow(0, offset, rows), src, what)
 
 
-class MergedColumnParallelLinear(_LinearBase):
+class ColumnParallelLinear(_ColumnSlots):
+    """A linear layer whose output features are split: rank ``r`` computes block ``r`` of ``y``."""
+
+    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+        tp = get_tp_info()
+        rows = divide(output_size, tp.size, "output_size")
+        super().__init__(input_size, {None: (output_size, tp.rank * rows, rows)}, bias)
+
+
+class MergedColumnParallelLinear(_ColumnSlots):
     """Several column-parallel projections of the same input, stored as one matrix.
 
     The MLP's ``gate_proj`` and ``up_proj`` both read the same ``x``; stacking their weights
     turns two matrix multiplications into one larger, faster one. Rank ``r``'s parameter holds
     ``[gate block r; up block r]``: *not* block ``r`` of the concatenation ``[gate; up]``, which
-    is why each checkpoint tensor is sliced on its own, by ``shard_id`` (0 for gate, 1 for up).
+    is why each checkpoint tensor is its own slot, by ``shard_id`` (0 for gate, 1 for up).
     """
 
     def __init__(self, input_size: int, output_sizes: Sequence[int], bias: bool = False) -> None:
-        tp_size = get_tp_info().size
-        local_sizes = [divide(size, tp_size, f"output_sizes[{i}]")
-                       for i, size in enumerate(output_sizes)]
-        super().__init__(input_size, sum(local_sizes), bias)
-        self.output_sizes = list(output_sizes)
-        self.local_sizes = local_sizes
-
-    def shard_ids(self, param_name: str = "weight") -> tuple[ShardId, ...]:
-        return tuple(range(len(self.output_sizes)))
-
-    def load_weight(
-        self, loaded: torch.Tensor, shard_id: ShardId = None, param_name: str = "weight"
-    ) -> None:
-        if shard_id not in self.shard_ids():
-            raise ValueError(f"MergedColumnParallelLinear needs shard_id in {self.shard_ids()}, "
-                             f"got {shard_id!r}")
-        assert isinstance(shard_id, int)
-        what = f"MergedColumnParallelLinear.{param_name}[{shard_id}]"
-        local = self.local_sizes[shard_id]
-        offset = sum(self.local_sizes[:shard_id])  # where this slot starts in our parameter
-        src = take_slice(loaded, 0, self.tp_rank * local, local, self.output_sizes[shard_id], what)
-        copy_checked(getattr(self, param_name).narrow(0, offset, local), src, what)
+        tp = get_tp_info()
+        slots: dict[ShardId, tuple[int, int, int]] = {}
+        for i, size in enumerate(output_sizes):
+            rows = divide(size, tp.size, f"output_sizes[{i}]")
+            slots[i] = (size, tp.rank * rows, rows)
+        super().__init__(input_size, slots, bias)
 
 
-class QKVParallelLinear(_LinearBase):
+class QKVParallelLinear(_ColumnSlots):
     """The q, k and v projections of attention as one column-parallel matrix, split by heads.
 
     Each rank keeps whole attention heads: ``num_qo_heads / tp`` query heads and
@@ -138,46 +129,18 @@ class QKVParallelLinear(_LinearBase):
     :class:`~minisgl.layers.attention.AttentionLayer` splits apart again.
     """
 
-    def __init__(
-        self,
-        hidden_size: int,
-        head_dim: int,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        bias: bool = False,
-    ) -> None:
-        tp_size = get_tp_info().size
-        local_qo = divide(num_qo_heads, tp_size, "num_qo_heads")
-        local_kv = local_kv_heads(num_kv_heads, tp_size)
-        super().__init__(hidden_size, (local_qo + 2 * local_kv) * head_dim, bias)
-        self.head_dim = head_dim
-        self.num_qo_heads = num_qo_heads
-        self.num_kv_heads = num_kv_heads
+    def __init__(self, hidden_size: int, head_dim: int, num_qo_heads: int, num_kv_heads: int,
+                 bias: bool = False) -> None:
+        tp = get_tp_info()
+        local_qo = divide(num_qo_heads, tp.size, "num_qo_heads")
+        local_kv = local_kv_heads(num_kv_heads, tp.size)
+        first_kv = first_local_kv_head(num_kv_heads, tp.rank, tp.size)
+        # In rows: (the checkpoint tensor's, the first this rank keeps, how many it keeps).
+        q = (num_qo_heads * head_dim, tp.rank * local_qo * head_dim, local_qo * head_dim)
+        kv = (num_kv_heads * head_dim, first_kv * head_dim, local_kv * head_dim)
+        super().__init__(hidden_size, {"q": q, "k": kv, "v": kv}, bias)
         self.local_qo_heads = local_qo
         self.local_kv_heads = local_kv
-
-    def shard_ids(self, param_name: str = "weight") -> tuple[ShardId, ...]:
-        return ("q", "k", "v")
-
-    def load_weight(
-        self, loaded: torch.Tensor, shard_id: ShardId = None, param_name: str = "weight"
-    ) -> None:
-        """Copy this rank's heads of the full ``q_proj``, ``k_proj`` or ``v_proj`` tensor."""
-        if shard_id == "q":
-            full_heads, first_head = self.num_qo_heads, self.tp_rank * self.local_qo_heads
-            num_heads, dst_head = self.local_qo_heads, 0
-        elif shard_id in ("k", "v"):
-            full_heads = self.num_kv_heads
-            first_head = first_local_kv_head(self.num_kv_heads, self.tp_rank, self.tp_size)
-            num_heads = self.local_kv_heads
-            # k follows the query heads, v follows k.
-            dst_head = self.local_qo_heads + (0 if shard_id == "k" else self.local_kv_heads)
-        else:
-            raise ValueError(f"QKVParallelLinear needs shard_id 'q', 'k' or 'v', got {shard_id!r}")
-        d = self.head_dim
-        what = f"QKVParallelLinear.{param_name}[{shard_id}]"
-        src = take_slice(loaded, 0, first_head * d, num_heads * d, full_heads * d, what)
-        copy_checked(getattr(self, param_name).narrow(0, dst_head * d, num_heads * d), src, what)
 
 
 class RowParallelLinear(_LinearBase):
@@ -206,6 +169,6 @@ class RowParallelLinear(_LinearBase):
         if param_name == "bias":  # one output vector, the same on every rank
             copy_checked(self.bias, loaded, what)
             return
-        cols = self.local_input_size
+        cols = self.weight.shape[1]
         src = take_slice(loaded, 1, self.tp_rank * cols, cols, self.input_size, what)
         copy_checked(self.weight, src, what)

@@ -18,7 +18,6 @@ class RMSNorm(BaseLayer):
 
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
         super().__init__()
-        self.hidden_size = hidden_size
         self.eps = eps
         self.weight = new_parameter(hidden_size)
 
@@ -49,6 +48,3 @@ class RMSNorm(BaseLayer):
             return self._normalize(x)
         summed = x + residual
         return self._normalize(summed), summed
-
-    def extra_repr(self) -> str:
-        return f"{self.hidden_size}, eps={self.eps}"

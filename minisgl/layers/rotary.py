@@ -39,24 +39,12 @@ class RotaryEmbedding(nn.Module):
     every layer. It is a buffer (moves with ``.to(device)``) that is not saved with the weights.
     """
 
-    def __init__(
-        self,
-        head_dim: int,
-        rotary_dim: int,
-        max_position: int,
-        inv_freq: torch.Tensor,
-        attention_scaling: float = 1.0,
-    ) -> None:
+    def __init__(self, head_dim: int, rotary_dim: int, max_position: int, inv_freq: torch.Tensor,
+                 attention_scaling: float = 1.0) -> None:
         super().__init__()
-        if rotary_dim % 2 != 0 or not 0 < rotary_dim <= head_dim:
-            raise ValueError(f"rotary_dim must be even and in (0, head_dim={head_dim}], "
-                             f"got {rotary_dim}")
-        if inv_freq.shape != (rotary_dim // 2,):
-            raise ValueError(f"inv_freq must have rotary_dim/2={rotary_dim // 2} entries, "
-                             f"got shape {tuple(inv_freq.shape)}")
+        # rotary_dim is even and at most head_dim: ModelConfig checked it, where the config enters
         self.head_dim = head_dim
         self.rotary_dim = rotary_dim
-        self.max_position = max_position
         positions = torch.arange(max_position, dtype=torch.float32)
         angles = positions[:, None] * inv_freq.float()[None, :]  # [max_position, rotary_dim/2]
         # Always float32, whatever the model's dtype: angles reach thousands of radians, and
@@ -107,10 +95,6 @@ class RotaryEmbedding(nn.Module):
         k_rot = self._rotate(k.view(k.shape[0], -1, self.head_dim), cos, sin)
         return q_rot.view(q.shape), k_rot.view(k.shape)
 
-    def extra_repr(self) -> str:
-        return (f"head_dim={self.head_dim}, rotary_dim={self.rotary_dim}, "
-                f"max_position={self.max_position}")
-
 
 # --- scalings: each returns (inv_freq, attention_scaling) -----------------------------------
 
@@ -158,26 +142,17 @@ def _yarn_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> Sc
     beta_fast = params.get("beta_fast") or 32.0
     beta_slow = params.get("beta_slow") or 1.0
 
-    def mscale(scale: float, m: float = 1.0) -> float:
-        return 1.0 if scale <= 1 else 0.1 * m * math.log(scale) + 1.0
-
     attention_factor = params.get("attention_factor")
     if attention_factor is None:
-        if params.get("mscale") and params.get("mscale_all_dim"):
-            attention_factor = (mscale(factor, params["mscale"])
-                                / mscale(factor, params["mscale_all_dim"]))
-        else:
-            attention_factor = mscale(factor)
+        attention_factor = 0.1 * math.log(factor) + 1.0 if factor > 1 else 1.0
 
     def dim_for_rotations(num_rotations: float) -> float:
         # The feature index whose pair turns num_rotations times over original_max tokens.
         return (rotary_dim * math.log(original_max / (num_rotations * 2 * math.pi))
                 / (2 * math.log(base)))
 
-    low, high = dim_for_rotations(beta_fast), dim_for_rotations(beta_slow)
-    if params.get("truncate", True):
-        low, high = math.floor(low), math.ceil(high)
-    low, high = max(low, 0), min(high, rotary_dim - 1)
+    low = max(math.floor(dim_for_rotations(beta_fast)), 0)
+    high = min(math.ceil(dim_for_rotations(beta_slow)), rotary_dim - 1)
     if low == high:
         high += 0.001  # avoid dividing by zero in the ramp
 
@@ -197,13 +172,8 @@ _SCALINGS: dict[str, Callable[[int, float, Mapping[str, Any]], Scaled]] = {
 SUPPORTED_ROPE_TYPES = ("default", *_SCALINGS)
 
 
-def get_rope(
-    head_dim: int,
-    rotary_dim: int,
-    max_position: int,
-    base: float,
-    rope_scaling: Mapping[str, Any] | None = None,
-) -> RotaryEmbedding:
+def get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
+             rope_scaling: Mapping[str, Any] | None = None) -> RotaryEmbedding:
     """Build the :class:`RotaryEmbedding` a config describes.
 
     ``rope_scaling`` is the checkpoint's ``rope_scaling`` (or ``rope_parameters``) dict, or

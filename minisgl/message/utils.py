@@ -12,6 +12,7 @@ story.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import Any, TypeVar
@@ -33,9 +34,7 @@ class SerializationError(ValueError):
 # The registry: tag -> class. It only grows at import time (a class statement or a module's
 # register_wire_type call), so every process that imports ``minisgl.message`` holds the same map.
 _WIRE_TYPES: dict[str, type] = {}
-# Per class: (field name, default) pairs in declaration order; _REQUIRED when there is none.
-_FIELDS: dict[type, tuple[tuple[str, Any], ...]] = {}
-_REQUIRED = object()
+_REQUIRED = object()  # the "default" of a field that has none
 
 
 def register_wire_type(cls: C) -> C:
@@ -45,8 +44,6 @@ def register_wire_type(cls: C) -> C:
     version of it, from the same module) replaces it; two classes of one name from different
     places are an error, since the name is the tag.
     """
-    if not isinstance(cls, type):
-        raise TypeError(f"register_wire_type takes a class, got {cls!r}")
     name = cls.__name__
     if name == TUPLE_TAG:
         raise ValueError(f"the tag {TUPLE_TAG!r} is reserved for tuples; rename the class")
@@ -65,51 +62,16 @@ def registered_types() -> Mapping[str, type]:
     return MappingProxyType(_WIRE_TYPES)
 
 
-class Message:
-    """The base of every message exchanged between the processes.
-
-    A message is a frozen dataclass that subclasses one *family*: the base class of everything
-    one kind of process receives (``TokenizerMessage``, ``DetokenizerMessage``,
-    ``BackendMessage``, ``FrontendMessage``). A queue is typed with a family, so a message sent
-    to the wrong process is caught at once. A message that a worker forwards unchanged
-    subclasses both families.
-
-    Subclasses register themselves under their class name; a family base says
-    ``class BackendMessage(Message, family=True)`` and is not registered (it is never sent).
-    """
-
-    def __init_subclass__(cls, family: bool = False, **kwargs: Any) -> None:
-        super().__init_subclass__(**kwargs)
-        if not family:
-            register_wire_type(cls)
-
-    # The codec comes with the family: a queue (``minisgl.utils.queues``, in a lower package
-    # that knows nothing of messages) writes and reads its frames with the class it is typed
-    # with.
-    @staticmethod
-    def dumps(obj: Any) -> bytes:
-        return dumps(obj)
-
-    @staticmethod
-    def loads(frame: bytes) -> Any:
-        return loads(frame)
-
-
+@functools.cache  # once per class
 def _wire_fields(cls: type) -> tuple[tuple[str, Any], ...]:
-    """The fields of ``cls`` with their plain defaults, computed once per class."""
-    fields = _FIELDS.get(cls)
-    if fields is None:
-        if not dataclasses.is_dataclass(cls):
-            raise SerializationError(f"{cls.__module__}.{cls.__qualname__} is registered as a "
-                                     f"wire type but is not a dataclass")
-        fields = tuple(
-            # A default_factory default is a fresh object each time: always send the field.
-            (f.name, _REQUIRED if f.default is dataclasses.MISSING else f.default)
-            for f in dataclasses.fields(cls)
-            if f.init  # a derived field is computed again by the receiver's constructor
-        )
-        _FIELDS[cls] = fields
-    return fields
+    """The (name, default) pairs of ``cls``'s fields, in order; _REQUIRED where none."""
+    if not dataclasses.is_dataclass(cls):
+        raise SerializationError(f"{cls.__module__}.{cls.__qualname__} is registered as a "
+                                 f"wire type but is not a dataclass")
+    # A default_factory default is a fresh object each time: always send the field. A derived
+    # (init=False) field is computed again by the receiver's constructor.
+    return tuple((f.name, _REQUIRED if f.default is dataclasses.MISSING else f.default)
+                 for f in dataclasses.fields(cls) if f.init)
 
 
 def to_wire(obj: Any) -> dict[str, Any]:
@@ -186,6 +148,31 @@ def loads(frame: bytes) -> Any:
         reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
         raise SerializationError(f"not a message frame ({len(frame)} bytes, starting "
                                  f"{bytes(frame[:16])!r}): {reason}") from exc
+
+
+class Message:
+    """The base of every message exchanged between the processes.
+
+    A message is a frozen dataclass that subclasses one *family*: the base class of everything
+    one kind of process receives (``TokenizerMessage``, ``DetokenizerMessage``,
+    ``BackendMessage``, ``FrontendMessage``). A queue is typed with a family, so a message sent
+    to the wrong process is caught at once. A message that a worker forwards unchanged
+    subclasses both families.
+
+    Subclasses register themselves under their class name; a family base says
+    ``class BackendMessage(Message, family=True)`` and is not registered (it is never sent).
+    """
+
+    def __init_subclass__(cls, family: bool = False, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        if not family:
+            register_wire_type(cls)
+
+    # The codec comes with the family: a queue (``minisgl.utils.queues``, in a lower package
+    # that knows nothing of messages) writes and reads its frames with the class it is typed
+    # with.
+    dumps = staticmethod(dumps)
+    loads = staticmethod(loads)
 
 
 register_wire_type(SamplingParams)

@@ -20,12 +20,8 @@ if TYPE_CHECKING:
     from minisgl.models.base import BaseLLMModel
 
 
-def load_model(
-    path_or_id: str | os.PathLike[str],
-    device: str | torch.device = "auto",
-    dtype: str | torch.dtype = "auto",
-    progress: bool = True,
-) -> BaseLLMModel:
+def load_model(path_or_id: str | os.PathLike[str], device: str | torch.device = "auto",
+               dtype: str | torch.dtype = "auto", progress: bool = True) -> BaseLLMModel:
     """Load a checkpoint (local directory or hub id) as a ready-to-run model in eval mode.
 
     ``device`` is ``auto|cpu|cuda`` and ``dtype`` ``auto|float32|bfloat16|float16``

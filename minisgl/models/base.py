@@ -65,11 +65,8 @@ class BaseLLMModel(nn.Module, ABC):
 
     def param_to_checkpoint(self, param_name: str, shard_id: Hashable) -> str:
         """The inverse of :meth:`checkpoint_to_param`: which checkpoint tensor fills this slot."""
-        if shard_id is None:
-            return param_name
-        module, _, leaf = param_name.rpartition(".")
-        parent, _, merged = module.rpartition(".")
-        for ckpt_module, (ours, slot) in self.merged_modules.items():
-            if (ours, slot) == (merged, shard_id):
-                return f"{parent}.{ckpt_module}.{leaf}" if parent else f"{ckpt_module}.{leaf}"
-        return f"{param_name}[{shard_id}]"
+        *parent, merged, leaf = param_name.split(".")
+        for ckpt_module, target in self.merged_modules.items():
+            if target == (merged, shard_id):
+                return ".".join([*parent, ckpt_module, leaf])
+        return param_name if shard_id is None else f"{param_name}[{shard_id}]"

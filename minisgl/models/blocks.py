@@ -21,29 +21,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minisgl.layers import (
-    MergedColumnParallelLinear,
-    ParallelLMHead,
-    QKVParallelLinear,
-    RMSNorm,
-    RotaryEmbedding,
-    RowParallelLinear,
-    VocabParallelEmbedding,
-    get_rope,
-    silu_and_mul,
-)
+from minisgl.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
+                            RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, get_rope,
+                            silu_and_mul)
 from minisgl.layers.attention import AttentionLayer
 from minisgl.models.base import BaseLLMModel
-from minisgl.models.config import ModelConfig
+from minisgl.models.config import ConfigError, ModelConfig
 
 
 class GatedMLP(nn.Module):
     """``down(silu(gate(x)) * up(x))`` with gate and up fused into one column-parallel matrix."""
 
-    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu") -> None:
+    def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
-        if hidden_act != "silu":
-            raise ValueError(f"GatedMLP supports hidden_act 'silu', got {hidden_act!r}")
         self.gate_up_proj = MergedColumnParallelLinear(
             hidden_size, [intermediate_size, intermediate_size])
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
@@ -126,10 +116,14 @@ class DecoderOnlyLM(BaseLLMModel):
 
     def __init__(self, config: ModelConfig) -> None:
         super().__init__(config)
+        if config.hidden_act != "silu":  # the activation of every MLP and expert here
+            raise ConfigError(f"{type(self).__name__} supports hidden_act 'silu', "
+                              f"got {config.hidden_act!r}")
         self.check_config(config)
         rope = get_rope(config.head_dim, config.rotary_dim, config.max_position_embeddings,
                         config.rope_theta, config.rope_scaling)  # one table for every layer
-        layers = [DecoderLayer(config, RotaryAttention(config, i, rope, self.attention_options(config)),
+        options = self.attention_options(config)
+        layers = [DecoderLayer(config, RotaryAttention(config, i, rope, options),
                                self.make_mlp(config, i)) for i in range(config.num_layers)]
         self.model = DecoderModel(config, layers)
         tie_to = self.model.embed_tokens if config.tie_word_embeddings else None
@@ -144,7 +138,7 @@ class DecoderOnlyLM(BaseLLMModel):
 
     def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
         """The feed-forward block of layer ``layer_id``: a dense gated MLP unless overridden."""
-        return GatedMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+        return GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 logits_indices: torch.Tensor | None = None) -> torch.Tensor:

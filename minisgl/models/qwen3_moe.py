@@ -44,9 +44,6 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
         if not config.is_moe or config.moe_intermediate_size <= 0:
             raise ConfigError("Qwen3MoeForCausalLM needs num_experts, num_experts_per_tok and "
                               "moe_intermediate_size in config.json, all positive")
-        if config.hidden_act != "silu":
-            raise ConfigError(f"Qwen3MoeForCausalLM's experts use hidden_act 'silu', got "
-                              f"{config.hidden_act!r}")
         sparse_layer_ids(config)  # validates decoder_sparse_step and mlp_only_layers
 
     def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:

@@ -1,6 +1,6 @@
 """Which class implements which architecture: the ``architectures`` field of config.json.
 
-Each entry names a module and a class rather than importing them here, so adding an
+Each entry names the module that defines the class rather than importing it here, so adding an
 architecture is one line and loading one model never imports the others. Chapter 3 tells the
 story; chapter 18 adds the other families.
 """
@@ -11,12 +11,12 @@ import importlib
 
 from minisgl.models.base import BaseLLMModel
 
-# config.json "architectures" entry -> (module under minisgl.models, class name)
-MODEL_REGISTRY: dict[str, tuple[str, str]] = {
-    "Qwen3ForCausalLM": ("qwen3", "Qwen3ForCausalLM"),
-    "LlamaForCausalLM": ("llama", "LlamaForCausalLM"),
-    "Qwen2ForCausalLM": ("qwen2", "Qwen2ForCausalLM"),
-    "Qwen3MoeForCausalLM": ("qwen3_moe", "Qwen3MoeForCausalLM"),
+# config.json "architectures" entry (the class's name) -> its module under minisgl.models
+MODEL_REGISTRY: dict[str, str] = {
+    "Qwen3ForCausalLM": "qwen3",
+    "LlamaForCausalLM": "llama",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
 
 
@@ -32,9 +32,7 @@ def get_model_class(architectures: list[str] | tuple[str, ...]) -> type[BaseLLMM
                          f"unknown; supported: {', '.join(supported_architectures())}")
     for arch in architectures:
         if arch in MODEL_REGISTRY:
-            module_name, class_name = MODEL_REGISTRY[arch]
-            module = importlib.import_module(f"minisgl.models.{module_name}")
-            return getattr(module, class_name)
+            return getattr(importlib.import_module(f"minisgl.models.{MODEL_REGISTRY[arch]}"), arch)
     raise ValueError(
         f"unsupported model architecture {list(architectures)!r} (from config.json "
         f"'architectures'); supported: {', '.join(supported_architectures())}"

@@ -12,7 +12,6 @@ import json
 import os
 import time
 from collections.abc import Hashable, Iterator
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 from tqdm import tqdm
 
 from minisgl.distributed import get_tp_info
-from minisgl.layers.base import copy_checked
+from minisgl.layers.base import BaseLayer
 from minisgl.models.base import BaseLLMModel
 from minisgl.utils.logger import get_logger
 
@@ -29,6 +28,7 @@ logger = get_logger(__name__)
 
 INDEX_FILE = "model.safetensors.index.json"
 _MAX_NAMES_SHOWN = 10
+Slot = tuple[str, Hashable]  # (parameter name, shard_id): where one checkpoint tensor goes
 
 
 class CheckpointMismatchError(ValueError):
@@ -79,43 +79,9 @@ def iter_checkpoint_tensors(files: list[Path]) -> Iterator[tuple[str, torch.Tens
                 yield name, f.get_tensor(name)
 
 
-@dataclass
-class _LoadPlan:
-    """Where each checkpoint tensor goes, worked out from the names alone."""
-
-    targets: dict[str, tuple[str, Hashable]] = field(default_factory=dict)  # ckpt -> (param, slot)
-    missing: list[str] = field(default_factory=list)
-    unexpected: list[str] = field(default_factory=list)
-
-
-def _owner(model: nn.Module, param_name: str) -> tuple[nn.Module, str]:
+def _owner(model: nn.Module, param_name: str) -> tuple[BaseLayer, str]:
     module_name, _, attr = param_name.rpartition(".")
     return model.get_submodule(module_name), attr
-
-
-def _plan(model: BaseLLMModel, names: list[str]) -> _LoadPlan:
-    plan = _LoadPlan()
-    # named_parameters() lists a shared tensor once, under the name it was first registered
-    # with; the other names of the same tensor are aliases (lm_head.weight when tied).
-    params = dict(model.named_parameters())
-    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
-    filled: set[tuple[str, Hashable]] = set()
-    for name in names:
-        if name in aliases:
-            continue  # a tied duplicate: the same values load under the canonical name
-        param_name, shard_id = model.checkpoint_to_param(name)
-        if param_name not in params:
-            plan.unexpected.append(name)
-            continue
-        plan.targets[name] = (param_name, shard_id)
-        filled.add((param_name, shard_id))
-    for param_name in params:
-        module, attr = _owner(model, param_name)
-        expected = module.shard_ids(attr) if hasattr(module, "shard_ids") else (None,)
-        for shard_id in expected:
-            if (param_name, shard_id) not in filled:
-                plan.missing.append(model.param_to_checkpoint(param_name, shard_id))
-    return plan
 
 
 def _shorten(names: list[str]) -> str:
@@ -124,18 +90,38 @@ def _shorten(names: list[str]) -> str:
     return shown + (f" ... and {more} more" if more > 0 else "")
 
 
-def _check(plan: _LoadPlan, model_dir: Path, model: nn.Module) -> None:
+def _plan(model: BaseLLMModel, names: list[str], model_dir: Path) -> dict[str, Slot]:
+    """Checkpoint name -> (parameter, slot) for every tensor to load, worked out from the names
+    alone; raises :class:`CheckpointMismatchError` naming every missing and unexpected tensor."""
+    # named_parameters() lists a shared tensor once, under the name it was first registered
+    # with; the other names of the same tensor are aliases (lm_head.weight when tied).
+    params = dict(model.named_parameters())
+    aliases = {n for n, _ in model.named_parameters(remove_duplicate=False)} - params.keys()
+    targets: dict[str, Slot] = {}
+    unexpected = []
+    for name in names:
+        if name in aliases:
+            continue  # a tied duplicate: the same values load under the canonical name
+        param_name, shard_id = model.checkpoint_to_param(name)
+        if param_name in params:
+            targets[name] = (param_name, shard_id)
+        else:
+            unexpected.append(name)
+    filled = set(targets.values())
+    missing = []
+    for param_name in params:  # per slot: a checkpoint lacking only k_proj is caught too
+        module, attr = _owner(model, param_name)
+        missing += [model.param_to_checkpoint(param_name, shard_id)
+                    for shard_id in module.shard_ids(attr) if (param_name, shard_id) not in filled]
     problems = []
-    if plan.missing:
-        problems.append(f"missing tensor(s) the model needs: {_shorten(plan.missing)}")
-    if plan.unexpected:
-        problems.append(f"unexpected tensor(s) the model has no place for: "
-                        f"{_shorten(plan.unexpected)}")
+    if missing:
+        problems.append(f"missing tensor(s) the model needs: {_shorten(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensor(s) the model has no place for: {_shorten(unexpected)}")
     if problems:
-        raise CheckpointMismatchError(
-            f"checkpoint {model_dir} does not match {type(model).__name__}: "
-            + "; ".join(problems)
-        )
+        raise CheckpointMismatchError(f"checkpoint {model_dir} does not match "
+                                      f"{type(model).__name__}: " + "; ".join(problems))
+    return targets
 
 
 def load_weights(
@@ -149,8 +135,7 @@ def load_weights(
     model_dir = Path(model_dir)
     files = checkpoint_files(model_dir)
     names = _read_names(files)
-    plan = _plan(model, names)
-    _check(plan, model_dir, model)
+    targets = _plan(model, names, model_dir)
 
     start = time.perf_counter()
     show = progress and get_tp_info().is_primary
@@ -159,18 +144,14 @@ def load_weights(
               disable=None if show else True) as bar:
         for name, tensor in iter_checkpoint_tensors(files):
             bar.update(1)
-            if name not in plan.targets:
+            if name not in targets:
                 continue  # a tied duplicate (the plan skipped it)
-            param_name, shard_id = plan.targets[name]
+            param_name, shard_id = targets[name]
             module, attr = _owner(model, param_name)
-            try:
-                if hasattr(module, "load_weight"):
-                    # The layer picks this rank's slice and its slot in a merged parameter.
-                    module.load_weight(tensor, shard_id, param_name=attr)
-                else:
-                    copy_checked(getattr(module, attr), tensor, param_name)
+            try:  # the layer picks this rank's slice and its slot in a merged parameter
+                module.load_weight(tensor, shard_id, param_name=attr)
             except ValueError as exc:
                 raise ValueError(f"cannot load checkpoint tensor {name!r}: {exc}") from None
     logger.debug("loaded %d tensors from %d file(s) in %.2f s (%d tied duplicate(s) skipped)",
-                 len(plan.targets), len(files), time.perf_counter() - start,
-                 len(names) - len(plan.targets))
+                 len(targets), len(files), time.perf_counter() - start,
+                 len(names) - len(targets))

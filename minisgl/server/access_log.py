@@ -84,12 +84,9 @@ def access_line(method: str, path: str, status: int, seconds: float,
     def shown(values: Sequence[object]) -> str:
         return ",".join(map(str, values)) or "-"
 
-    if record is None:
-        fields = "uid=- prompt_tokens=- completion_tokens=- finish=-"
-    else:
-        done = bool(record.finish_reasons)
-        fields = (f"uid={shown(record.uids)} "
-                  f"prompt_tokens={record.prompt_tokens if done else '-'} "
-                  f"completion_tokens={record.completion_tokens if done else '-'} "
-                  f"finish={shown(record.finish_reasons)}")
-    return f"{method} {path} {status} {fields} id={response_id or '-'} {seconds:.3f}s"
+    record = record or AccessRecord()  # a request that got no uid: every field is "-"
+    done = bool(record.finish_reasons)
+    return (f"{method} {path} {status} uid={shown(record.uids)} "
+            f"prompt_tokens={record.prompt_tokens if done else '-'} "
+            f"completion_tokens={record.completion_tokens if done else '-'} "
+            f"finish={shown(record.finish_reasons)} id={response_id or '-'} {seconds:.3f}s")

@@ -22,6 +22,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
 from starlette.requests import ClientDisconnect
 
+from minisgl.core import SamplingParams
 from minisgl.server.access_log import AccessLog, AccessRecord, observed
 from minisgl.server.answers import first_replies_then_rest, merge_replies, whole_answers
 from minisgl.server.errors import answer_errors_as_openai
@@ -42,7 +43,7 @@ from minisgl.server.responses import (
     stream_chat,
     stream_completion,
 )
-from minisgl.server.streaming import SSEResponse, sse_response
+from minisgl.server.streaming import SSEResponse
 
 
 # =========================================================================== routes
@@ -100,25 +101,29 @@ def check_model(request: Request, model: str | None) -> None:
                        code="model_not_found")
 
 
-def check_token_ids(request: Request, name: str, token_ids: Sequence[int]) -> None:
-    """Token ids the client gives besides the prompt must be the model's (the scheduler
-    checks the prompt's)."""
+def checked_params(request: Request, body: ChatCompletionRequest | CompletionRequest,
+                   max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
+    """The body's sampling parameters, once its model, its fields and its ``stop_token_ids``
+    are checked (the scheduler checks the prompt's token ids)."""
+    check_model(request, body.model)
+    body.check_supported()
+    params = body.sampling_params(max_tokens, default_max_tokens)
     vocab_size = request.app.state.vocab_size
-    bad = next((t for t in token_ids if vocab_size is not None and t >= vocab_size), None)
+    bad = next((t for t in params.stop_token_ids if vocab_size is not None and t >= vocab_size),
+               None)
     if bad is not None:
-        raise APIError(400, f"{name}: token id {bad} is outside the vocabulary "
-                            f"(0..{vocab_size - 1})", name)
+        raise APIError(400, f"stop_token_ids: token id {bad} is outside the vocabulary "
+                            f"(0..{vocab_size - 1})", "stop_token_ids")
+    return params
 
 
 @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """A chat turn: the tokenizer applies the model's chat template to ``messages``."""
     frontend = _frontend(request)
-    check_model(request, body.model)
-    body.check_supported()
     max_tokens = (body.max_tokens if body.max_completion_tokens is None
                   else body.max_completion_tokens)
-    params = body.sampling_params(max_tokens, DEFAULT_CHAT_MAX_TOKENS)
+    params = checked_params(request, body, max_tokens, DEFAULT_CHAT_MAX_TOKENS)
     if body.max_completion_tokens is not None and body.max_tokens is not None:
         # Both given: max_completion_tokens counts (as in vLLM); the other must still be valid.
         body.sampling_params(body.max_tokens, DEFAULT_CHAT_MAX_TOKENS)
@@ -127,15 +132,13 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             raise APIError(400, f"max_tokens is {body.max_tokens}, but this server serves at "
                                 f"most {limit} tokens per request", "max_tokens",
                            code="context_length_exceeded")
-    check_token_ids(request, "stop_token_ids", body.stop_token_ids or ())
     uid = await frontend.submit(params, messages=[m.as_dict() for m in body.messages],
                                 strict_max_tokens=max_tokens is not None)
     record = _access(request, [uid])
     meta = _meta(request, "chatcmpl")
     if body.stream:
         [replies] = await first_replies_then_rest(request, frontend, [uid], "messages")
-        return sse_response(frontend, uid, stream_chat(observed(replies, record), meta,
-                                                       body.include_usage))
+        return SSEResponse(stream_chat(observed(replies, record), meta, body.include_usage))
     [(text, last)] = await whole_answers(request, frontend, [uid], "messages")
     record.add(last)
     return chat_body(meta, text, last)
@@ -146,11 +149,8 @@ async def completions(body: CompletionRequest, request: Request):
     """A plain completion of ``prompt`` (text, or token ids), no chat template. A list of
     prompts is answered with one choice per prompt, ``index`` in the order given."""
     frontend = _frontend(request)
-    check_model(request, body.model)
-    body.check_supported()
+    params = checked_params(request, body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
     prompts = body.prompts()
-    params = body.sampling_params(body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
-    check_token_ids(request, "stop_token_ids", body.stop_token_ids or ())
     uids = await submit_prompts(frontend, prompts, params, body.max_tokens is not None)
     record = _access(request, uids)
     meta = _meta(request, "cmpl")
@@ -165,7 +165,7 @@ async def completions(body: CompletionRequest, request: Request):
 
 
 async def submit_prompts(frontend: RequestRouter, prompts: Sequence[str | list[int]],
-                         params: Any, strict_max_tokens: bool) -> list[int]:
+                         params: SamplingParams, strict_max_tokens: bool) -> list[int]:
     """Send every prompt as a request of its own; if one cannot be sent, abort the others."""
     uids: list[int] = []
     try:

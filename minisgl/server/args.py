@@ -17,18 +17,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.env import parse_mem_bytes
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.server.lifecycle import (
-    DEFAULT_REPLY_BUFFER_SIZE,
-    DEFAULT_SLOW_READER_TIMEOUT_S,
-    check_seconds,
-)
-from minisgl.utils.checks import check_int
+from minisgl.server.lifecycle import DEFAULT_REPLY_BUFFER_SIZE, DEFAULT_SLOW_READER_TIMEOUT_S
+from minisgl.utils.checks import check_int, is_number
 
 DEFAULT_HOST = "127.0.0.1"  # loopback: serving on every interface is a choice to make explicitly
 DEFAULT_PORT = 1919
@@ -56,6 +53,13 @@ ENGINE_OPTIONS: dict[str, str] = {
     "cuda_graph_max_bs": "the largest decode batch replayed as a CUDA graph",
     "overlap": "overlap scheduling (default: on unless MINISGL_DISABLE_OVERLAP is set)",
 }
+
+
+def check_seconds(name: str, value: object, *, allow_zero: bool = False) -> None:
+    """Refuse ``value`` unless it is a finite number of seconds > 0 (>= 0 with ``allow_zero``)."""
+    if not (is_number(value) and math.isfinite(value) and (value > 0 or allow_zero and value == 0)):
+        raise ValueError(f"{name} must be a number of seconds {'>=' if allow_zero else '>'} 0, "
+                         f"got {value!r}")
 
 
 @dataclass(frozen=True)

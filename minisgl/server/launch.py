@@ -80,10 +80,8 @@ class Workers:
 
     def snapshot(self) -> dict[str, int]:
         """Every worker counter by name (``/metrics``)."""
-        values: dict[str, int] = {}
-        for counters in self.counters:
-            values.update(counters.snapshot())
-        return values
+        return {name: value for counters in self.counters
+                for name, value in counters.snapshot().items()}
 
     def health(self) -> str | None:
         """None while every worker runs; else which one stopped (``/health``)."""

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 import time
 from collections import deque
 from collections.abc import Awaitable, Callable, Mapping
@@ -25,7 +24,6 @@ from typing import Any, Protocol, TypeVar
 
 from minisgl.message import RequestError, UserReply
 from minisgl.server.protocol import APIError
-from minisgl.utils.checks import check_int, is_number
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
@@ -34,13 +32,6 @@ T = TypeVar("T")
 
 DEFAULT_REPLY_BUFFER_SIZE = 1024  # replies (about one per token) held for one slow reader
 DEFAULT_SLOW_READER_TIMEOUT_S = 30.0  # how long a reader may stay behind before it is cut off
-
-
-def check_seconds(name: str, value: object, *, allow_zero: bool = False) -> None:
-    """Refuse ``value`` unless it is a finite number of seconds > 0 (>= 0 with ``allow_zero``)."""
-    if not (is_number(value) and math.isfinite(value) and (value > 0 or allow_zero and value == 0)):
-        raise ValueError(f"{name} must be a number of seconds {'>=' if allow_zero else '>'} 0, "
-                         f"got {value!r}")
 
 
 @dataclass
@@ -112,13 +103,6 @@ class ReplyBuffer:
         self.event.set()
 
 
-def slow_reader_error(lag_s: float, buffered: int) -> RequestError:
-    """The error a client gets when it reads more slowly than the engine writes."""
-    return RequestError(f"the client read its stream too slowly: {buffered} replies waited "
-                        f"unread, the oldest for {lag_s:.1f} s", status=408,
-                        kind="timeout_error", code="slow_reader")
-
-
 def unavailable_error(reason: str, code: str) -> RequestError:
     """The error every waiting request gets when the server cannot serve any more: a worker
     process died, the reply listener stopped, the server is shutting down."""
@@ -170,11 +154,9 @@ class LifecyclePolicy:
                  reply_buffer_size: int = DEFAULT_REPLY_BUFFER_SIZE,
                  slow_reader_timeout_s: float = DEFAULT_SLOW_READER_TIMEOUT_S,
                  health: Callable[[], str | None] | None = None) -> None:
-        check_int("reply_buffer_size", reply_buffer_size, at_least=1)
-        check_seconds("slow_reader_timeout_s", slow_reader_timeout_s)
         self.router = router
         self.reply_buffer_size = reply_buffer_size
-        self.slow_reader_timeout_s = float(slow_reader_timeout_s)
+        self.slow_reader_timeout_s = slow_reader_timeout_s
         self._health = health
         self._watchdog: asyncio.Task[None] | None = None
         self.unavailable: RequestError | None = None  # set once the frontend cannot serve
@@ -196,7 +178,10 @@ class LifecyclePolicy:
         logger.warning("request %d: its client reads too slowly (%d replies unread, the "
                        "oldest for %.1f s): aborting it", uid, len(buffer.replies), lag)
         self.slow_readers += 1
-        self.router.fail(uid, slow_reader_error(lag, len(buffer.replies)))
+        self.router.fail(uid, RequestError(
+            f"the client read its stream too slowly: {len(buffer.replies)} replies waited "
+            f"unread, the oldest for {lag:.1f} s", status=408, kind="timeout_error",
+            code="slow_reader"))
 
     def fail_all(self, error: RequestError) -> None:
         """End every waiting request with ``error``, and refuse new ones with it.

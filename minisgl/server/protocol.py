@@ -22,7 +22,6 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from minisgl.core import SamplingParams
 from minisgl.message import RequestError
-from minisgl.server.responses import error_object, prompt_param_of
 
 # OpenAI's documented default for /v1/completions. A chat request without a limit may in
 # principle run to the end of the context; 1024 tokens keeps a forgotten limit from holding a
@@ -48,12 +47,15 @@ class APIError(Exception):
 
     @classmethod
     def of(cls, error: RequestError, prompt_param: str = "prompt") -> APIError:
-        """The HTTP answer to a request that ended with ``error``."""
-        return cls(error.status, error.message, prompt_param_of(error, prompt_param),
-                   error.kind, error.code)
+        """The HTTP answer to a request that ended with ``error``. Workers call the prompt
+        ``"prompt"``; for a chat request, the prompt is ``"messages"``."""
+        param = prompt_param if error.param == "prompt" else error.param
+        return cls(error.status, error.message, param, error.kind, error.code)
 
     def body(self) -> dict[str, Any]:
-        return error_object(self.message, self.kind, self.param, self.code)
+        """OpenAI's error object: the body of an error response or SSE event."""
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.code}}
 
     def response(self, headers: Mapping[str, str] | None = None) -> JSONResponse:
         return JSONResponse(self.body(), status_code=self.status_code, headers=headers)

@@ -17,28 +17,10 @@ from contextlib import aclosing
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from minisgl.message import RequestError, TokenUsage, UserReply
+from minisgl.message import TokenUsage, UserReply
+from minisgl.server.protocol import APIError
 
 
-# =========================================================================== errors
-def prompt_param_of(error: RequestError, prompt_param: str = "prompt") -> str | None:
-    """The parameter an error names. Workers call the prompt ``"prompt"``; for a chat
-    request, the prompt is ``"messages"``."""
-    return prompt_param if error.param == "prompt" else error.param
-
-
-def error_object(message: str, kind: str, param: str | None, code: str | None) -> dict[str, Any]:
-    """OpenAI's error object: ``{"error": {"message", "type", "param", "code"}}``."""
-    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
-
-
-def error_body(error: RequestError, prompt_param: str = "prompt") -> dict[str, Any]:
-    """OpenAI's error object for ``error``: the body of an error response or SSE event."""
-    return error_object(error.message, error.kind, prompt_param_of(error, prompt_param),
-                        error.code)
-
-
-# =========================================================================== responses
 @dataclass(frozen=True)
 class ResponseMeta:
     """What every body and chunk of one response repeats."""
@@ -126,7 +108,7 @@ async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
             if reply.delta:  # empty while a multi-byte character is incomplete
                 yield sse_event({**chat_chunk(meta, {"content": reply.delta}), **extra})
             if reply.error is not None:
-                yield sse_event(error_body(reply.error, prompt_param))
+                yield sse_event(APIError.of(reply.error, prompt_param).body())
             elif reply.finished:
                 yield sse_event({**chat_chunk(meta, {}, reply.finish_reason), **extra})
                 if include_usage:
@@ -152,7 +134,7 @@ async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta:
             if reply.delta:
                 yield sse_event({**completion_chunk(meta, reply.delta, index=index), **extra})
             if reply.error is not None:
-                yield sse_event(error_body(reply.error, prompt_param))
+                yield sse_event(APIError.of(reply.error, prompt_param).body())
                 break
             if reply.finished:
                 yield sse_event({**completion_chunk(meta, "", reply.finish_reason, index),

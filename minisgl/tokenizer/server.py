@@ -34,13 +34,10 @@ from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)
 
-# What the detokenizer publishes after each frame: requests whose text state it keeps.
-DETOKENIZER_COUNTERS = ("live_states",)
-
-
 def detokenizer_counters() -> SharedCounters:
-    """Counters for :func:`run_detokenizer`'s ``stats`` argument."""
-    return SharedCounters(DETOKENIZER_COUNTERS)
+    """Counters for :func:`run_detokenizer`'s ``stats`` argument: ``live_states``, the requests
+    whose text state it keeps, published after each frame."""
+    return SharedCounters(["live_states"])
 
 
 def tokenize_or_fail(manager: TokenizeManager,
@@ -111,7 +108,7 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
         frontend_addr: the API server's inbox, for the :class:`~minisgl.message.UserReply`
             messages.
         ready: a queue from :func:`~minisgl.utils.processes.new_ready_queue`, or None.
-        stats: counters named :data:`DETOKENIZER_COUNTERS` to publish, or None.
+        stats: counters from :func:`detokenizer_counters` to publish, or None.
         scheduler_addr: the scheduler's inbox, to stop a request that a stop string ended;
             None leaves such requests running to their end (their extra tokens are dropped).
     """

@@ -24,7 +24,6 @@ from typing import Any, TypeVar
 
 from minisgl.utils.logger import get_logger
 from minisgl.utils.queues import ZmqPullQueue
-from minisgl.utils.watch import EXIT_STARTED_WHILE_IMPORTING, GUARD_HINT, describe_exit
 
 logger = get_logger(__name__)
 
@@ -39,16 +38,22 @@ T = TypeVar("T")
 # the child. Spawn costs a second or so of start-up and needs a picklable target and arguments;
 # it buys a child that holds only what it imports itself.
 SPAWN = multiprocessing.get_context("spawn")
+# The exit code of a worker started while its parent's main module was still being imported
+# (:func:`start_process` ends such a worker with it, before it can do any harm); a code no
+# library exits with, so that a worker that exits 1, 2 or 3 on its own is not taken for it.
+EXIT_STARTED_WHILE_IMPORTING = 87
+GUARD_HINT = ('put the code that starts the engine under `if __name__ == "__main__":` '
+              "(a spawned process imports the main module again, and must not start it twice)")
 
 
 def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...] = (),
-                  kwargs: Mapping[str, Any] | None = None, daemon: bool = True,
+                  kwargs: Mapping[str, Any] | None = None,
                   own_process_group: bool = False) -> BaseProcess:
     """Start ``target(*args, **kwargs)`` in a new process called ``name``, with spawn.
 
     ``target`` must be importable by name (a module-level function), and ``args``/``kwargs``
     picklable: pass queue addresses, not queues. ``name`` is the process name that the log
-    lines show. A daemon process (the default) is terminated when its parent exits normally, so
+    lines show. It is a daemon: it is terminated when its parent exits normally, so
     a crashed launcher leaves fewer orphans behind.
 
     ``own_process_group`` puts the process in a process group of its own. Ctrl-C
@@ -63,7 +68,7 @@ def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...
     if own_process_group:
         args, target = (target, *args), _run_in_own_process_group
     process = SPAWN.Process(target=target, name=name, args=args, kwargs=dict(kwargs or {}),
-                             daemon=daemon)
+                             daemon=True)
     process.start()
     logger.debug("started process %s (pid %d)", name, process.pid)
     return process
@@ -85,6 +90,22 @@ def _run_in_own_process_group(target: Callable[..., Any], *args: Any, **kwargs: 
     parent's process group (and so the terminal's Ctrl-C), then run ``target``."""
     os.setpgid(0, 0)  # a group of its own, whose id is this process's id
     return target(*args, **kwargs)
+
+
+def describe_exit(exitcode: int | None) -> str:
+    """How a process ended, in words: its exit code, the signal that killed it, or (for a
+    process that is not our child, whose code we cannot read) only that it exited."""
+    if exitcode is None:
+        return "has exited"
+    if exitcode < 0:
+        name = signal.Signals(-exitcode).name
+        why = " (the out-of-memory killer sends it too)" if -exitcode == signal.SIGKILL else ""
+        return f"was killed by {name}{why}"
+    if exitcode == EXIT_STARTED_WHILE_IMPORTING:
+        return (f"exited with code {exitcode}: RuntimeError: An attempt has been made to start "
+                "a new process before the current process has finished its bootstrapping phase. "
+                f"Hint: {GUARD_HINT}")
+    return f"exited with code {exitcode}"
 
 
 def stop_process(process: BaseProcess, timeout_s: float = 5.0) -> int | None:
@@ -181,15 +202,10 @@ def wait_ready(queue: multiprocessing.Queue, processes: Sequence[BaseProcess],
             continue
         _, name = waiting.pop(pid, (None, reported))
         if status == FAILED:
-            raise WorkerFailed(f"worker {name} (pid {pid}) failed to start: "
-                               f"{_last_line(text)}\n{text.rstrip()}")
+            error = text.strip().splitlines()[-1]  # the traceback's last line, shown first
+            raise WorkerFailed(f"worker {name} (pid {pid}) failed to start: {error}\n"
+                               f"{text.rstrip()}")
         logger.debug("worker %s (pid %d) is ready", name, pid)
-
-
-def _last_line(text: str) -> str:
-    """A traceback's last line: the error itself, which a one-line log shows first."""
-    lines = text.strip().splitlines()
-    return lines[-1] if lines else "(no traceback)"
 
 
 class WorkerFailed(RuntimeError):

@@ -75,26 +75,6 @@ def _open_socket(context: zmq.Context, kind: int, address: str, bind: bool) -> z
     return socket
 
 
-def _check_type(message: Any, message_type: type, address: str) -> None:
-    if not isinstance(message, message_type):
-        raise TypeError(f"the queue at {address} carries {message_type.__name__}; "
-                        f"got a {type(message).__name__}")
-
-
-def _frame(messages: list[Any], message_type: type, address: str) -> bytes:
-    for message in messages:
-        _check_type(message, message_type, address)
-    return message_type.dumps(messages[0] if len(messages) == 1 else messages)
-
-
-def _unframe(frame: bytes, message_type: type, address: str) -> list[Any]:
-    value = message_type.loads(frame)
-    messages = value if isinstance(value, list) else [value]
-    for message in messages:
-        _check_type(message, message_type, address)
-    return messages
-
-
 @functools.cache  # once per context
 def _wait_for_lingering_frames_at_exit(context: zmq.Context) -> None:
     """Make this process's exit destroy ``context``: a closed socket's frames are delivered
@@ -112,18 +92,25 @@ class _Queue:
 
     def __init__(self, context: zmq.Context, kind: int, address: str,
                  message_type: type, bind: bool) -> None:
-        if not (isinstance(message_type, type) and callable(getattr(message_type, "dumps", None))
-                and callable(getattr(message_type, "loads", None))):
-            raise TypeError(f"message_type must be a class with dumps() and loads() (a message "
-                            f"family), got {message_type!r}")
         self.address = address
         self.message_type = message_type
         self._context = context
         self._socket = _open_socket(context, kind, address, bind)
 
-    @property
-    def closed(self) -> bool:
-        return self._socket.closed
+    def _frame(self, messages: list[Any]) -> bytes:
+        self._checked(messages)
+        return self.message_type.dumps(messages[0] if len(messages) == 1 else messages)
+
+    def _unframe(self, frame: bytes) -> list[Any]:
+        value = self.message_type.loads(frame)
+        return self._checked(value if isinstance(value, list) else [value])
+
+    def _checked(self, messages: list[Any]) -> list[Any]:
+        for message in messages:
+            if not isinstance(message, self.message_type):
+                raise TypeError(f"the queue at {self.address} carries "
+                                f"{self.message_type.__name__}; got a {type(message).__name__}")
+        return messages
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket. Outgoing messages not yet handed to the peer are kept for at most
@@ -170,13 +157,13 @@ class ZmqPushQueue(_Queue, Generic[T]):
         stopped reading; a receiver that died is a worker the launcher's watch sees, and the
         launcher then ends this process (SIGTERM, SIGKILL after its grace period).
         """
-        self._socket.send(_frame([message], self.message_type, self.address), copy=False)
+        self._socket.send(self._frame([message]), copy=False)
 
     def put_many(self, messages: Iterable[T]) -> None:
         """Send several messages in one frame (one serialization, one wake-up for the peer)."""
         batch = list(messages)
         if batch:
-            self._socket.send(_frame(batch, self.message_type, self.address), copy=False)
+            self._socket.send(self._frame(batch), copy=False)
 
 
 class ZmqPullQueue(_Queue, Generic[T]):
@@ -199,13 +186,13 @@ class ZmqPullQueue(_Queue, Generic[T]):
         if not self._ready:
             if timeout_s is not None and not self._socket.poll(int(timeout_s * 1000)):
                 raise TimeoutError(f"no message on {self.address} within {timeout_s} s")
-            self._receive(self._socket.recv())
+            self._ready.extend(self._unframe(self._socket.recv()))
         return self._ready.popleft()
 
     def drain(self) -> list[T]:
         """Every message that has already arrived, in order; never waits."""
         while self._socket.poll(0):
-            self._receive(self._socket.recv())
+            self._ready.extend(self._unframe(self._socket.recv()))
         messages = list(self._ready)
         self._ready.clear()
         return messages
@@ -213,9 +200,6 @@ class ZmqPullQueue(_Queue, Generic[T]):
     def empty(self) -> bool:
         """True when :meth:`get` would have to wait."""
         return not self._ready and not self._socket.poll(0)
-
-    def _receive(self, frame: bytes) -> None:
-        self._ready.extend(_unframe(frame, self.message_type, self.address))
 
 
 class ZmqAsyncPushQueue(_Queue, Generic[T]):
@@ -226,13 +210,13 @@ class ZmqAsyncPushQueue(_Queue, Generic[T]):
 
     async def put(self, message: T) -> None:
         """Send one message; yields to the event loop only if ZMQ's buffer is full."""
-        await self._socket.send(_frame([message], self.message_type, self.address), copy=False)
+        await self._socket.send(self._frame([message]), copy=False)
 
     async def put_many(self, messages: Iterable[T]) -> None:
         """Send several messages in one frame."""
         batch = list(messages)
         if batch:
-            await self._socket.send(_frame(batch, self.message_type, self.address), copy=False)
+            await self._socket.send(self._frame(batch), copy=False)
 
 
 class ZmqAsyncPullQueue(_Queue, Generic[T]):
@@ -256,7 +240,7 @@ class ZmqAsyncPullQueue(_Queue, Generic[T]):
                 frame = await asyncio.wait_for(self._socket.recv(), timeout_s)
             except asyncio.TimeoutError:  # an alias of TimeoutError from Python 3.11
                 raise TimeoutError(f"no message on {self.address} within {timeout_s} s") from None
-            self._ready.extend(_unframe(frame, self.message_type, self.address))
+            self._ready.extend(self._unframe(frame))
         return self._ready.popleft()
 
 
