@@ -24,7 +24,7 @@ from minisgl.core import Req, SamplingParams
 from minisgl.distributed.peers import watching_started_ranks
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.tp import LeaderScheduler, TPLaunch, check_tp, run_tp_follower
+from minisgl.scheduler.tp import TPLaunch, check_tp, run_tp_follower, start_leader
 from minisgl.utils.checks import is_int
 from minisgl.utils.heap import frozen_heap
 from minisgl.utils.hf import resolve_model_path
@@ -93,7 +93,7 @@ class LLM:
                     run_tp_follower, f"minisgl-scheduler-rank{rank}", args=(config, launch, rank),
                     kwargs={"ready": ready}, own_process_group=True))
             with watching_started_ranks(self._followers):
-                scheduler = LeaderScheduler(config, launch)  # once every rank joined
+                scheduler = start_leader(config, launch)  # once every rank joined
                 wait_ready(ready, self._followers, timeout_s=TP_STARTUP_TIMEOUT_S)
         except BaseException as exc:
             # Rank 0's error (not a worker's report, not Ctrl-C) is often only the echo of

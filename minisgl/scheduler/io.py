@@ -20,7 +20,7 @@ from minisgl.message import (AbortRequest, BackendMessage, DetokenizeRequest, De
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.prefill import output_room
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.scheduler.tp import LeaderScheduler, TPLaunch
+from minisgl.scheduler.tp import TPLaunch, start_leader
 from minisgl.utils.logger import get_logger
 from minisgl.utils.counters import SharedCounters
 from minisgl.utils.heap import frozen_heap
@@ -202,7 +202,7 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
         with signals.interruptible(), reporting_readiness(ready, "scheduler"):
             receive = ZmqPullQueue(inbox, BackendMessage, bind=True)
             send = ZmqPushQueue(detokenizer_addr, DetokenizerMessage, bind=False)
-            scheduler = Scheduler(config) if tp is None else LeaderScheduler(config, tp)
+            scheduler = Scheduler(config) if tp is None else start_leader(config, tp)
             io = SchedulerIO(scheduler, stats)
         with frozen_heap():  # start-up's objects stay out of the collector's full passes
             while not signals.requested:

@@ -6,14 +6,15 @@ decode batches, and leave the step their last token is read: continuous batching
 both ways of running: synchronously, the host reads a batch's tokens right after launching it;
 with ``overlap`` (chapter 12) it reads them one step later, while the device runs the next batch
 (``overlap.py``: the batch in flight and its copy to the host). Under tensor parallelism rank 0's
-scheduler is a :class:`~minisgl.scheduler.tp.LeaderScheduler`, which tells the other ranks every
-input, so that every rank runs the same steps (chapter 17).
+scheduler tells its ``followers`` every input, so that every rank runs the same steps
+(chapter 17).
 """
 
 from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
+from typing import Protocol
 from minisgl.core import Batch, Phase, Req
 from minisgl.engine.engine import Engine
 from minisgl.scheduler.cache import PREFIX_CACHES, CacheManager
@@ -67,11 +68,26 @@ class StepResult:
         return self.phase is None
 
 
+class Followers(Protocol):
+    """Who hears every input and step of rank 0's scheduler, in order (chapter 17's
+    ``scheduler.tp.RankFollowers``)."""
+
+    def added(self, req: Req) -> None: ...
+    def aborted(self, uid: int) -> None: ...
+    def stepping(self, step: int) -> None: ...
+
+    def failed(self, step: int, exc: Exception) -> BaseException:
+        """The error a failed step raises: the ranks may now disagree."""
+
+    def close(self) -> None: ...
+
+
 class Scheduler:
     """Forms batches from requests that come and go, and runs them on an engine.
 
     Args:
         config: the engine's settings and the scheduler's (see :class:`SchedulerConfig`).
+        followers: under tensor parallelism, the other ranks (rank 0 only); None otherwise.
 
     Attributes:
         engine: the engine the batches run on (built from ``config``).
@@ -88,10 +104,11 @@ class Scheduler:
     token it read: with overlap, those of the batch before.
     """
 
-    def __init__(self, config: SchedulerConfig) -> None:
+    def __init__(self, config: SchedulerConfig, followers: Followers | None = None) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"Scheduler takes a SchedulerConfig, got {type(config).__name__}")
         self.config = config
+        self.followers = followers
         self.engine = Engine(config)
         self.cache = CacheManager(self.engine, PREFIX_CACHES[config.prefix_cache](config.page_size))
         self.prefill = PrefillManager(self.cache)
@@ -129,6 +146,8 @@ class Scheduler:
         if len(req.prompt_ids) > self.max_seq_len:
             raise ValueError(f"request {req.uid}: its prompt of {len(req.prompt_ids)} tokens is "
                              f"longer than max_seq_len ({self.max_seq_len})")
+        if self.followers is not None:  # as it came in: a follower's add() adjusts it alike
+            self.followers.added(req)
         room = output_room(len(req.prompt_ids), self.max_seq_len)
         if req.params.max_tokens > room:
             logger.warning("request %d: max_tokens %d lowered to %d to fit max_seq_len %d",
@@ -144,6 +163,8 @@ class Scheduler:
         request is waiting or running: it finished (or its last token is in flight), or never
         came. A client that gives up races with its request finishing: not an error.
         """
+        if self.followers is not None:
+            self.followers.aborted(uid)
         req = self.prefill.remove(uid) or self.running.pop(uid, None)
         if req is None:
             return None
@@ -169,8 +190,18 @@ class Scheduler:
     def step(self) -> StepResult:
         """Launch one batch, prefill or decode, read the tokens due, and report.
 
-        Returns an idle result (``phase`` None) when no batch could be launched.
+        Returns an idle result (``phase`` None) when no batch could be launched. Under tensor
+        parallelism the followers step first, and a failed step raises their error.
         """
+        if self.followers is None:
+            return self._step()
+        self.followers.stepping(self.num_steps)
+        try:
+            return self._step()
+        except Exception as exc:
+            raise self.followers.failed(self.num_steps, exc) from exc
+
+    def _step(self) -> StepResult:
         batch = self.schedule_next_batch()
         new_pages, launched = 0, None
         if batch is not None:
@@ -333,7 +364,9 @@ class Scheduler:
                                    f"flight; the batch in flight holds {int(req in unread)}")
 
     def close(self) -> None:
-        """Release what outlives the process's memory: nothing here (a leader leaves its group)."""
+        """Release what outlives the process's memory: a leader's followers leave the group."""
+        if self.followers is not None:
+            self.followers.close()
 
     def __repr__(self) -> str:
         return (f"Scheduler({self.num_waiting} waiting, {self.num_running} running, "

@@ -3,7 +3,7 @@
 Under tensor parallelism every forward pass needs every rank, in step, with the same batch in
 the same pages. Instead of shipping batches, rank 0 (the only rank that talks to the outside)
 passes each accepted request, each abort and each step on to the other ranks
-(:class:`LeaderScheduler`, rank 0's :class:`Scheduler`); a follower repeats
+(:class:`RankFollowers`, the ``followers`` of rank 0's :class:`Scheduler`); a follower repeats
 them (:func:`run_tp_follower`). The scheduler is deterministic, every rank's pool has the same
 pages, and rank 0's sampled tokens are broadcast, so every decision agrees. A rank whose step
 fails exits (:class:`RankFailed`) rather than risk pairing mismatched collectives. Chapter 17
@@ -23,7 +23,7 @@ from minisgl.distributed.peers import failure_reason, group_aborted
 from minisgl.message import AbortRequest, BackendMessage, Message, UserRequest
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
-from minisgl.scheduler.scheduler import Scheduler, StepResult
+from minisgl.scheduler.scheduler import Scheduler
 from minisgl.utils.logger import get_logger
 from minisgl.utils.counters import SharedCounters
 from minisgl.utils.heap import frozen_heap
@@ -94,41 +94,28 @@ def join_group(config: SchedulerConfig, launch: TPLaunch, rank: int) -> None:
     init_tp_group(rank, launch.size, device, launch.init_address)
 
 
-class LeaderScheduler(Scheduler):
-    """Rank 0's scheduler under tensor parallelism: a :class:`Scheduler` that passes every
-    request it accepts, every abort and every step, in order, on to every follower rank.
+class RankFollowers:
+    """Rank 0's link to the other ranks: the scheduler's ``followers`` under tensor parallelism.
 
-    Building it joins the group as rank 0; it returns once every rank has joined.
+    The leader is a plain :class:`Scheduler` built with this object; every input it accepts,
+    every abort and every step also goes, in order, to every follower rank.
     """
 
-    def __init__(self, config: SchedulerConfig, launch: TPLaunch) -> None:
+    def __init__(self, launch: TPLaunch) -> None:
         self._queues = [ZmqPushQueue(addr, FollowerMessage, bind=False)
                         for addr in launch.follower_addrs]
-        try:
-            join_group(config, launch, rank=0)
-            super().__init__(config)
-        except BaseException:
-            self.close()
-            raise
 
-    def add(self, req: Req) -> None:
-        super().add(req)  # checked first: a refused request never reaches the followers
+    def added(self, req: Req) -> None:
         self._tell(RankInput(UserRequest(req.uid, list(req.prompt_ids), req.params)))
 
-    def abort(self, uid: int) -> Req | None:
+    def aborted(self, uid: int) -> None:
         self._tell(RankInput(AbortRequest(uid)))
-        return super().abort(uid)
 
-    def step(self) -> StepResult:
-        """Tell the followers to step, then step; a failed step raises :class:`RankFailed`:
-        the ranks may now disagree, so not a plain error."""
-        step = self.num_steps
+    def stepping(self, step: int) -> None:
         self._tell(RankStep(step))
-        try:
-            return super().step()
-        except Exception as exc:
-            raise RankFailed(f"step {step} failed on rank 0: "
-                             f"{failure_reason(exc)}") from exc
+
+    def failed(self, step: int, exc: Exception) -> BaseException:
+        return RankFailed(f"step {step} failed on rank 0: {failure_reason(exc)}")
 
     def _tell(self, message: FollowerMessage) -> None:
         if group_aborted():  # a rank has exited: a queue nobody reads would block once full
@@ -142,6 +129,17 @@ class LeaderScheduler(Scheduler):
         for queue in self._queues:
             queue.close()
         destroy_tp_group()
+
+
+def start_leader(config: SchedulerConfig, launch: TPLaunch) -> Scheduler:
+    """Become rank 0 and build its scheduler; returns once every rank has joined the group."""
+    followers = RankFollowers(launch)
+    try:
+        join_group(config, launch, rank=0)
+        return Scheduler(config, followers=followers)
+    except BaseException:
+        followers.close()
+        raise
 
 
 def run_tp_follower(config: SchedulerConfig, launch: TPLaunch, rank: int,
