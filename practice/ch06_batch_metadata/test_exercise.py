@@ -11,14 +11,13 @@ from __future__ import annotations
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from types import SimpleNamespace
 
 import pytest
 import torch
 from batch_metadata import new_token_fields, page_arrays
 
+from minisgl.attention import fi
 from minisgl.attention.base import BaseAttnBackend, layout_of
-from minisgl.attention.fi import FlashInferBackend
 from minisgl.attention.torch_native import TorchNativeBackend
 from minisgl.kvcache import MHAKVPool
 from minisgl.kvcache.page_table import PageTable
@@ -42,8 +41,7 @@ def engine(spans: Sequence[Span], page_rows: Mapping[int, Sequence[int]],
     rows, cached, new = (list(column) for column in zip(*spans))
     layout = layout_of(rows, cached, new)
     meta = TorchNativeBackend(pool, table, num_qo_heads=1).prepare(layout)
-    arrays = FlashInferBackend._page_arrays(SimpleNamespace(page_size=page_size, page_table=table),
-                                            layout)
+    arrays = fi.page_arrays(table, layout)
     return {
         "positions": meta.positions.tolist(), "out_loc": meta.out_loc.tolist(),
         "last_indices": meta.last_indices.tolist(),
@@ -63,7 +61,7 @@ def engine_out_of_reach() -> Iterator[None]:
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(PageTable, "__init__", refuse)
         mp.setattr(BaseAttnBackend, "prepare", refuse)
-        mp.setattr(FlashInferBackend, "_page_arrays", refuse)
+        mp.setattr(fi, "page_arrays", refuse)
         yield
 
 
