@@ -183,9 +183,9 @@ def test_expand_ranges_matches_a_loop() -> None:
     assert owner.tolist() == [i for i, n in enumerate(counts) for _ in range(n)]
 
 
-def test_gathered_pages_and_slots_follow_the_rows_through_reuse() -> None:
-    """Through rows growing, freed and handed to the next request, the gathered page ids are
-    each row's first pages and every slot is page * page_size + offset of its own row."""
+def test_slots_follow_the_rows_through_reuse() -> None:
+    """Through rows growing, freed and handed to the next request, every slot is
+    page * page_size + offset of its own row."""
     table = PageTable(6, 20, page_size=4)
     rng = random.Random(0)
     next_page = 0
@@ -202,20 +202,11 @@ def test_gathered_pages_and_slots_follow_the_rows_through_reuse() -> None:
         rows = [row for row in held if table.num_pages(row)]
         if not rows:
             continue
-        counts = [rng.randint(1, table.num_pages(row)) for row in rows]
-        out = np.full(sum(counts) + 3, -7, dtype=np.int32)
-        total = table.gather_pages(rows, counts, out=out)
-        assert total == sum(counts) and out[total:].tolist() == [-7] * 3
-        owned = [p for row, n in zip(rows, counts) for p in table.row_pages(row)[:n].tolist()]
-        assert out[:total].tolist() == owned
         positions = [rng.randrange(table.capacity(row)) for row in rows]
         expected = [table.row_pages(row).tolist()[p // 4] * 4 + p % 4
                     for row, p in zip(rows, positions)]
         assert table.batch_token_slots(rows, positions, [p + 1 for p in positions]).tolist() \
             == expected
-    row = held[0] if held else table.alloc_row()
-    with pytest.raises(ValueError, match="reserve them first"):
-        table.gather_pages([row], [table.num_pages(row) + 1], out=np.zeros(64, dtype=np.int32))
 
 
 def test_extend_rows_is_append_pages_row_by_row() -> None:

@@ -340,7 +340,7 @@ def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
 
     monkeypatch.setattr(pool, "input_ids", recorded(pool.input_ids))
     monkeypatch.setattr(engine, "forward", recorded(engine.forward))
-    forward, wait = scheduler._launch, InFlight.wait
+    forward, read = scheduler._launch, scheduler._read
 
     def watched_forward(batch: Batch) -> InFlight:
         nonlocal launching
@@ -351,12 +351,12 @@ def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
             launching = False
             events.append("launch")
 
-    def watched_wait(flight: InFlight) -> list[int]:
+    def watched_read(flight: InFlight) -> list[Req]:
         events.append("read")
-        return wait(flight)
+        return read(flight)
 
     monkeypatch.setattr(scheduler, "_launch", watched_forward)
-    monkeypatch.setattr(InFlight, "wait", watched_wait)
+    monkeypatch.setattr(scheduler, "_read", watched_read)
     reqs = [Req(i, p, SamplingParams(max_tokens=5, ignore_eos=True))
             for i, p in enumerate(random_prompts([6, 9], seed=2))]
     for req in reqs:

@@ -27,7 +27,7 @@ import torch
 from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout
 from minisgl.attention.utils import indptr_tensor, last_page_len, pages_for
 from minisgl.kvcache.mha_pool import MHAKVPool
-from minisgl.kvcache.page_table import PageTable
+from minisgl.kvcache.page_table import PageTable, expand_ranges
 from minisgl.layers import fast
 from minisgl.layers.fast import QueryRows
 from minisgl.utils.logger import get_logger
@@ -72,8 +72,9 @@ def page_arrays(page_table: PageTable, layout: BatchLayout) -> dict[str, Any]:
     page_size = page_table.page_size
     totals = np.add(layout.cached_lens, layout.new_lens)  # keys each request attends over
     num_pages = pages_for(totals, page_size)
-    ids = np.empty(int(num_pages.sum()), dtype=np.int32)
-    page_table.gather_pages(layout.rows, num_pages.tolist(), out=ids)
+    # Request i's first num_pages[i] entries of its row (prepare checked the row holds them).
+    columns, owner = expand_ranges(np.zeros(len(totals), dtype=np.int64), num_pages)
+    ids = page_table.page_ids[np.asarray(layout.rows, dtype=np.int64)[owner], columns]
     return {
         "page_indptr": indptr_tensor(num_pages),
         "page_indices": torch.from_numpy(ids),
@@ -133,11 +134,12 @@ class FlashInferBackend(BaseAttnBackend):
             self._workspace, kv_layout="NHD", backend="fa2")
         self._decode = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self._workspace, kv_layout="NHD", use_tensor_cores=self.use_tensor_cores)
-        # captured batch size -> its decode wrapper over fixed arrays, and its fixed query rows
-        self._graph_wrappers: dict[int, tuple[Any, QueryRows | None]] = {}
+        # captured batch size -> its decode wrapper over fixed arrays, its fixed query rows
+        # and its number of pieces
+        self._graph_wrappers: dict[int, tuple[Any, QueryRows | None, int]] = {}
         # plan() stages its arrays in pinned host memory and copies them to the GPU
         # asynchronously. Planning again before that copy ran would overwrite the staging
-        # memory under it, so each plan waits for the previous one's copy (see _run_plan).
+        # memory under it, so each plan waits for the previous one's copy (see _plan).
         self._plan_copied = torch.cuda.Event()
         self._plan_copied.record()
 
@@ -152,48 +154,47 @@ class FlashInferBackend(BaseAttnBackend):
         return self.num_qo_heads // self.num_kv_heads >= 4
 
     def _plan(self, layout: BatchLayout, fields: dict[str, Any], static: bool) -> FIMetadata:
-        num_pieces = fast.paths.decode_pieces(layout.size) if layout.is_decode else 0
+        if static:  # a CUDA graph's batch: its wrapper plans over fixed arrays
+            wrapper, fixed_rows, num_pieces = self._graph_wrappers[layout.size]
+        else:
+            wrapper = self._decode if layout.is_decode else self._prefill
+            num_pieces = fast.paths.decode_pieces(layout.size) if layout.is_decode else 0
         arrays = (piece_arrays(self.page_table, layout, num_pieces, spares=static)
                   if num_pieces else page_arrays(self.page_table, layout))
         rows: QueryRows | None = arrays.get("query_rows")
-        if static:  # a CUDA graph's batch: into the fixed arrays its kernels read
-            wrapper, fixed_rows = self._graph_wrappers[layout.size]
+        if static:  # into the fixed arrays the graph's kernels read
             # Pinned, so that the host does not wait for the device to reach the copies.
             for name in ("page_indptr", "last_page_lens"):  # plan() copies these two
                 arrays[name] = arrays[name].pin_memory()
             ids = arrays["page_indices"]
             self._graph_page_indices[: len(ids)].copy_(ids.pin_memory(), non_blocking=True)
             arrays["page_indices"] = self._graph_page_indices[:0]  # nothing for plan() to copy
-            if rows is not None and fixed_rows is not None:
+            if rows is not None:
                 fixed_rows.owners.copy_(rows.owners.pin_memory(), non_blocking=True)
                 fixed_rows.indptr.copy_(rows.indptr.pin_memory(), non_blocking=True)
                 arrays["query_rows"] = fixed_rows
         else:
-            wrapper = self._decode if layout.is_decode else self._prefill
             arrays["page_indices"] = host_to_device(arrays["page_indices"], self.device)
             if rows is not None:
                 arrays["query_rows"] = QueryRows(host_to_device(rows.owners, self.device),
                                                  host_to_device(rows.indptr, self.device))
         meta = FIMetadata(**fields, **arrays, wrapper=wrapper)
-        self._run_plan(meta)
-        return meta
-
-    def _run_plan(self, meta: FIMetadata) -> None:
-        """Let the wrapper look at this batch's lengths and split the work; once per batch."""
+        # plan(): the wrapper looks at the batch's lengths and splits the work, once a batch.
+        # It stages its own arrays in pinned memory, so it waits for the last plan's copy.
         self._plan_copied.synchronize()
         common = {"num_qo_heads": self.num_qo_heads, "num_kv_heads": self.num_kv_heads,
                   "page_size": self.page_size, "q_data_type": self.kv_pool.dtype,
                   "kv_data_type": self.kv_pool.dtype}
-        if isinstance(meta.wrapper, self._flashinfer.BatchDecodeWithPagedKVCacheWrapper):
-            meta.wrapper.plan(meta.page_indptr, meta.page_indices, meta.last_page_lens,
-                              head_dim=self.head_dim, **common)
+        if layout.is_decode:
+            wrapper.plan(meta.page_indptr, meta.page_indices, meta.last_page_lens,
+                         head_dim=self.head_dim, **common)
         else:
             # causal=True masks each request's queries against the END of its keys: query t of
             # T new tokens sees keys 0 .. total_len - T + t, so a cached prefix needs no more.
-            meta.wrapper.plan(meta.qo_indptr, meta.page_indptr, meta.page_indices,
-                              meta.last_page_lens, head_dim_qk=self.head_dim, causal=True,
-                              **common)
+            wrapper.plan(meta.qo_indptr, meta.page_indptr, meta.page_indices,
+                         meta.last_page_lens, head_dim_qk=self.head_dim, causal=True, **common)
         self._plan_copied.record()
+        return meta
 
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
         assert isinstance(meta, FIMetadata)
@@ -236,7 +237,7 @@ class FlashInferBackend(BaseAttnBackend):
                 owners=torch.zeros(num_pieces, dtype=torch.int64, device=self.device),
                 indptr=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
             ) if num_pieces else None
-            self._graph_wrappers[bs] = (wrapper, rows)
+            self._graph_wrappers[bs] = (wrapper, rows, num_pieces)
 
 
 def check_flashinfer_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:

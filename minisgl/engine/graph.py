@@ -115,6 +115,9 @@ class GraphRunner:
         self.disabled_reason: str | None = None
         self.batch_sizes: tuple[int, ...] = tuple(sorted(set(batch_sizes)))
         self.max_batch_size = self.batch_sizes[-1]  # the largest captured size (0 when disabled)
+        # batch size -> the captured size that serves it, looked up once per step
+        self._padded_size = [0] + [padded_batch_size(b, self.batch_sizes)
+                                   for b in range(1, self.max_batch_size + 1)]
         self.device = device
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.capture_seconds = 0.0
@@ -127,6 +130,7 @@ class GraphRunner:
         runner.disabled_reason = reason
         runner.batch_sizes = ()
         runner.max_batch_size = 0
+        runner._padded_size = [0]
         runner.graphs = {}
         runner.capture_seconds = 0.0
         logger.info("CUDA graphs: off (%s); decode steps run eagerly", reason)
@@ -178,7 +182,7 @@ class GraphRunner:
         larger than the largest captured size."""
         if not batch.is_decode or batch.size > self.max_batch_size:  # 0 when disabled
             return None
-        return padded_batch_size(batch.size, self.batch_sizes)
+        return self._padded_size[batch.size]
 
     def __repr__(self) -> str:
         if not self.enabled:

@@ -175,22 +175,6 @@ class PageTable:
         _, slots = self.locate(rows, starts, ends)
         return host_to_device(torch.from_numpy(slots), self.device)
 
-    def gather_pages(self, rows: Sequence[int], counts: Sequence[int], out: np.ndarray) -> int:
-        """The first ``counts[i]`` page ids of row ``rows[i]``, requests concatenated, written
-        into ``out``; returns how many were written. This is a paged kernel's ``indices`` array.
-
-        Raises:
-            ValueError: a row holds fewer pages than asked for.
-        """
-        written = 0
-        for row, count in zip(rows, counts):  # a row's pages are contiguous
-            if count > self._held[row]:
-                raise ValueError(f"page-table row {row} holds {self._held[row]} pages, too few "
-                                 f"for {count}: reserve them first")
-            out[written: written + count] = self.page_ids[row, :count]
-            written += count
-        return written
-
     def _checked(self, row: int) -> int:
         """``row``, once it is known to be a row in use."""
         if not 0 <= row < self.max_reqs or not self._in_use[row]:

@@ -31,12 +31,6 @@ class InFlight:
     host_tokens: torch.Tensor
     ready: torch.cuda.Event | None
 
-    def wait(self) -> list[int]:
-        """The sampled ids on the host (blocks until the device has produced them)."""
-        if self.ready is not None:  # bounded: a dead peer's collective is aborted (chapter 17)
-            self.ready.synchronize()
-        return self.host_tokens.tolist()
-
 
 class HostTokens:
     """Two pinned host buffers, used in turn, that a batch's tokens are copied into.

@@ -193,30 +193,41 @@ class Scheduler:
         Returns an idle result (``phase`` None) when no batch could be launched. Under tensor
         parallelism the followers step first, and a failed step raises their error.
         """
-        if self.followers is None:
-            return self._step()
-        self.followers.stepping(self.num_steps)
+        if self.followers is not None:
+            self.followers.stepping(self.num_steps)
         try:
-            return self._step()
+            batch = self.schedule_next_batch()
+            new_pages, launched = 0, None
+            if batch is not None:
+                new_pages = self.cache.reserve(batch.reqs)
+                launched = self._launch(batch)
+                self.num_steps += 1
+            elif self._in_flight is None and self.prefill.waiting:
+                raise RuntimeError(f"{self.num_waiting} request(s) wait but none can be admitted "
+                                   f"with nothing running: {self.prefill_budget()}")
+            if self.overlap:
+                due, self._in_flight = self._in_flight, launched
+            else:
+                due = launched
+            read = [] if due is None else self._read(due)
+            return StepResult(
+                step=self.num_steps - (batch is not None),
+                phase=None if batch is None else batch.phase,
+                uids=() if batch is None else tuple(req.uid for req in batch.reqs),
+                num_tokens=0 if batch is None else batch.num_tokens,
+                new_pages=new_pages,
+                pages_in_use=self.cache.pages_in_use,
+                num_pages=self.cache.num_pages,
+                waiting=tuple(req.uid for req in self.prefill.waiting),
+                running=tuple(self.running),
+                finished=tuple(req for req in read if req.finish_reason is not None),
+                new_lens=() if batch is None else tuple(batch.new_lens),
+                read=tuple(read),
+            )
         except Exception as exc:
+            if self.followers is None:
+                raise
             raise self.followers.failed(self.num_steps, exc) from exc
-
-    def _step(self) -> StepResult:
-        batch = self.schedule_next_batch()
-        new_pages, launched = 0, None
-        if batch is not None:
-            new_pages = self.cache.reserve(batch.reqs)
-            launched = self._launch(batch)
-            self.num_steps += 1
-        elif self._in_flight is None and self.prefill.waiting:
-            raise RuntimeError(f"{self.num_waiting} request(s) wait but none can be admitted "
-                               f"with nothing running: {self.prefill_budget()}")
-        if self.overlap:
-            due, self._in_flight = self._in_flight, launched
-        else:
-            due = launched
-        read = [] if due is None else self._read(due)
-        return self._report(batch, read, new_pages)
 
     def schedule_next_batch(self) -> Batch | None:
         """The next batch: prefill first, then decode.
@@ -282,9 +293,11 @@ class Scheduler:
         could not foresee) is a *zombie*: that batch's token for it is dropped when read, and
         its pages go back only then, because that batch still writes into them.
         """
+        if flight.ready is not None:  # the host's one wait; bounded: a dead peer's collective
+            flight.ready.synchronize()  # is aborted (chapter 17)
         read: list[Req] = []
         for req, complete, token in zip(flight.batch.reqs, flight.batch.completes,
-                                        flight.wait(), strict=True):
+                                        flight.host_tokens.tolist(), strict=True):
             if not complete or req.table_row is None:  # a cut chunk, or aborted since launch
                 continue
             if req.finish_reason is not None:  # a zombie: its real last token came from the batch before
@@ -310,22 +323,6 @@ class Scheduler:
         self._live_uids.discard(req.uid)
 
     # ------------------------------------------------------------------ bookkeeping
-    def _report(self, batch: Batch | None, read: list[Req], new_pages: int) -> StepResult:
-        return StepResult(
-            step=self.num_steps - (batch is not None),
-            phase=None if batch is None else batch.phase,
-            uids=() if batch is None else tuple(req.uid for req in batch.reqs),
-            num_tokens=0 if batch is None else batch.num_tokens,
-            new_pages=new_pages,
-            pages_in_use=self.cache.pages_in_use,
-            num_pages=self.cache.num_pages,
-            waiting=tuple(req.uid for req in self.prefill.waiting),
-            running=tuple(self.running),
-            finished=tuple(req for req in read if req.finish_reason is not None),
-            new_lens=() if batch is None else tuple(batch.new_lens),
-            read=tuple(read),
-        )
-
     def gauges(self, prefix: str = "") -> dict[str, int]:
         """The state ``/metrics`` shows, under counter names that start with ``prefix``; pages
         the prefix cache could evict count as free."""
