@@ -27,7 +27,7 @@ import torch
 from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout
 from minisgl.attention.utils import indptr_tensor, last_page_len, pages_for
 from minisgl.kvcache.mha_pool import MHAKVPool
-from minisgl.kvcache.page_table import PageTable, expand_ranges
+from minisgl.kvcache.page_table import PageTable
 from minisgl.layers import fast
 from minisgl.layers.fast import QueryRows
 from minisgl.utils.logger import get_logger
@@ -66,15 +66,20 @@ class FIMetadata(AttnMetadata):
     wrapper: Any  # the FlashInfer wrapper whose plan matches these arrays
 
 
-def page_arrays(page_table: PageTable, layout: BatchLayout) -> dict[str, Any]:
+def page_arrays(page_table: PageTable, layout: BatchLayout, spares: int = 0) -> dict[str, Any]:
     """The CSR description of where each request's keys are (pages, not token slots), on the
-    host: FlashInfer's ``indptr``, ``indices``, ``last_page_len`` and ``qo_indptr``."""
+    host: FlashInfer's ``indptr``, ``indices``, ``last_page_len`` and ``qo_indptr``. With
+    ``spares``, that many copies of the last page id follow the batch's ``indices``."""
     page_size = page_table.page_size
     totals = np.add(layout.cached_lens, layout.new_lens)  # keys each request attends over
     num_pages = pages_for(totals, page_size)
-    # Request i's first num_pages[i] entries of its row (prepare checked the row holds them).
-    columns, owner = expand_ranges(np.zeros(len(totals), dtype=np.int64), num_pages)
-    ids = page_table.page_ids[np.asarray(layout.rows, dtype=np.int64)[owner], columns]
+    ids = np.empty(int(num_pages.sum()) + spares, dtype=np.int32)
+    end = 0
+    # A slice per request: its row's first pages (prepare checked that the row holds them).
+    for row, count in zip(layout.rows, num_pages.tolist()):
+        ids[end:end + count] = page_table.page_ids[row, :count]
+        end += count
+    ids[end:] = ids[end - 1]
     return {
         "page_indptr": indptr_tensor(num_pages),
         "page_indices": torch.from_numpy(ids),
@@ -89,17 +94,17 @@ def piece_arrays(page_table: PageTable, layout: BatchLayout, num_pieces: int,
     ``num_pieces`` pieces: one entry per piece, and the pieces' ``query_rows``. With
     ``spares``, exactly ``num_pieces`` entries (a captured graph's count): the pieces left
     over read one token of the batch's last page, and no request merges them."""
-    arrays = page_arrays(page_table, layout)
+    arrays = page_arrays(page_table, layout, spares=num_pieces if spares else 0)
     num_pages = np.diff(arrays["page_indptr"].numpy()).astype(np.int64)
     pages, last_lens, owners, piece_indptr = fast.paths.cut_into_pieces(
         num_pages, arrays["last_page_lens"].numpy().astype(np.int64), page_table.page_size,
         num_pieces)
     if spares:
-        spare, ids = num_pieces - len(pages), arrays["page_indices"]
+        spare = num_pieces - len(pages)
+        arrays["page_indices"] = arrays["page_indices"][: int(num_pages.sum()) + spare]  # a view
         pages = np.concatenate([pages, np.ones(spare, dtype=np.int64)])
         last_lens = np.concatenate([last_lens, np.ones(spare, dtype=np.int64)])
         owners = np.concatenate([owners, np.zeros(spare, dtype=np.int64)])
-        arrays["page_indices"] = torch.cat([ids, ids[-1:].repeat(spare)])
     arrays.update(page_indptr=indptr_tensor(pages),
                   last_page_lens=torch.from_numpy(last_lens.astype(np.int32)),
                   query_rows=QueryRows(owners=torch.from_numpy(owners.astype(np.int64)),
