@@ -35,9 +35,8 @@ from minisgl.utils.processes import describe_exit
 
 logger = get_logger(__name__)
 
-RENDEZVOUS_POLL_S = 0.05  # how often a rank in the rendezvous looks for the others (and why not)
+POLL_S = 0.05  # how often a rank looks for the others: in the rendezvous, and in the watch
 STORE_KNOCK_S = 1.0  # one attempt to reach rank 0's store; repeated until the deadline
-POLL_S = 0.05  # how often the watch looks at the other ranks
 
 
 class PeerExited(RuntimeError):
@@ -132,7 +131,7 @@ def rendezvous(rank: int, size: int, address: str, timeout_s: float
             joined = 0 if store is None else sum(store.check([key]) for key in keys)
             raise TimeoutError(f"{joined} of {size} tensor-parallel ranks joined within "
                                f"{timeout_s:.0f} s")
-        time.sleep(RENDEZVOUS_POLL_S)  # a signal's handler runs here
+        time.sleep(POLL_S)  # a signal's handler runs here
 
     store = _connect(address, rank, size, deadline, waiting)
     store.set(f"minisgl/pid/{rank}", str(os.getpid()))
