@@ -97,30 +97,20 @@ class EnvVar(Generic[T]):
 
 
 ENV_VARS: tuple[EnvVar, ...] = (
-    EnvVar(
-        "MINISGL_LOG_LEVEL", "INFO", parse_log_level,
-        "Lowest level that minisgl's loggers print: DEBUG, INFO, WARNING, ERROR or CRITICAL.",
-    ),
-    EnvVar(
-        "MINISGL_CPU_KV_MEMORY", 256 * 1024**2, parse_mem_bytes,
-        "Memory for the paged KV cache on CPU, where there is no free-memory query to size it "
-        "from (e.g. 256MiB, 1G). GPU runs size the cache from free GPU memory instead.",
-    ),
-    EnvVar(
-        "MINISGL_CPU_THREADS", 0, parse_threads,
-        "Torch threads of the process that runs the model (the scheduler, LLM, an example). "
-        "0 chooses: OMP_NUM_THREADS when it is set, else one less than the usable cores. The "
-        "server's tokenizer, detokenizer and API processes use one thread each.",
-    ),
-    EnvVar(
-        "MINISGL_DISABLE_OVERLAP", False, parse_bool,
-        "Turn overlap scheduling off: the CPU waits for each GPU step before planning the next.",
-    ),
-    EnvVar(
-        "MINISGL_REQUIRE_GPU", False, parse_bool,
-        "Tests: fail GPU-only tests on a machine without CUDA instead of skipping them "
-        "(set by `tools/steps.py check --gpu`).",
-    ),
+    EnvVar("MINISGL_LOG_LEVEL", "INFO", parse_log_level,
+           "Lowest level that minisgl's loggers print: DEBUG, INFO, WARNING, ERROR or CRITICAL."),
+    EnvVar("MINISGL_CPU_KV_MEMORY", 256 * 1024**2, parse_mem_bytes,
+           "Memory for the paged KV cache on CPU, where there is no free-memory query to size it "
+           "from (e.g. 256MiB, 1G). GPU runs size the cache from free GPU memory instead."),
+    EnvVar("MINISGL_CPU_THREADS", 0, parse_threads,
+           "Torch threads of the process that runs the model (the scheduler, LLM, an example). "
+           "0 chooses: OMP_NUM_THREADS when it is set, else one less than the usable cores. The "
+           "server's tokenizer, detokenizer and API processes use one thread each."),
+    EnvVar("MINISGL_DISABLE_OVERLAP", False, parse_bool,
+           "Turn overlap scheduling off: the CPU awaits each GPU step before planning the next."),
+    EnvVar("MINISGL_REQUIRE_GPU", False, parse_bool,
+           "Tests: fail GPU-only tests on a machine without CUDA instead of skipping them "
+           "(set by `tools/steps.py check --gpu`)."),
 )
 
 

@@ -4,9 +4,9 @@
   rank writes its pid there and waits, in short polls, until all ``size`` pids are in. Between
   two polls it looks at what could end the wait early: the group aborted (a rank that
   exited), its own parent gone, a signal. Torch's own rendezvous waits for the timeout instead.
-- **watching** (:func:`watch_peers`): once the pids are known, a :class:`ProcessWatch` waits
-  on every other rank's exit handle, in a thread of its own, so it sees an exit whatever the
-  main thread is blocked in (the rendezvous, a collective, loading weights);
+- **watching** (:func:`watch_peers`): once the pids are known, a :class:`ProcessWatch` looks
+  at every other rank, in a thread of its own, so it sees an exit whatever the main thread is
+  blocked in (the rendezvous, a collective, loading weights);
 - **abort** (:func:`abort_tp_group`): what the watch calls when a rank exits, the same on every
   backend. Every collective this rank calls from then on raises :class:`PeerExited`; under
   NCCL the communicator is aborted too, which wakes a rank blocked in a collective with the
@@ -24,7 +24,6 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
-from multiprocessing.connection import wait
 from multiprocessing.process import BaseProcess
 from urllib.parse import urlsplit
 
@@ -36,10 +35,8 @@ from minisgl.utils.processes import describe_exit
 
 logger = get_logger(__name__)
 
-RENDEZVOUS_POLL_S = 0.05  # how often a rank in the rendezvous looks for the others (and why not)
+POLL_S = 0.05  # how often a rank looks for the others: in the rendezvous, and in the watch
 STORE_KNOCK_S = 1.0  # one attempt to reach rank 0's store; repeated until the deadline
-# Where there is no pidfd (not Linux), how often a rank that is not a child is looked at.
-POLL_S = 0.2
 
 
 class PeerExited(RuntimeError):
@@ -134,7 +131,7 @@ def rendezvous(rank: int, size: int, address: str, timeout_s: float
             joined = 0 if store is None else sum(store.check([key]) for key in keys)
             raise TimeoutError(f"{joined} of {size} tensor-parallel ranks joined within "
                                f"{timeout_s:.0f} s")
-        time.sleep(RENDEZVOUS_POLL_S)  # a signal's handler runs here
+        time.sleep(POLL_S)  # a signal's handler runs here
 
     store = _connect(address, rank, size, deadline, waiting)
     store.set(f"minisgl/pid/{rank}", str(os.getpid()))
@@ -179,61 +176,35 @@ Watched = BaseProcess | int  # a rank we started (a child), or a sibling by its 
 
 
 class ProcessWatch:
-    """A thread that waits for any of ``ranks`` (name -> process) to exit and aborts the group
-    with the first, once.
-
-    It waits on each rank's exit handle, a descriptor that turns readable when the process
-    exits: the sentinel ``multiprocessing`` keeps for a child, a pidfd (Linux) for a sibling.
-    Where there is none, the rank is polled every ``POLL_S`` seconds.
-    """
+    """A thread that looks at each of ``ranks`` (name -> process) every ``POLL_S`` seconds
+    and aborts the group with the first that has exited, once."""
 
     def __init__(self, ranks: Mapping[str, Watched], thread_name: str) -> None:
-        self._ranks = [(name, target, _exit_handle(target)) for name, target in ranks.items()]
-        self._wake_read, self._wake_write = os.pipe()  # written once, by stop()
-        self._stopped = False
+        self._ranks = dict(ranks)
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name=thread_name, daemon=True)
         self._thread.start()
 
     def stop(self) -> None:
         """Stop watching (no abort comes after this returns); idempotent."""
-        if self._stopped:
-            return
-        self._stopped = True
-        os.write(self._wake_write, b"s")
-        self._thread.join(5.0)  # bound: the thread wakes at once on the pipe
-        pidfds = [h for _, target, h in self._ranks  # a child's sentinel is not ours to close
-                  if h is not None and not isinstance(target, BaseProcess)]
-        for fd in (*pidfds, self._wake_read, self._wake_write):
-            os.close(fd)
+        self._stopped.set()
+        self._thread.join(5.0)  # bound: the thread wakes at once
 
     def _run(self) -> None:
-        polled = any(handle is None for _, _, handle in self._ranks)
-        handles = [h for _, _, h in self._ranks if h is not None] + [self._wake_read]
-        while not self._stopped:
-            ready = wait(handles, timeout=POLL_S if polled else None)
-            for name, target, handle in self._ranks:
-                if (handle in ready) if handle is not None else not _running(target):
-                    if not self._stopped:
+        while not self._stopped.wait(POLL_S):
+            for name, target in self._ranks.items():
+                if not _running(target):
+                    if not self._stopped.is_set():
                         abort_tp_group(_how_it_ended(name, target))
                     return
 
 
-def _exit_handle(target: Watched) -> int | None:
-    """A descriptor that turns readable when ``target`` exits; None where there is none (a
-    sibling without pidfd support, or one already gone: polling reports it)."""
-    if isinstance(target, BaseProcess):
-        return target.sentinel
-    try:
-        return os.pidfd_open(target) if hasattr(os, "pidfd_open") else None
-    except ProcessLookupError:
-        return None
-
-
 def _running(target: Watched) -> bool:
-    """Polled where no exit handle exists: a zombie (exited, not reaped yet) counts as gone."""
-    pid = target.pid if isinstance(target, BaseProcess) else target
+    """A zombie (exited, not reaped yet) counts as gone."""
+    if isinstance(target, BaseProcess):
+        return target.is_alive()  # reaps the child if it has exited
     try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+        return psutil.Process(target).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
 
@@ -243,7 +214,6 @@ def _how_it_ended(name: str, target: Watched) -> str:
     read, only that it exited."""
     if not isinstance(target, BaseProcess):
         return f"{name} (pid {target}) {describe_exit(None)}"
-    target.join(1.0)  # the sentinel fired: reaping is immediate
     return f"{name} (pid {target.pid}) {describe_exit(target.exitcode)}"
 
 

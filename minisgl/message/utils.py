@@ -47,10 +47,9 @@ def register_wire_type(cls: C) -> C:
     name = cls.__name__
     if name == TUPLE_TAG:
         raise ValueError(f"the tag {TUPLE_TAG!r} is reserved for tuples; rename the class")
-    known = _WIRE_TYPES.get(name)
-    redefined = known is not None and (known.__module__, known.__qualname__) == (
-        cls.__module__, cls.__qualname__)  # the same class statement run again (a notebook)
-    if known is not None and known is not cls and not redefined:
+    known = _WIRE_TYPES.get(name, cls)
+    # The same class statement run again (a notebook) replaces the class it made before.
+    if (known.__module__, known.__qualname__) != (cls.__module__, cls.__qualname__):
         raise ValueError(f"two wire types are named {name!r}: {known.__module__}.{name} and "
                          f"{cls.__module__}.{name}; the tag must name exactly one class")
     _WIRE_TYPES[name] = cls

@@ -167,9 +167,9 @@ class DetokenizeManager:
             state = RequestText(DecodeStream(self.decode), StopMatcher(message.stop),
                                 prompt_tokens=message.prompt_tokens)
             self.states[message.uid] = state
+        if message.finished:  # the scheduler's last word on the request
+            del self.states[message.uid]
         if state.stopped:  # a tombstone: its text has ended already
-            if message.finished:
-                del self.states[message.uid]
             return None
         state.num_tokens += 1
         # Like LLM: an end-of-sequence or stop token ends the request; it is not text.
@@ -178,15 +178,11 @@ class DetokenizeManager:
             text += state.stream.flush()
         text, reached_stop = state.stop.feed(text)
         if reached_stop:
-            usage = TokenUsage(state.prompt_tokens, state.num_tokens)
-            if message.finished:
-                del self.states[message.uid]
-            else:
-                state.stopped = True
-                state.stream = DecodeStream(self.decode)  # its tokens are not needed any more
-            return UserReply(message.uid, text, "stop", usage)
+            state.stopped = True  # a tombstone, unless deleted above
+            state.stream = DecodeStream(self.decode)  # its tokens are not needed any more
+            return UserReply(message.uid, text, "stop",
+                             TokenUsage(state.prompt_tokens, state.num_tokens))
         if message.finished:
-            del self.states[message.uid]
             return UserReply(message.uid, text + state.stop.flush(), message.finish_reason,
                              message.usage)
         return UserReply(message.uid, text)

@@ -28,11 +28,12 @@ from minisgl.tokenizer.detokenize import DetokenizeManager
 from minisgl.tokenizer.tokenize import TokenizeManager, load_tokenizer
 from minisgl.utils.logger import get_logger
 from minisgl.utils.counters import SharedCounters
-from minisgl.utils.processes import ShutdownRequested, ShutdownSignals, reporting_readiness
-from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue, close_queues
+from minisgl.utils.processes import reporting_readiness, worker_process
+from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue
 from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)
+
 
 def detokenizer_counters() -> SharedCounters:
     """Counters for :func:`run_detokenizer`'s ``stats`` argument: ``live_states``, the requests
@@ -72,9 +73,7 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
         name: this tokenizer's name in readiness reports and errors.
     """
     configure_cpu_threads("helper")  # the cores are the scheduler's
-    signals = ShutdownSignals()
-    receive = send = None
-    try:
+    with worker_process(name) as signals:
         with signals.interruptible(), reporting_readiness(ready, name):
             manager = TokenizeManager(load_tokenizer(model_path))
             receive = ZmqPullQueue(inbox, TokenizerMessage, bind=True)
@@ -88,11 +87,6 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
                 elif isinstance(message, TokenizeRequest):
                     out.append(tokenize_or_fail(manager, message))
             send.put_many(out)
-    except ShutdownRequested:
-        pass
-    finally:
-        close_queues(receive, send)
-    logger.info("%s stopped", name)
 
 
 def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
@@ -113,15 +107,13 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
             None leaves such requests running to their end (their extra tokens are dropped).
     """
     configure_cpu_threads("helper")
-    signals = ShutdownSignals()
-    receive = send = abort = None
-    try:
+    with worker_process("detokenizer") as signals:
         with signals.interruptible(), reporting_readiness(ready, "detokenizer"):
             manager = DetokenizeManager(load_tokenizer(model_path))
             receive = ZmqPullQueue(inbox, DetokenizerMessage, bind=True)
             send = ZmqPushQueue(frontend_addr, FrontendMessage, bind=False)
-            if scheduler_addr is not None:
-                abort = ZmqPushQueue(scheduler_addr, BackendMessage, bind=False)
+            abort = (None if scheduler_addr is None
+                     else ZmqPushQueue(scheduler_addr, BackendMessage, bind=False))
         while not signals.requested:
             messages = [signals.receive(receive)]  # sleeps until a message (or a signal) comes
             replies, aborts = manager.process(messages + receive.drain())
@@ -130,8 +122,3 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
                 abort.put_many(aborts)
             if stats is not None:
                 stats.update(live_states=manager.num_live)
-    except ShutdownRequested:
-        pass
-    finally:
-        close_queues(receive, send, abort)
-    logger.info("detokenizer stopped")

@@ -26,13 +26,9 @@ class _StderrHandler(logging.StreamHandler):
     ``contextlib.redirect_stderr`` swap ``sys.stderr`` later, and should see our lines.
     """
 
-    @property  # type: ignore[override]
-    def stream(self):  # the attribute StreamHandler.emit writes to
-        return sys.stderr
-
-    @stream.setter
-    def stream(self, _value) -> None:
-        pass
+    def emit(self, record: logging.LogRecord) -> None:
+        self.stream = sys.stderr  # under the handler's lock: handle() holds it while emitting
+        super().emit(record)
 
 
 def configure_logging(level: str | None = None) -> logging.Logger:

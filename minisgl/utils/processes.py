@@ -3,8 +3,9 @@
 :func:`start_process` spawns a worker; each reports once on a queue from
 :func:`new_ready_queue` that it is ready or why not (:func:`reporting_readiness`), and
 :func:`wait_ready` returns when all are ready or raises with the failed worker's own error.
-:class:`ShutdownSignals` turns SIGTERM and SIGINT into a clean return from a worker's loop, a
-worker also returns when its parent dies, and :func:`stop_processes` signals and reaps them all.
+:class:`ShutdownSignals` turns SIGTERM and SIGINT into a clean return from a worker's loop
+(:func:`worker_process` frames it), a worker also returns when its parent dies, and
+:func:`stop_processes` signals and reaps them all.
 Messages travel on :mod:`minisgl.utils.queues`. Chapter 13 tells the story.
 """
 
@@ -21,6 +22,8 @@ from contextlib import contextmanager
 from multiprocessing.process import BaseProcess
 from queue import Empty
 from typing import Any, TypeVar
+
+import zmq
 
 from minisgl.utils.logger import get_logger
 from minisgl.utils.queues import ZmqPullQueue
@@ -292,6 +295,24 @@ class ShutdownSignals:
                 except TimeoutError:
                     if self.orphaned:
                         raise ShutdownRequested("the parent process has exited") from None
+
+
+@contextmanager
+def worker_process(name: str) -> Iterator[ShutdownSignals]:
+    """A worker's main, around its start-up and loop: yields its :class:`ShutdownSignals`.
+
+    A :class:`ShutdownRequested` ends the block quietly; however it ends, every queue the
+    process opened is closed (linger 0: frames not handed over yet are dropped), and so is its
+    ZMQ context, which would otherwise wait for the sockets for ever.
+    """
+    signals = ShutdownSignals()
+    try:
+        yield signals
+    except ShutdownRequested:
+        pass
+    finally:
+        zmq.Context.instance().destroy(linger=0)
+    logger.info("%s stopped", name)
 
 
 def stop_processes(processes: Iterable[BaseProcess], timeout_s: float = 5.0) -> None:

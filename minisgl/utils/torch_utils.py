@@ -13,7 +13,6 @@ the cores and each small operation would wait for the slowest of them.
 from __future__ import annotations
 
 import contextlib
-import math
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -131,7 +130,7 @@ def usable_cores() -> int:
     try:
         quota, period = CGROUP_CPU_MAX.read_text().split()[:2]
         if quota != "max":
-            cores = min(cores, max(1, math.floor(int(quota) / int(period))))
+            cores = min(cores, max(1, int(quota) // int(period)))
     except (OSError, ValueError):  # no cgroup v2 file, or one we cannot read: no quota
         pass
     return max(1, cores)
