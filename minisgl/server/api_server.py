@@ -207,7 +207,7 @@ async def health(request: Request):
     """200 while every worker process runs; 503 and the reason otherwise (also
     while the API server cannot serve: its reply listener stopped, or it is shutting down)."""
     problem = request.app.state.health()
-    unavailable = _frontend(request).lifecycle.unavailable
+    unavailable = _frontend(request).unavailable
     if problem is None and unavailable is not None:
         problem = unavailable.message
     if problem is not None:

@@ -305,7 +305,7 @@ class OrderlyServer(uvicorn.Server):
     def _end_requests(self) -> None:
         frontend = getattr(self._app.state, "frontend", None)
         if frontend is not None:
-            frontend.lifecycle.fail_all(SHUTTING_DOWN)
+            frontend.fail_all(SHUTTING_DOWN)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()
