@@ -4,8 +4,8 @@
 - ``frontend``: the router between HTTP requests and the workers, which also ends a request
   before its last reply when it must; ``lifecycle``: the reply buffer and the client's
   disconnect;
-- ``api_server``: the FastAPI app and its routes, with ``streaming`` (SSE), ``answers``
-  (waiting for replies), ``errors``, ``metrics``, ``access_log`` and ``openapi`` beside it;
+- ``api_server``: the FastAPI app, its routes and its error answers, with ``streaming`` (SSE),
+  ``metrics``, ``access_log`` and ``openapi`` beside it;
 - ``launch``: starts the workers, serves HTTP (or the shell) and stops every worker on the way
   out.
 
