@@ -255,7 +255,7 @@ def serve_http(app: Any, sock: socket.socket, shutdown_timeout_s: float = 5.0,
     config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
                             lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout_s + UVICORN_GRACE_S)
-    server = OrderlyServer(config, app, shutdown_timeout_s, health)
+    server = OrderlyServer(config, shutdown_timeout_s, health)
     server.run(sockets=[sock])
     # uvicorn raises the signal again as it returns, but a SIGINT raised then goes through
     # asyncio's own SIGINT handler, and in rare runs no KeyboardInterrupt came out of it (the
@@ -279,13 +279,12 @@ class OrderlyServer(uvicorn.Server):
     second Ctrl-C ends them at once.
     """
 
-    def __init__(self, config: uvicorn.Config, app: Any, shutdown_timeout_s: float,
+    def __init__(self, config: uvicorn.Config, shutdown_timeout_s: float,
                  health: Callable[[], str | None] | None = None) -> None:
         super().__init__(config)
         self._health = health
         self.worker_died: str | None = None  # which worker died, once one has
         self._died_at = 0.0
-        self._app = app
         self._shutdown_timeout_s = shutdown_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stopped_by: int | None = None  # the first signal that stopped the server
@@ -302,7 +301,7 @@ class OrderlyServer(uvicorn.Server):
         return await super().on_tick(counter)
 
     def _end_requests(self) -> None:
-        frontend = getattr(self._app.state, "frontend", None)
+        frontend = getattr(self.config.app.state, "frontend", None)
         if frontend is not None:
             frontend.fail_all(SHUTTING_DOWN)
 
