@@ -91,17 +91,15 @@ def _frontend(request: Request) -> RequestRouter:
     return request.app.state.frontend
 
 
-def _meta(request: Request, prefix: str) -> ResponseMeta:
-    # Random, as OpenAI's are: unique across restarts (the access log pairs it with the uids).
+def _respond(request: Request, prefix: str,
+             uids: list[int]) -> tuple[ResponseMeta, AccessRecord]:
+    """The response's id (random, as OpenAI's are: unique across restarts), time and model, and
+    the access log's record of its requests; the log line pairs the id with the uids."""
     meta = ResponseMeta(f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
                         request.app.state.model_name)
     request.state.response_id = meta.id
-    return meta
-
-
-def _access(request: Request, uids: list[int]) -> AccessRecord:
     request.state.access = record = AccessRecord(uids)
-    return record
+    return meta, record
 
 
 def check_model(request: Request, model: str | None) -> None:
@@ -147,8 +145,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                            code="context_length_exceeded")
     uid = await frontend.submit(params, messages=[m.as_dict() for m in body.messages],
                                 strict_max_tokens=max_tokens is not None)
-    record = _access(request, [uid])
-    meta = _meta(request, "chatcmpl")
+    meta, record = _respond(request, "chatcmpl", [uid])
     if body.stream:
         [replies] = await first_replies_then_rest(request, frontend, [uid], "messages")
         return SSEResponse(stream_chat(observed(replies, record), meta, body.include_usage))
@@ -165,8 +162,7 @@ async def completions(body: CompletionRequest, request: Request):
     params = checked_params(request, body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
     prompts = body.prompts()
     uids = await submit_prompts(frontend, prompts, params, body.max_tokens is not None)
-    record = _access(request, uids)
-    meta = _meta(request, "cmpl")
+    meta, record = _respond(request, "cmpl", uids)
     if body.stream:
         streams = await first_replies_then_rest(request, frontend, uids, "prompt")
         merged = merge_replies([observed(replies, record) for replies in streams])

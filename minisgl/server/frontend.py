@@ -146,7 +146,8 @@ class RequestRouter:
 
     @property
     def listener_error(self) -> BaseException | None:
-        """What stopped the listener, if it stopped; without it, no reply reaches anyone."""
+        """What stopped the listener, if it stopped. Without it no reply reaches anyone: the
+        watchdog then ends every request, and logs why."""
         task = self._listener
         if task is None or not task.done() or task.cancelled():
             return None
@@ -157,7 +158,6 @@ class RequestRouter:
         if self._listener is None:
             loop = asyncio.get_running_loop()
             self._listener = loop.create_task(self._listen())
-            self._listener.add_done_callback(_report_listener_exit)
             self._watchdog = loop.create_task(self._watch())
 
     # ----------------------------------------------------------------- requests out
@@ -366,9 +366,3 @@ class RequestRouter:
             close = getattr(queue, "close", None)
             if close is not None:
                 close()
-
-
-def _report_listener_exit(task: asyncio.Task[None]) -> None:
-    # Without its listener the router is deaf; the watchdog ends what waits.
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("the frontend's reply listener died: %r", task.exception())
