@@ -67,11 +67,10 @@ class Shell:
     params: SamplingParams
     out: TextIO = field(default_factory=lambda: sys.stdout)
     history: list[dict[str, str]] = field(default_factory=list)
-    # What Ctrl-C interrupts, and whether it did.
-    _reading: asyncio.Future[str] | None = field(default=None, init=False, repr=False)
-    _answering: asyncio.Future[str] | None = field(default=None, init=False, repr=False)
-    _stopping_answer: bool = field(default=False, init=False, repr=False)
-    _leaving: bool = field(default=False, init=False, repr=False)
+    # What Ctrl-C interrupts (the line being read, or the reply being written), and whether
+    # it did.
+    _current: asyncio.Future[str] | None = field(default=None, init=False, repr=False)
+    _interrupted: bool = field(default=False, init=False, repr=False)
 
     async def run(self, read_line: Callable[[str], Awaitable[str]]) -> None:
         """Read a line, answer it, repeat, until ``/exit`` or the end of input.
@@ -81,30 +80,30 @@ class Shell:
         """
         self._write("Chat with the model. /reset forgets the conversation, /exit leaves.\n")
         while True:
-            self._reading = asyncio.ensure_future(read_line(PROMPT))
             try:
-                line = (await self._reading).strip()
+                line = (await self._interruptible(read_line(PROMPT))).strip()
             except EOFError:  # Ctrl-D, or the end of a piped input
                 self._write("\n")
                 return
             except asyncio.CancelledError:
-                if not self._leaving:
+                if not self._interrupted:
                     raise
                 self._write("\n")
                 raise KeyboardInterrupt from None
-            finally:
-                self._reading = None
             if not line:
                 continue
             if line.startswith("/"):
                 if not self.command(line):
                     return
                 continue
-            self._answering = asyncio.ensure_future(self.answer(line))
-            try:
-                await self._answering
-            finally:
-                self._answering, self._stopping_answer = None, False
+            await self._interruptible(self.answer(line))
+
+    async def _interruptible(self, work: Awaitable[str]) -> str:
+        self._current, self._interrupted = asyncio.ensure_future(work), False
+        try:
+            return await self._current
+        finally:
+            self._current = None
 
     def interrupt(self) -> None:
         """Ctrl-C: stop the reply being written, or, at the prompt, leave.
@@ -112,12 +111,9 @@ class Shell:
         Stopping a reply cancels the task writing it; the generator of its replies is closed
         on the way out, which aborts the request, so the scheduler stops generating it.
         """
-        if self._answering is not None and not self._answering.done():
-            self._stopping_answer = True
-            self._answering.cancel()
-        elif self._reading is not None and not self._reading.done():
-            self._leaving = True
-            self._reading.cancel()
+        if self._current is not None and not self._current.done():
+            self._interrupted = True
+            self._current.cancel()
 
     def command(self, line: str) -> bool:
         """Carry out a ``/command``; False means leave."""
@@ -153,7 +149,7 @@ class Shell:
         except APIError as exc:  # the server cannot serve (a worker died)
             error = exc.message
         except asyncio.CancelledError:  # Ctrl-C; closing the replies aborted the request
-            if not self._stopping_answer:
+            if not self._interrupted:
                 raise  # the shell itself is being cancelled
             stopped = True
         if error is not None:
@@ -205,8 +201,7 @@ def _settle(future: asyncio.Future[str], line: str | None, exc: BaseException | 
         future.set_result(line)  # type: ignore[arg-type]
 
 
-def run_shell(frontend_factory: Callable[[], RequestRouter], params: SamplingParams,
-              read_line: Callable[[str], Awaitable[str]] = read_stdin_line) -> None:
+def run_shell(frontend_factory: Callable[[], RequestRouter], params: SamplingParams) -> None:
     """Run the shell on a new event loop until the user leaves."""
 
     async def main() -> None:
@@ -220,7 +215,7 @@ def run_shell(frontend_factory: Callable[[], RequestRouter], params: SamplingPar
         if handled:
             loop.add_signal_handler(signal.SIGINT, shell.interrupt)
         try:
-            await shell.run(read_line)
+            await shell.run(read_stdin_line)
         finally:
             if handled:
                 loop.remove_signal_handler(signal.SIGINT)

@@ -346,7 +346,7 @@ def test_a_reader_that_stays_behind_is_cut_off_with_an_error() -> None:
         async for reply in replies:
             got.append(reply)
         await asyncio.sleep(0)
-        slow = frontend.lifecycle.slow_readers
+        slow = frontend.stats.slow_readers
         await frontend.close()
         return got, aborts(fake), slow
 
@@ -373,7 +373,7 @@ def test_a_reader_that_lets_replies_pile_up_is_cut_off_at_once() -> None:
 
 
 def test_the_policy_decides_on_the_clock_it_is_given() -> None:
-    """The lifecycle policy's rules, run on a clock the test chooses: nothing ends before the
+    """The router's rules for ending requests early, run on a clock the test chooses: nothing ends before the
     timeout, a reader behind for longer is cut off (and the workers told), and an error nobody
     comes for is forgotten. The router changes nothing by itself meanwhile."""
     async def scenario() -> tuple[list[Any], list[int], int]:
@@ -383,12 +383,12 @@ def test_the_policy_decides_on_the_clock_it_is_given() -> None:
         now = time.monotonic()
         states = []
         for later in (0, 31, 62):
-            frontend.lifecycle.check(now + later)
+            frontend.check(now + later)
             await asyncio.sleep(0)  # the abort's send runs as a task
             buffer = frontend.buffers.get(uid)
             states.append(None if buffer is None else
                           (buffer.failed, [r.error.code for r in buffer.replies if r.error]))
-        slow = frontend.lifecycle.slow_readers
+        slow = frontend.stats.slow_readers
         await frontend.close()
         return states, aborts(fake), slow
 
@@ -420,7 +420,7 @@ def test_a_reader_that_keeps_up_is_not_cut_off_by_a_burst(tmp_path: Path) -> Non
                              for i in range(40, 80))
         time.sleep(0.3)  # the loop is busy while they arrive
         got = await reader
-        slow = frontend.lifecycle.slow_readers
+        slow = frontend.stats.slow_readers
         await frontend.close()
         detokenizer.close()
         inbox.close()

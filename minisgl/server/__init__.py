@@ -1,10 +1,11 @@
 """The served engine's front door: the command line, the HTTP API and the launcher.
 
 - ``args``: the command line; ``protocol`` and ``responses``: the OpenAI wire format, in and out;
-- ``frontend``: the router between HTTP requests and the workers; ``lifecycle``: when a
-  request ends before its last reply;
-- ``api_server``: the FastAPI app and its routes, with ``streaming`` (SSE), ``answers``
-  (waiting for replies), ``errors``, ``metrics``, ``access_log`` and ``openapi`` beside it;
+- ``frontend``: the router between HTTP requests and the workers, which also ends a request
+  before its last reply when it must; ``lifecycle``: the reply buffer and the client's
+  disconnect;
+- ``api_server``: the FastAPI app, its routes and its error answers, with ``streaming`` (SSE),
+  ``metrics``, ``access_log`` and ``openapi`` beside it;
 - ``launch``: starts the workers, serves HTTP (or the shell) and stops every worker on the way
   out.
 

@@ -4,29 +4,38 @@ Each route checks its body (:mod:`minisgl.server.protocol`), submits the request
 :class:`~minisgl.server.frontend.RequestRouter` and answers with the whole text or a stream of
 Server-Sent Events (:mod:`minisgl.server.streaming`). :func:`create_app` builds the app:
 ``POST /v1/chat/completions``, ``POST /v1/completions``, ``GET /v1/models``, ``GET /health``
-and ``GET /metrics``. Chapter 15 tells the story; chapter 16 makes every request end cleanly
-(:mod:`~minisgl.server.answers`, :mod:`~minisgl.server.errors`) and adds the access log and
-the OpenAPI schema's limits.
+and ``GET /metrics``.
+
+Every wait for replies gives up when the HTTP client disconnects
+(:func:`~minisgl.server.lifecycle.wait_or_disconnect`), a request that failed is raised as its
+:class:`~minisgl.server.protocol.APIError`, and every error leaves as OpenAI's error object,
+with its status (:func:`answer_errors_as_openai`).
+
+Chapter 15 tells the story; chapter 16 makes every request end cleanly and adds the access log
+and the OpenAPI schema's limits.
 """
 
 from __future__ import annotations
 
+import asyncio
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
-from contextlib import asynccontextmanager
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 from fastapi import APIRouter, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from fastapi.routing import APIRoute
+from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minisgl.core import SamplingParams
+from minisgl.message import UserReply
 from minisgl.server.access_log import AccessLog, AccessRecord, observed
-from minisgl.server.answers import first_replies_then_rest, merge_replies, whole_answers
-from minisgl.server.errors import answer_errors_as_openai
 from minisgl.server.frontend import RequestRouter
+from minisgl.server.lifecycle import ClientDisconnected, wait_or_disconnect
 from minisgl.server.metrics import metrics_text
 from minisgl.server.openapi import ERROR_RESPONSES, GENERATION_RESPONSES, openapi_schema
 from minisgl.server.protocol import (
@@ -35,6 +44,7 @@ from minisgl.server.protocol import (
     APIError,
     ChatCompletionRequest,
     CompletionRequest,
+    validation_error,
 )
 from minisgl.server.responses import (
     ResponseMeta,
@@ -44,6 +54,9 @@ from minisgl.server.responses import (
     stream_completion,
 )
 from minisgl.server.streaming import SSEResponse
+from minisgl.utils.logger import get_logger
+
+logger = get_logger(__name__)
 
 
 # =========================================================================== routes
@@ -78,17 +91,15 @@ def _frontend(request: Request) -> RequestRouter:
     return request.app.state.frontend
 
 
-def _meta(request: Request, prefix: str) -> ResponseMeta:
-    # Random, as OpenAI's are: unique across restarts (the access log pairs it with the uids).
+def _respond(request: Request, prefix: str,
+             uids: list[int]) -> tuple[ResponseMeta, AccessRecord]:
+    """The response's id (random, as OpenAI's are: unique across restarts), time and model, and
+    the access log's record of its requests; the log line pairs the id with the uids."""
     meta = ResponseMeta(f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
                         request.app.state.model_name)
     request.state.response_id = meta.id
-    return meta
-
-
-def _access(request: Request, uids: list[int]) -> AccessRecord:
     request.state.access = record = AccessRecord(uids)
-    return record
+    return meta, record
 
 
 def check_model(request: Request, model: str | None) -> None:
@@ -134,8 +145,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                            code="context_length_exceeded")
     uid = await frontend.submit(params, messages=[m.as_dict() for m in body.messages],
                                 strict_max_tokens=max_tokens is not None)
-    record = _access(request, [uid])
-    meta = _meta(request, "chatcmpl")
+    meta, record = _respond(request, "chatcmpl", [uid])
     if body.stream:
         [replies] = await first_replies_then_rest(request, frontend, [uid], "messages")
         return SSEResponse(stream_chat(observed(replies, record), meta, body.include_usage))
@@ -152,8 +162,7 @@ async def completions(body: CompletionRequest, request: Request):
     params = checked_params(request, body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
     prompts = body.prompts()
     uids = await submit_prompts(frontend, prompts, params, body.max_tokens is not None)
-    record = _access(request, uids)
-    meta = _meta(request, "cmpl")
+    meta, record = _respond(request, "cmpl", uids)
     if body.stream:
         streams = await first_replies_then_rest(request, frontend, uids, "prompt")
         merged = merge_replies([observed(replies, record) for replies in streams])
@@ -180,6 +189,101 @@ async def submit_prompts(frontend: RequestRouter, prompts: Sequence[str | list[i
     return uids
 
 
+# =========================================================================== replies
+async def whole_answers(request: Request, frontend: RequestRouter, uids: Sequence[int],
+                        prompt_param: str) -> list[tuple[str, UserReply]]:
+    """Requests ``uids``' whole texts and last replies, for a response that is not streamed.
+
+    Nothing is sent to the client until the answers are complete, so a client that
+    disconnects is not noticed by a failed write: a watcher waits for the disconnect at the
+    same time, and wins the race if the client goes first. Collecting then stops, and
+    :meth:`RequestRouter.replies` aborts the requests. The first request that failed answers
+    for all, with its error's status and an OpenAI error body.
+    """
+    async def collect_all() -> list[tuple[str, UserReply]]:
+        return await asyncio.gather(*(frontend.collect(uid) for uid in uids))
+
+    answers = await wait_or_disconnect(collect_all(), request)
+    for _, last in answers:
+        if last.error is not None:
+            raise APIError.of(last.error, prompt_param)
+    return answers
+
+
+async def first_replies_then_rest(request: Request, frontend: RequestRouter,
+                                  uids: Sequence[int],
+                                  prompt_param: str) -> list[AsyncIterator[UserReply]]:
+    """Requests ``uids``' replies for a streamed response, once each has its first reply.
+
+    The response's headers (and its status, 200) go out with the first chunk, so the first
+    replies are awaited before the response starts: a request the workers refuse at once (its
+    prompt is too long) is still answered with a 400 and an error body, not a 200 stream
+    holding an error. The client may disconnect during that wait, as it can while a whole
+    answer is collected.
+    """
+    streams = [frontend.replies(uid) for uid in uids]
+
+    async def first_replies() -> list[UserReply]:
+        return await asyncio.gather(*(replies.__anext__() for replies in streams))
+
+    try:
+        firsts = await wait_or_disconnect(first_replies(), request)
+        failed = next((first.error for first in firsts if first.error is not None), None)
+        if failed is not None:
+            raise APIError.of(failed, prompt_param)
+    except BaseException:
+        for replies in streams:
+            await replies.aclose()
+        raise
+    return [_prepend(first, replies) for first, replies in zip(firsts, streams)]
+
+
+async def _prepend(first: UserReply, rest: AsyncIterator[UserReply]) -> AsyncIterator[UserReply]:
+    async with aclosing(rest):
+        yield first
+        if not first.finished:
+            async for reply in rest:
+                yield reply
+
+
+async def merge_replies(streams: Sequence[AsyncIterator[UserReply]]
+                        ) -> AsyncIterator[tuple[int, UserReply]]:
+    """The replies of several requests as they come, each with its stream's index.
+
+    One task per stream moves its replies into a queue of one place, so a slow reader still
+    leaves the replies in the frontend's buffers, where the slow-reader policy sees them.
+    Closing this generator (the client went away) cancels the tasks, which closes every
+    stream and so aborts every request not finished yet.
+    """
+    queue: asyncio.Queue[tuple[int, UserReply | BaseException | None]] = asyncio.Queue(1)
+
+    async def pump(index: int, replies: AsyncIterator[UserReply]) -> None:
+        try:
+            async with aclosing(replies):
+                async for reply in replies:
+                    await queue.put((index, reply))
+            await queue.put((index, None))
+        except Exception as exc:  # handed to the reader, which raises it
+            await queue.put((index, exc))
+
+    tasks = [asyncio.ensure_future(pump(i, replies)) for i, replies in enumerate(streams)]
+    try:
+        open_streams = len(streams)
+        while open_streams:
+            index, item = await queue.get()  # every pump ends with None or its error
+            if item is None:
+                open_streams -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield index, item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+# =========================================================================== other routes
 @router.get("/v1/models")
 async def models(request: Request):
     """The one model this server runs."""
@@ -207,7 +311,7 @@ async def health(request: Request):
     """200 while every worker process runs; 503 and the reason otherwise (also
     while the API server cannot serve: its reply listener stopped, or it is shutting down)."""
     problem = request.app.state.health()
-    unavailable = _frontend(request).lifecycle.unavailable
+    unavailable = _frontend(request).unavailable
     if problem is None and unavailable is not None:
         problem = unavailable.message
     if problem is not None:
@@ -273,3 +377,33 @@ def create_app(frontend_factory: Callable[[], RequestRouter], model_name: str, *
 
     answer_errors_as_openai(app)
     return app
+
+
+def answer_errors_as_openai(app: FastAPI) -> None:
+    """Make every error leave as OpenAI's error object: FastAPI's and Starlette's own bodies
+    (``{"detail": ...}``, status 422 for a bad body) are not what OpenAI clients expect."""
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return validation_error(exc.errors()).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
+        error = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+                         kind="invalid_request_error" if exc.status_code < 500
+                         else "server_error")
+        return error.response(headers=getattr(exc, "headers", None))
+
+    @app.exception_handler(ClientDisconnected)
+    async def _gone(_: Request, exc: ClientDisconnected) -> Response:
+        return Response(status_code=499)  # nobody reads it: the client has gone
+
+    @app.exception_handler(Exception)
+    async def _bug(_: Request, exc: Exception) -> JSONResponse:
+        logger.error("unexpected error while serving a request", exc_info=exc)
+        return APIError(500, f"internal server error: {type(exc).__name__}",
+                        kind="server_error").response()

@@ -27,13 +27,6 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.server.lifecycle import DEFAULT_REPLY_BUFFER_SIZE, DEFAULT_SLOW_READER_TIMEOUT_S
 from minisgl.utils.checks import check_int, is_number
 
-DEFAULT_HOST = "127.0.0.1"  # loopback: serving on every interface is a choice to make explicitly
-DEFAULT_PORT = 1919
-DEFAULT_STARTUP_TIMEOUT_S = 600.0  # loading a large checkpoint from a slow disk takes minutes
-DEFAULT_SHELL_MAX_TOKENS = 2048  # room for a reasoning model to think, then answer
-# On SIGINT/SIGTERM, requests in flight get this long to finish; what is left then
-# is ended with an error (a stream gets an error event), never cut off without a word.
-DEFAULT_SHUTDOWN_TIMEOUT_S = 5.0
 
 # The SchedulerConfig fields the command line sets, with their flags' help. The flag is the
 # field name with dashes; the default shown is the engine's own.
@@ -87,19 +80,19 @@ class ServerArgs:
     """
 
     model: str | None = None
-    host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT
+    host: str = "127.0.0.1"  # loopback: serving every interface is a choice to make
+    port: int = 1919
     device: str = "auto"
     dtype: str = "auto"
     tp: int = 1
     shell: bool = False
-    shell_max_tokens: int = DEFAULT_SHELL_MAX_TOKENS
+    shell_max_tokens: int = 2048  # room for a reasoning model to think, then answer
     num_tokenizers: int = 1
     served_model_name: str | None = None
-    startup_timeout_s: float = DEFAULT_STARTUP_TIMEOUT_S
+    startup_timeout_s: float = 600.0  # a large checkpoint on a slow disk: minutes
     reply_buffer_size: int = DEFAULT_REPLY_BUFFER_SIZE
     slow_reader_timeout_s: float = DEFAULT_SLOW_READER_TIMEOUT_S
-    shutdown_timeout_s: float = DEFAULT_SHUTDOWN_TIMEOUT_S
+    shutdown_timeout_s: float = 5.0  # then what is left ends with an error
     engine_options: Mapping[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -158,42 +151,42 @@ def build_parser() -> argparse.ArgumentParser:
                              "Qwen/Qwen3-0.6B (downloaded on first use); default: the book's "
                              "model, models/tiny-shakespeare if the repository has it, else "
                              "models/tiny-qwen3 (built on first use, offline)")
-    parser.add_argument("--host", default=DEFAULT_HOST,
+    parser.add_argument("--host", default=ServerArgs.host,
                         help="the address to listen on (default: %(default)s)")
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT,
+    parser.add_argument("--port", type=int, default=ServerArgs.port,
                         help="the port to listen on (default: %(default)s)")
-    parser.add_argument("--device", default="auto",
+    parser.add_argument("--device", default=ServerArgs.device,
                         help="auto, cpu, cuda or cuda:N (default: %(default)s)")
     parser.add_argument("--dtype", default="auto",
                         choices=("auto", "float32", "bfloat16", "float16"),
                         help="auto is float32 on CPU, bfloat16 on CUDA (default: %(default)s)")
-    parser.add_argument("--tp", type=int, default=1, metavar="N",
+    parser.add_argument("--tp", type=int, default=ServerArgs.tp, metavar="N",
                         help="tensor-parallel ranks: gloo on CPU, one GPU per rank on CUDA "
                              "(default: %(default)s)")
     parser.add_argument("--shell", action="store_true",
                         help="chat in the terminal instead of serving HTTP")
-    parser.add_argument("--shell-max-tokens", type=int, default=DEFAULT_SHELL_MAX_TOKENS,
+    parser.add_argument("--shell-max-tokens", type=int, default=ServerArgs.shell_max_tokens,
                         metavar="N", help="the longest reply in the shell (default: %(default)s)")
-    parser.add_argument("--num-tokenizers", type=int, default=1, metavar="N",
-                        help="tokenizer worker processes (default: %(default)s)")
+    parser.add_argument("--num-tokenizers", type=int, default=ServerArgs.num_tokenizers,
+                        metavar="N", help="tokenizer worker processes (default: %(default)s)")
     parser.add_argument("--served-model-name", metavar="NAME",
                         help="the model name the API reports (default: --model as given)")
-    parser.add_argument("--startup-timeout", type=float, default=DEFAULT_STARTUP_TIMEOUT_S,
+    parser.add_argument("--startup-timeout", type=float, default=ServerArgs.startup_timeout_s,
                         metavar="SECONDS", dest="startup_timeout_s",
                         help="how long to wait for the workers to start (default: %(default)s)")
     lifecycle = parser.add_argument_group(
         "request lifecycle", "limits that keep one client from holding the server's memory "
         "or its shutdown")
-    lifecycle.add_argument("--reply-buffer-size", type=int, default=DEFAULT_REPLY_BUFFER_SIZE,
+    lifecycle.add_argument("--reply-buffer-size", type=int, default=ServerArgs.reply_buffer_size,
                            metavar="N", help="the most replies (about one per token) held "
                            "for a client that reads slowly; beyond, its request is aborted "
                            "(default: %(default)s)")
     lifecycle.add_argument("--slow-reader-timeout", type=float, metavar="SECONDS",
-                           default=DEFAULT_SLOW_READER_TIMEOUT_S, dest="slow_reader_timeout_s",
+                           default=ServerArgs.slow_reader_timeout_s, dest="slow_reader_timeout_s",
                            help="abort the request of a client that stays behind the engine "
                            "this long (default: %(default)s)")
     lifecycle.add_argument("--shutdown-timeout", type=float, metavar="SECONDS",
-                           default=DEFAULT_SHUTDOWN_TIMEOUT_S, dest="shutdown_timeout_s",
+                           default=ServerArgs.shutdown_timeout_s, dest="shutdown_timeout_s",
                            help="on SIGINT/SIGTERM, how long requests in flight may take to "
                            "finish before they are ended with an error (default: %(default)s)")
 

@@ -4,16 +4,16 @@ requests to their replies.
 :class:`RequestRouter` numbers requests (the *uid*), pushes each to tokenizer ``uid % N`` and
 runs the one *listener* task that pulls every :class:`~minisgl.message.UserReply` from the
 detokenizer and hands it to its request's :class:`~minisgl.server.lifecycle.ReplyBuffer`.
-It knows nothing of HTTP (:mod:`minisgl.server.api_server` and :mod:`minisgl.shell` use it),
-and it does not decide when a request ends early: its
-:class:`~minisgl.server.lifecycle.LifecyclePolicy` does, through :meth:`RequestRouter.fail`.
+It knows nothing of HTTP (:mod:`minisgl.server.api_server` and :mod:`minisgl.shell` use it).
 
-Chapter 15 tells the story; chapter 16 adds the policy.
+Chapter 15 tells the story; chapter 16 adds the rules that end a request before its last
+reply (a slow reader, a dead worker or listener, shutdown) and the watchdog that applies them.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
 from contextlib import aclosing
@@ -34,8 +34,9 @@ from minisgl.message import (
 from minisgl.server.lifecycle import (
     DEFAULT_REPLY_BUFFER_SIZE,
     DEFAULT_SLOW_READER_TIMEOUT_S,
-    LifecyclePolicy,
+    SHUTTING_DOWN,
     ReplyBuffer,
+    unavailable_error,
 )
 from minisgl.server.protocol import APIError
 from minisgl.utils.logger import get_logger
@@ -59,21 +60,29 @@ class FrontendStats:
     finished: int = 0
     aborted: int = 0
     failed: int = 0  # ended with an error (a worker's, or the frontend's own)
+    slow_readers: int = 0  # cut off for reading too slowly
 
 
 class RequestRouter:
-    """Sends requests to the tokenizer workers and routes every reply to its request.
+    """Sends requests to the tokenizer workers, routes every reply to its request, and ends
+    every request whose last reply will not come, or should not be waited for.
 
     Many HTTP requests are in flight at once, but replies come back through a single queue.
     Each request gets a *uid* and a :class:`~minisgl.server.lifecycle.ReplyBuffer`; one
     listener task reads the queue and pushes each reply into its uid's buffer, which wakes that
     request's reader, waiting on its own buffer only.
 
-    :meth:`replies` owns a request's state, and frees it (aborting the request)
-    however its reader stops. Every other way a request ends early is decided by
-    :attr:`lifecycle`, a :class:`~minisgl.server.lifecycle.LifecyclePolicy` made from the
-    last three arguments: the router asks it whether a new request may come in, and what to do
-    with a reader whose buffer is full; the policy ends requests with :meth:`fail`.
+    :meth:`replies` owns a request's state, and frees it (aborting the request) however its
+    reader stops. Every other way a request ends early ends it with :meth:`fail`:
+
+    - a reader that stays behind longer than ``slow_reader_timeout_s``, or lets
+      ``reply_buffer_size`` replies pile up, is cut off (:meth:`cut_off`), which also catches a
+      reader that walked away without closing its generator;
+    - a *watchdog* task (:meth:`check`) asks ``health`` a few times a second: once a worker
+      process has died, every waiting request ends with an error and new ones are refused
+      (HTTP 503), instead of waiting for replies that will never come. So does a listener
+      that stopped;
+    - :meth:`fail_all` ends every waiting request at once: the server is shutting down.
 
     Args:
         tokenizers: one outgoing queue per tokenizer worker; request ``uid`` goes to
@@ -85,8 +94,8 @@ class RequestRouter:
         health: returns None while every worker runs, else what is wrong; None: not checked.
 
     Use it from one event loop. :meth:`start` (or the first :meth:`submit`) starts the listener
-    and the policy's watchdog; it has to run inside the loop, which is why the app builds the
-    router in its lifespan.
+    and the watchdog; it has to run inside the loop, which is why the app builds the router in
+    its lifespan.
     """
 
     def __init__(self, tokenizers: Sequence[_Outbox], inbox: _Inbox, *,
@@ -97,14 +106,16 @@ class RequestRouter:
             raise ValueError("RequestRouter needs at least one tokenizer queue")
         self._tokenizers = list(tokenizers)
         self._inbox = inbox
+        self.reply_buffer_size = reply_buffer_size
+        self.slow_reader_timeout_s = slow_reader_timeout_s
+        self._health = health
         self._next_uid = 0
         self._pending: dict[int, ReplyBuffer] = {}
         self._listener: asyncio.Task[None] | None = None
+        self._watchdog: asyncio.Task[None] | None = None
         self._background: set[asyncio.Task[None]] = set()  # abort sends still in flight
         self.stats = FrontendStats()
-        self.lifecycle = LifecyclePolicy(self, reply_buffer_size=reply_buffer_size,
-                                         slow_reader_timeout_s=slow_reader_timeout_s,
-                                         health=health)
+        self.unavailable: RequestError | None = None  # set once the frontend cannot serve
 
     @classmethod
     def connect(cls, tokenizer_addrs: Sequence[str], inbox_addr: str,
@@ -130,24 +141,24 @@ class RequestRouter:
 
     @property
     def buffers(self) -> Mapping[int, ReplyBuffer]:
-        """Every waiting request's buffer, by uid (a read-only view, for the policy)."""
+        """Every waiting request's buffer, by uid (a read-only view)."""
         return MappingProxyType(self._pending)
 
     @property
     def listener_error(self) -> BaseException | None:
-        """What stopped the listener, if it stopped; without it, no reply reaches anyone."""
+        """What stopped the listener, if it stopped. Without it no reply reaches anyone: the
+        watchdog then ends every request, and logs why."""
         task = self._listener
         if task is None or not task.done() or task.cancelled():
             return None
         return task.exception()
 
     def start(self) -> None:
-        """Start the listener and the policy's watchdog (once); call from inside the event
-        loop."""
+        """Start the listener and the watchdog (once); call from inside the event loop."""
         if self._listener is None:
-            self._listener = asyncio.get_running_loop().create_task(self._listen())
-            self._listener.add_done_callback(_report_listener_exit)
-            self.lifecycle.start()
+            loop = asyncio.get_running_loop()
+            self._listener = loop.create_task(self._listen())
+            self._watchdog = loop.create_task(self._watch())
 
     # ----------------------------------------------------------------- requests out
     async def submit(self, params: SamplingParams, *, text: str | None = None,
@@ -164,7 +175,9 @@ class RequestRouter:
             APIError: the server cannot serve (a worker died, it is shutting down: 503), or
                 the request cannot be sent (a value too large for the wire: 400).
         """
-        buffer = self.lifecycle.admit()  # refused once the server cannot serve
+        if self.unavailable is not None:  # a worker died, the server is shutting down
+            raise APIError.of(self.unavailable)
+        buffer = ReplyBuffer(self.reply_buffer_size)
         self.start()
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         request = TokenizeRequest(uid, params, text=text, input_ids=input_ids, messages=messages,
@@ -209,7 +222,7 @@ class RequestRouter:
     async def _listen(self) -> None:
         """The one reader of the inbox: hand each reply to its request's buffer."""
         while True:
-            try:  # no bound needed: a dead worker is seen by the lifecycle watchdog (chapter 16)
+            try:  # no bound needed: a dead worker is seen by the watchdog (chapter 16)
                 reply = await self._inbox.get()
             except (SerializationError, TypeError) as exc:  # a bad frame: drop it, go on
                 logger.error("dropping a message the frontend cannot read: %s", exc)
@@ -230,7 +243,7 @@ class RequestRouter:
         if reply.error is not None:
             self.stats.failed += 1
         if not buffer.push(reply, time.monotonic()):  # the reader is too slow
-            self.lifecycle.cut_off(reply.uid, buffer)
+            self.cut_off(reply.uid, buffer)
 
     async def replies(self, uid: int) -> AsyncIterator[UserReply]:
         """Request ``uid``'s replies, in order, up to and including its last one.
@@ -284,27 +297,72 @@ class RequestRouter:
         buffer.fail(UserReply.failure(uid, error), time.monotonic())
         self.stats.failed += 1
 
-    def forget(self, uid: int) -> None:
-        """Drop request ``uid``'s state: its reader has gone without a word."""
-        self._pending.pop(uid, None)
+    def cut_off(self, uid: int, buffer: ReplyBuffer) -> None:
+        """End request ``uid``, whose reader reads too slowly, and tell the workers."""
+        lag = buffer.lag(time.monotonic())
+        logger.warning("request %d: its client reads too slowly (%d replies unread, the "
+                       "oldest for %.1f s): aborting it", uid, len(buffer.replies), lag)
+        self.stats.slow_readers += 1
+        self.fail(uid, RequestError(
+            f"the client read its stream too slowly: {len(buffer.replies)} replies waited "
+            f"unread, the oldest for {lag:.1f} s", status=408, kind="timeout_error",
+            code="slow_reader"))
+
+    def fail_all(self, error: RequestError) -> None:
+        """End every waiting request with ``error``, and refuse new ones with it.
+
+        For when the server cannot serve any more: a worker died (an abort would go nowhere)
+        or the server is shutting down (its workers are stopped next), so no abort is sent.
+        """
+        if self.unavailable is None:
+            self.unavailable = error
+            level = logging.INFO if error is SHUTTING_DOWN else logging.ERROR
+            if self._pending or level == logging.ERROR:
+                logger.log(level, "ending %d waiting request(s): %s", len(self._pending),
+                           error.message)
+        for uid in list(self._pending):
+            self.fail(uid, error, abort=False)
+
+    def check(self, now: float) -> None:
+        """What the watchdog does, a few times a second: fail every request if a worker or
+        the reply listener has died; cut off readers that have been behind too long; free
+        requests whose reader has not even come for the error they were ended with."""
+        stopped = self.listener_error
+        if stopped is not None:
+            self.fail_all(unavailable_error(
+                f"the API server's reply listener stopped: {stopped!r}", "listener_died"))
+        problem = self._health() if self._health is not None else None
+        if problem is not None:
+            self.fail_all(unavailable_error(problem, "worker_died"))
+        for uid, buffer in list(self._pending.items()):
+            if buffer.lag(now) <= self.slow_reader_timeout_s:
+                continue
+            if buffer.failed:  # abandoned: nobody reads this request any more
+                self._pending.pop(uid, None)
+            else:
+                self.cut_off(uid, buffer)
+
+    async def _watch(self) -> None:
+        interval = min(0.25, self.slow_reader_timeout_s / 4)
+        while True:
+            await asyncio.sleep(interval)
+            try:
+                self.check(time.monotonic())
+            except Exception:  # the watchdog must outlive a bad health check
+                logger.exception("the frontend's watchdog failed")
 
     async def close(self) -> None:
-        """End what still waits (the policy says with what), stop the listener, let the abort
-        sends finish, close the queues."""
-        await self.lifecycle.close()
-        if self._listener is not None:
-            self._listener.cancel()
-            await asyncio.gather(self._listener, return_exceptions=True)
-            self._listener = None
+        """End what still waits (the server is shutting down), stop the listener and the
+        watchdog, let the abort sends finish, close the queues."""
+        self.fail_all(SHUTTING_DOWN)
+        for task in (self._listener, self._watchdog):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._listener = self._watchdog = None
         if self._background:
             await asyncio.wait(self._background, timeout=1.0)
         for queue in (*self._tokenizers, self._inbox):
             close = getattr(queue, "close", None)
             if close is not None:
                 close()
-
-
-def _report_listener_exit(task: asyncio.Task[None]) -> None:
-    # Without its listener the router is deaf; the policy's watchdog ends what waits.
-    if not task.cancelled() and task.exception() is not None:
-        logger.error("the frontend's reply listener died: %r", task.exception())

@@ -64,8 +64,8 @@ class Workers:
     """The worker processes of one server, and what the API server needs from them.
 
     Attributes:
-        processes: the workers started so far, in start order.
-        names: a name for each, for errors and ``/health``.
+        processes: the workers started so far by name (for errors and ``/health``), in start
+            order.
         tokenizer_addrs: each tokenizer's inbox; the API server sends request ``uid`` to
             ``tokenizer_addrs[uid % N]``.
         frontend_addr: the API server's own inbox, which the detokenizer sends replies to.
@@ -75,8 +75,7 @@ class Workers:
     tokenizer_addrs: list[str]
     frontend_addr: str
     counters: list[SharedCounters]
-    processes: list[BaseProcess] = field(default_factory=list)
-    names: list[str] = field(default_factory=list)
+    processes: dict[str, BaseProcess] = field(default_factory=dict)
 
     def snapshot(self) -> dict[str, int]:
         """Every worker counter by name (``/metrics``)."""
@@ -85,7 +84,7 @@ class Workers:
 
     def health(self) -> str | None:
         """None while every worker runs; else which one stopped (``/health``)."""
-        for process, name in zip(self.processes, self.names):
+        for name, process in self.processes.items():
             if not process.is_alive():
                 return f"the {name} process (pid {process.pid}) exited with code " \
                        f"{process.exitcode}"
@@ -93,7 +92,7 @@ class Workers:
 
     def stop(self) -> None:
         """SIGTERM every worker, then reap each (killing any that does not exit in time)."""
-        stop_processes(self.processes)
+        stop_processes(self.processes.values())
         logger.info("stopped %d worker process(es)", len(self.processes))
 
 
@@ -121,10 +120,9 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
     def start(label: str, target: Callable[..., None], *task_args: object,
               **kwargs: object) -> None:
         # A group of its own, so that a terminal's Ctrl-C reaches the launcher only.
-        workers.processes.append(start_process(target, f"minisgl-{label}", args=task_args,
-                                               kwargs=kwargs | {"ready": ready},
-                                               own_process_group=True))
-        workers.names.append(label)
+        workers.processes[label] = start_process(target, f"minisgl-{label}", args=task_args,
+                                                 kwargs=kwargs | {"ready": ready},
+                                                 own_process_group=True)
 
     try:
         start("scheduler", run_scheduler, config, scheduler_addr, detokenizer_addr,
@@ -138,9 +136,10 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
         for k, inbox in enumerate(workers.tokenizer_addrs):
             start(f"tokenizer-{k}", run_tokenizer, model_path, inbox, scheduler_addr,
                   name=f"tokenizer-{k}")
-        wait_ready(ready, workers.processes, workers.names, args.startup_timeout_s)
-        logger.info("workers: %s", ", ".join(f"{name} (pid {process.pid})" for name, process
-                                             in zip(workers.names, workers.processes)))
+        wait_ready(ready, list(workers.processes.values()), list(workers.processes),
+                   args.startup_timeout_s)
+        logger.info("workers: %s", ", ".join(f"{name} (pid {process.pid})"
+                                             for name, process in workers.processes.items()))
     except BaseException:  # a failed worker, a timeout, Ctrl-C while loading: none may linger
         workers.stop()
         raise
@@ -256,7 +255,7 @@ def serve_http(app: Any, sock: socket.socket, shutdown_timeout_s: float = 5.0,
     config = uvicorn.Config(app, log_config=None, log_level="warning", access_log=False,
                             lifespan="on",
                             timeout_graceful_shutdown=shutdown_timeout_s + UVICORN_GRACE_S)
-    server = OrderlyServer(config, app, shutdown_timeout_s, health)
+    server = OrderlyServer(config, shutdown_timeout_s, health)
     server.run(sockets=[sock])
     # uvicorn raises the signal again as it returns, but a SIGINT raised then goes through
     # asyncio's own SIGINT handler, and in rare runs no KeyboardInterrupt came out of it (the
@@ -280,13 +279,12 @@ class OrderlyServer(uvicorn.Server):
     second Ctrl-C ends them at once.
     """
 
-    def __init__(self, config: uvicorn.Config, app: Any, shutdown_timeout_s: float,
+    def __init__(self, config: uvicorn.Config, shutdown_timeout_s: float,
                  health: Callable[[], str | None] | None = None) -> None:
         super().__init__(config)
         self._health = health
         self.worker_died: str | None = None  # which worker died, once one has
         self._died_at = 0.0
-        self._app = app
         self._shutdown_timeout_s = shutdown_timeout_s
         self._loop: asyncio.AbstractEventLoop | None = None
         self.stopped_by: int | None = None  # the first signal that stopped the server
@@ -303,9 +301,9 @@ class OrderlyServer(uvicorn.Server):
         return await super().on_tick(counter)
 
     def _end_requests(self) -> None:
-        frontend = getattr(self._app.state, "frontend", None)
+        frontend = getattr(self.config.app.state, "frontend", None)
         if frontend is not None:
-            frontend.lifecycle.fail_all(SHUTTING_DOWN)
+            frontend.fail_all(SHUTTING_DOWN)
 
     async def serve(self, sockets: list[socket.socket] | None = None) -> None:
         self._loop = asyncio.get_running_loop()

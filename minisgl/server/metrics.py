@@ -37,14 +37,14 @@ def metrics_text(worker_counters: Mapping[str, int], frontend: RequestRouter) ->
          "Requests answered to the end.", frontend.stats.finished),
         ("minisgl_frontend_aborted_total", "counter",
          "Requests aborted because their client went away.", frontend.stats.aborted),
-        # Ending every request (``lifecycle.py``): replies held, failures, slow readers.
+        # Ending every request (chapter 16): replies held, failures, slow readers.
         ("minisgl_frontend_buffered_replies", "gauge",
          "Replies received and not yet taken by their reader.", frontend.num_buffered),
         ("minisgl_frontend_failed_total", "counter",
          "Requests that ended with an error.", frontend.stats.failed),
         ("minisgl_frontend_slow_readers_total", "counter",
          "Requests cut off because their client read too slowly.",
-         frontend.lifecycle.slow_readers),
+         frontend.stats.slow_readers),
     ]
     lines = []
     for name, kind, help_text, value in rows:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -131,9 +131,8 @@ STRICT_BODY = ConfigDict(extra="forbid", strict=True)
 
 
 # What the OpenAPI schema says of a field, beyond its type: the ranges and lengths that the
-# engine's own checks (SamplingParams, the endpoints) enforce, and the only values an
-# unsupported field accepts (``enum``). The checks stay where they are, with their messages;
-# the schema only tells clients, and schema-driven tools, what they are.
+# engine's own checks (SamplingParams, the endpoints) enforce. The checks stay where they are,
+# with their messages; the schema only tells clients, and schema-driven tools, what they are.
 def _documented(**constraints: Any) -> Any:
     """An optional field (default None) whose schema states ``constraints``."""
     return Field(None, json_schema_extra=constraints)
@@ -172,32 +171,21 @@ class StreamOptions(BaseModel):
 
 
 @dataclass(frozen=True)
-class Unsupported:
-    """A field OpenAI defines that this server does not implement: accepted at its neutral
-    values, which change nothing; any other value is refused with HTTP 400 naming it."""
+class Neutral:
+    """What a field OpenAI defines, and this server does not implement, accepts: its neutral
+    ``values``, which change nothing (the schema lists them); any other value is refused with
+    HTTP 400 naming the field, saying what is accepted (``shown``)."""
 
-    neutral: tuple[Any, ...]
-    shown: str  # the neutral values, as the error message names them
+    values: tuple[Any, ...]
+    shown: str
+
+    def __call__(self, schema: dict[str, Any]) -> None:  # pydantic's json_schema_extra hook
+        schema["enum"] = list(self.values)
 
 
-# Field -> what is accepted. The request models declare each with its JSON type, and the
-# schema lists only these values.
-UNSUPPORTED: dict[str, Unsupported] = {
-    "n": Unsupported((1,), "1 (one choice per prompt)"),
-    "best_of": Unsupported((1, None), "1"),
-    "presence_penalty": Unsupported((0,), "0"),
-    "frequency_penalty": Unsupported((0,), "0"),
-    "logit_bias": Unsupported((None, {}), "null or {}"),
-    "logprobs": Unsupported((False, None), "false"),  # completions: null only (see there)
-    "top_logprobs": Unsupported((0, None), "0"),
-    "echo": Unsupported((False,), "false"),
-    "suffix": Unsupported((None, ""), 'null or ""'),
-    "tools": Unsupported((None, []), "[]"),
-    "tool_choice": Unsupported((None, "none", "auto"), '"none" or "auto" (there are no tools)'),
-    "response_format": Unsupported((None, {"type": "text"}), '{"type": "text"}'),
-    "service_tier": Unsupported((None, "auto", "default"), '"auto" or "default"'),
-    "store": Unsupported((None, False), "false"),
-}
+def _neutral(*values: Any, shown: str) -> Any:
+    """A field accepted at its neutral ``values`` only; it defaults to the first."""
+    return Field(values[0], json_schema_extra=Neutral(values, shown))
 
 
 def _same_json(value: Any, neutral: Any) -> bool:
@@ -212,7 +200,7 @@ class _GenerationBody(BaseModel):
 
     ``None`` (or leaving a field out) means the default. Unknown fields are rejected: a typo
     such as ``max_token`` would otherwise be ignored without a word. Fields that OpenAI defines
-    but this server does not implement (:data:`UNSUPPORTED`) are accepted at their neutral
+    but this server does not implement (:class:`Neutral`) are accepted at their neutral
     value only: :meth:`check_supported` refuses any other, naming the field.
     """
 
@@ -233,22 +221,20 @@ class _GenerationBody(BaseModel):
     stop_token_ids: list[TokenId] | None = None  # an extension
     ignore_eos: bool = False  # an extension: benchmarks use it for outputs of known length
     user: str | None = None
-    # OpenAI's fields that this server accepts at their neutral values only (UNSUPPORTED).
-    n: Int64 = Field(1, json_schema_extra={"enum": [1]})
-    presence_penalty: float = Field(0.0, json_schema_extra={"minimum": 0, "maximum": 0})
-    frequency_penalty: float = Field(0.0, json_schema_extra={"minimum": 0, "maximum": 0})
-    logit_bias: dict[str, Any] | None = Field(None, json_schema_extra={"maxProperties": 0})
-    service_tier: str | None = _documented(enum=[None, "auto", "default"])
-    store: bool | None = _documented(enum=[None, False])
-
-    unsupported: ClassVar[dict[str, Unsupported]] = UNSUPPORTED
+    # OpenAI's fields that this server accepts at their neutral values only.
+    n: Int64 = _neutral(1, shown="1 (one choice per prompt)")
+    presence_penalty: float = _neutral(0.0, shown="0")
+    frequency_penalty: float = _neutral(0.0, shown="0")
+    logit_bias: dict[str, Any] | None = _neutral(None, {}, shown="null or {}")
+    service_tier: str | None = _neutral(None, "auto", "default", shown='"auto" or "default"')
+    store: bool | None = _neutral(None, False, shown="false")
 
     def check_supported(self) -> None:
         """Refuse a value this server does not implement (HTTP 400 naming the field)."""
-        for name in self.unsupported.keys() & type(self).model_fields.keys():
-            value = getattr(self, name)
-            rule = self.unsupported[name]
-            if not any(_same_json(value, neutral) for neutral in rule.neutral):
+        for name, field in type(self).model_fields.items():
+            rule, value = field.json_schema_extra, getattr(self, name)
+            if isinstance(rule, Neutral) and not any(_same_json(value, neutral)
+                                                     for neutral in rule.values):
                 raise APIError(400, f"{name} must be {rule.shown} or left out; other values "
                                     f"are not supported by this server (got {json.dumps(value)})",
                                name, code="unsupported_value")
@@ -288,15 +274,14 @@ class ChatCompletionRequest(_GenerationBody):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = _documented(minimum=1)  # OpenAI's newer max_tokens
-    logprobs: bool | None = _documented(enum=[None, False])
-    top_logprobs: Int64 | None = _documented(enum=[None, 0])
-    tools: list[Any] | None = Field(None, json_schema_extra={"maxItems": 0})
-    tool_choice: str | dict[str, Any] | None = _documented(enum=[None, "none", "auto"])
+    logprobs: bool | None = _neutral(None, False, shown="false")
+    top_logprobs: Int64 | None = _neutral(None, 0, shown="0")
+    tools: list[Any] | None = _neutral(None, [], shown="[]")
+    tool_choice: str | dict[str, Any] | None = _neutral(
+        None, "none", "auto", shown='"none" or "auto" (there are no tools)')
     parallel_tool_calls: bool | None = None  # either way: there are no tools to call
-    response_format: dict[str, Any] | None = Field(None, json_schema_extra={
-        "anyOf": [{"type": "object", "properties": {"type": {"enum": ["text"]}},
-                   "required": ["type"], "additionalProperties": False},
-                  {"type": "null"}]})
+    response_format: dict[str, Any] | None = _neutral(None, {"type": "text"},
+                                                      shown='{"type": "text"}')
 
 
 # A prompt: text, token ids, or (OpenAI's batch form) a list of either, one choice each.
@@ -321,14 +306,11 @@ class CompletionRequest(_GenerationBody):
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
         json_schema_extra=prompt_schema())
-    logprobs: Int64 | None = _documented(enum=[None])  # the number of top tokens, or null
-    best_of: Int64 | None = _documented(enum=[None, 1])
-    echo: bool = Field(False, json_schema_extra={"enum": [False]})
-    suffix: str | None = _documented(enum=[None, ""])
-
-    # logprobs is a number here, not a switch: only null is neutral.
-    unsupported: ClassVar[dict[str, Unsupported]] = {**UNSUPPORTED,
-                                                     "logprobs": Unsupported((None,), "null")}
+    # The number of top tokens, or null: not a switch, as in a chat request.
+    logprobs: Int64 | None = _neutral(None, shown="null")
+    best_of: Int64 | None = _neutral(None, 1, shown="1")
+    echo: bool = _neutral(False, shown="false")
+    suffix: str | None = _neutral(None, "", shown='null or ""')
 
     def prompts(self) -> list[Prompt]:
         """The prompts, one per choice; each must be non-empty (HTTP 400 otherwise)."""

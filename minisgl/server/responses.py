@@ -92,8 +92,7 @@ def sse_event(payload: Mapping[str, Any]) -> bytes:
 
 
 async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
-                      include_usage: bool = False,
-                      prompt_param: str = "messages") -> AsyncIterator[bytes]:
+                      include_usage: bool = False) -> AsyncIterator[bytes]:
     """A chat completion as SSE: the role first, a chunk per piece of text, a chunk with the
     finish reason, the usage (if asked), then ``[DONE]``.
 
@@ -108,7 +107,7 @@ async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
             if reply.delta:  # empty while a multi-byte character is incomplete
                 yield sse_event({**chat_chunk(meta, {"content": reply.delta}), **extra})
             if reply.error is not None:
-                yield sse_event(APIError.of(reply.error, prompt_param).body())
+                yield sse_event(APIError.of(reply.error, "messages").body())
             elif reply.finished:
                 yield sse_event({**chat_chunk(meta, {}, reply.finish_reason), **extra})
                 if include_usage:
@@ -118,8 +117,8 @@ async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
 
 
 async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta: ResponseMeta,
-                            num_choices: int = 1, include_usage: bool = False,
-                            prompt_param: str = "prompt") -> AsyncIterator[bytes]:
+                            num_choices: int = 1,
+                            include_usage: bool = False) -> AsyncIterator[bytes]:
     """A text completion as SSE: a chunk per piece of text, one with the finish reason per
     choice, the usage of all (if asked), then ``[DONE]``; an error event instead if a request
     fails (which ends the stream: closing ``replies`` aborts the others).
@@ -134,7 +133,7 @@ async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta:
             if reply.delta:
                 yield sse_event({**completion_chunk(meta, reply.delta, index=index), **extra})
             if reply.error is not None:
-                yield sse_event(APIError.of(reply.error, prompt_param).body())
+                yield sse_event(APIError.of(reply.error).body())
                 break
             if reply.finished:
                 yield sse_event({**completion_chunk(meta, "", reply.finish_reason, index),
