@@ -140,9 +140,6 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "config") -> ModelConfig:
         """Parse a ``config.json`` dict; ``source`` (a file name) starts every error message."""
-        if not isinstance(d, Mapping):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
-
         def get(key: str, kind: type, default: Any = _MISSING) -> Any:
             return _read(d, source, key, kind, default)
 
@@ -246,17 +243,15 @@ def _rope_settings(d: Mapping[str, Any], source: str) -> tuple[float, dict[str, 
     if not isinstance(params, Mapping):
         raise ConfigError(f"{source}: rope_parameters/rope_scaling must be an object, "
                           f"got {params!r}")
-    params = dict(params)
-    given = {key: d.get(key) for key in ("rope_theta", "partial_rotary_factor")}
-    for key in given:  # inside rope_parameters wins (`or` would skip a 0 that must be checked)
-        inner = params.pop(key, None)
-        given[key] = given[key] if inner is None else inner
-    if given["rope_theta"] is None:
+    # Inside rope_parameters wins (`or` would skip a 0 there, which must be checked).
+    given = {**d, **{key: value for key, value in params.items() if value is not None}}
+    if given.get("rope_theta") is None:
         raise ConfigError(f"{source}: missing required key 'rope_theta' "
                           "(or 'rope_theta' inside 'rope_parameters')")
     theta = _read(given, source, "rope_theta", float)
     partial = _read(given, source, "partial_rotary_factor", float, 1.0)
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    scaling = None if rope_type == "default" else {"rope_type": rope_type, **params}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    read = ("rope_theta", "partial_rotary_factor", "rope_type", "type")
+    rest = {key: value for key, value in params.items() if key not in read}
+    scaling = None if rope_type == "default" else {"rope_type": rope_type, **rest}
     return theta, scaling, partial
