@@ -156,9 +156,8 @@ def _yarn_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> Sc
     if low == high:
         high += 0.001  # avoid dividing by zero in the ramp
 
-    powers = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
-    keep = 1.0 / powers  # extrapolate: the original frequency
-    interpolate = 1.0 / (factor * powers)
+    keep = default_inv_freq(rotary_dim, base)  # extrapolate: the original frequency
+    interpolate = keep / factor
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
     keep_weight = 1 - ramp  # 1 for the fast pairs at the start, 0 for the slow ones at the end
     return interpolate * (1 - keep_weight) + keep * keep_weight, float(attention_factor)
@@ -180,20 +179,18 @@ def get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
     ``None``. Its ``rope_type`` (older configs: ``type``) picks the scaling; unknown keys such
     as ``rope_theta`` are ignored. The table is built on the current default device.
     """
-    rope_type = "default"
-    if rope_scaling:
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    scaling = dict(rope_scaling or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         inv_freq, attention_scaling = default_inv_freq(rotary_dim, base), 1.0
     elif rope_type in _SCALINGS:
-        assert rope_scaling is not None
         # As in transformers: a missing original context length means "the one in the config".
-        params = {"original_max_position_embeddings": max_position, **rope_scaling}
+        params = {"original_max_position_embeddings": max_position, **scaling}
         try:
             inv_freq, attention_scaling = _SCALINGS[rope_type](rotary_dim, base, params)
         except KeyError as missing:
             raise ValueError(f"rope_scaling of type {rope_type!r} lacks the key {missing}; "
-                             f"got {dict(rope_scaling)}") from None
+                             f"got {scaling}") from None
     else:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")
