@@ -192,12 +192,10 @@ class ModelConfig:
         config.json names one of them). ``transformers.generate`` stops on the ids of
         generation_config.json, so they are added here: the engine stops where it does.
         """
-        config_file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
-        config = cls.from_dict(load_hf_config(path), source=config_file)
-        generation_file = os.path.join(os.path.dirname(config_file), "generation_config.json")
+        config = cls.from_dict(load_hf_config(path), source=os.path.join(path, "config.json"))
+        generation_file = os.path.join(path, "generation_config.json")
         if os.path.isfile(generation_file):
-            generation = load_hf_config(generation_file)
-            extra = _read_list(generation, generation_file, "eos_token_id", int)
+            extra = _read_list(load_hf_config(generation_file), generation_file, "eos_token_id", int)
             merged = tuple(dict.fromkeys(config.eos_token_ids + extra))  # in order, no repeats
             config = dataclasses.replace(config, eos_token_ids=merged)
         return config
