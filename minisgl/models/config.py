@@ -96,12 +96,10 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_qo_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads}): each KV head serves a whole "
                 "group of query heads")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even (rotary embedding turns pairs of "
-                              f"features), got {self.head_dim}")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} must be in "
-                              f"(0, 1] and give an even number of rotary features")
+                              f"(0, 1] and turn an even number of the head_dim "
+                              f"({self.head_dim}) features: rotary embedding turns pairs")
         if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
             raise ConfigError(f"rms_norm_eps ({self.rms_norm_eps}) and rope_theta "
                               f"({self.rope_theta}) must be positive")
