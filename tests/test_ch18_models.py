@@ -238,6 +238,16 @@ def test_tied_llama_with_biases_and_llama3_rope_matches(tmp_path: Path) -> None:
     assert_same_logits(randomize_and_save(LlamaForCausalLM(config), tmp_path))
 
 
+def test_qwen3_with_attention_bias_has_a_bias_on_all_four_projections(tmp_path: Path) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    config = Qwen3Config(
+        hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=32, vocab_size=512, max_position_embeddings=2048,
+        attention_bias=True, tie_word_embeddings=False)
+    assert_same_logits(randomize_and_save(Qwen3ForCausalLM(config), tmp_path))
+
+
 @pytest.mark.parametrize("step, only_mlp, renorm", [(2, [], False), (1, [0, 3], True)])
 def test_qwen3_moe_sparse_layer_choice_and_renormalisation(tmp_path: Path, step: int,
                                                            only_mlp: list[int],

@@ -121,9 +121,6 @@ class AttentionLayer(nn.Module):
         k_norm: RMSNorm | None = None,
     ) -> None:
         super().__init__()
-        if num_qo_heads % num_kv_heads != 0:
-            raise ValueError(f"num_qo_heads ({num_qo_heads}) must be a multiple of "
-                             f"num_kv_heads ({num_kv_heads})")
         tp_size = get_tp_info().size
         self.layer_id = layer_id
         self.head_dim = head_dim

@@ -43,7 +43,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = No
 class _LinearBase(BaseLayer):
     """``y = x @ W.T (+ b)`` with this rank's local ``W`` of shape ``[local_out, local_in]``."""
 
-    def __init__(self, local_input_size: int, local_output_size: int, bias: bool) -> None:
+    def __init__(self, local_input_size: int, local_output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = new_parameter(local_output_size, local_input_size)
         if bias:
@@ -57,9 +57,6 @@ class _LinearBase(BaseLayer):
 
 class ReplicatedLinear(_LinearBase):
     """A linear layer every rank holds whole (small matrices such as an MoE router)."""
-
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
-        super().__init__(input_size, output_size, bias)
 
 
 class _ColumnSlots(_LinearBase):

@@ -96,13 +96,15 @@ class RotaryEmbedding(nn.Module):
         return q_rot.view(q.shape), k_rot.view(k.shape)
 
 
-# --- scalings: each returns (inv_freq, attention_scaling) -----------------------------------
+# --- scalings: each says how much of its frequency every pair keeps -------------------------
+# 1 keeps ``inv_freq``, 0 divides it by ``factor``, and between the two get_rope blends linearly.
 
-Scaled = tuple[torch.Tensor, float]
+Scaled = tuple[torch.Tensor | float, float]  # (the kept share per pair, attention_scaling)
+
 
 def _linear_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> Scaled:
-    """Position interpolation: divide every frequency by ``factor`` (positions squeezed by it)."""
-    return default_inv_freq(rotary_dim, base) / params["factor"], 1.0
+    """Position interpolation: no pair keeps its frequency (positions squeezed by ``factor``)."""
+    return 0.0, 1.0
 
 
 def _llama3_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> Scaled:
@@ -113,20 +115,16 @@ def _llama3_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> 
     original context never completed a turn: divide its frequency by ``factor``. Between
     ``orig / high_freq_factor`` and ``orig / low_freq_factor`` tokens, interpolate linearly.
     """
-    factor = params["factor"]
     low_freq_factor = params["low_freq_factor"]
     high_freq_factor = params["high_freq_factor"]
     original_max = params["original_max_position_embeddings"]
 
-    inv_freq = default_inv_freq(rotary_dim, base)
-    wavelength = 2 * math.pi / inv_freq
+    wavelength = 2 * math.pi / default_inv_freq(rotary_dim, base)
     if low_freq_factor == high_freq_factor:  # no blending band: a hard switch
-        return torch.where(wavelength < original_max / high_freq_factor,
-                           inv_freq, inv_freq / factor), 1.0
-    # smooth = 1 keeps the frequency, 0 divides it by factor; clamping covers both outer bands.
+        return (wavelength < original_max / high_freq_factor).float(), 1.0
+    # Clamping covers both outer bands: the short wavelengths keep all, the long ones none.
     smooth = (original_max / wavelength - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smooth = smooth.clamp(0.0, 1.0)
-    return (1 - smooth) * inv_freq / factor + smooth * inv_freq, 1.0
+    return smooth.clamp(0.0, 1.0), 1.0
 
 
 def _yarn_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> Scaled:
@@ -156,12 +154,8 @@ def _yarn_scaling(rotary_dim: int, base: float, params: Mapping[str, Any]) -> Sc
     if low == high:
         high += 0.001  # avoid dividing by zero in the ramp
 
-    powers = base ** (torch.arange(0, rotary_dim, 2, dtype=torch.float32) / rotary_dim)
-    keep = 1.0 / powers  # extrapolate: the original frequency
-    interpolate = 1.0 / (factor * powers)
     ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
-    keep_weight = 1 - ramp  # 1 for the fast pairs at the start, 0 for the slow ones at the end
-    return interpolate * (1 - keep_weight) + keep * keep_weight, float(attention_factor)
+    return 1 - ramp, float(attention_factor)  # the fast pairs at the start keep all
 
 
 _SCALINGS: dict[str, Callable[[int, float, Mapping[str, Any]], Scaled]] = {
@@ -180,20 +174,21 @@ def get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
     ``None``. Its ``rope_type`` (older configs: ``type``) picks the scaling; unknown keys such
     as ``rope_theta`` are ignored. The table is built on the current default device.
     """
-    rope_type = "default"
-    if rope_scaling:
-        rope_type = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+    scaling = dict(rope_scaling or {})
+    rope_type = scaling.get("rope_type", scaling.get("type", "default"))
     if rope_type == "default":
         inv_freq, attention_scaling = default_inv_freq(rotary_dim, base), 1.0
     elif rope_type in _SCALINGS:
-        assert rope_scaling is not None
         # As in transformers: a missing original context length means "the one in the config".
-        params = {"original_max_position_embeddings": max_position, **rope_scaling}
+        params = {"original_max_position_embeddings": max_position, **scaling}
         try:
-            inv_freq, attention_scaling = _SCALINGS[rope_type](rotary_dim, base, params)
+            kept, attention_scaling = _SCALINGS[rope_type](rotary_dim, base, params)
+            factor = params["factor"]
         except KeyError as missing:
             raise ValueError(f"rope_scaling of type {rope_type!r} lacks the key {missing}; "
-                             f"got {dict(rope_scaling)}") from None
+                             f"got {scaling}") from None
+        inv_freq = default_inv_freq(rotary_dim, base)
+        inv_freq = inv_freq / factor * (1 - kept) + inv_freq * kept
     else:
         raise ValueError(f"unsupported rope_type {rope_type!r}; supported: "
                          f"{', '.join(SUPPORTED_ROPE_TYPES)}")

@@ -5,8 +5,8 @@ family         q/k/v bias  o bias     qk-norm     feed-forward
 =============  ==========  =========  ==========  ===================
 Llama          config      config     no          gated MLP
 Qwen2          yes         no         no          gated MLP
-Qwen3          no          no         yes         gated MLP
-Qwen3-MoE      no          no         yes         gated MLP or experts
+Qwen3          config      config     yes         gated MLP
+Qwen3-MoE      config      config     yes         gated MLP or experts
 =============  ==========  =========  ==========  ===================
 
 A family subclasses :class:`DecoderOnlyLM` and overrides up to three hooks. Module names are the
@@ -46,8 +46,8 @@ class GatedMLP(nn.Module):
 class AttentionOptions:
     """What a family's attention has beyond the common core."""
 
-    qkv_bias: bool = False  # a bias on the q, k and v projections (Qwen2)
-    o_bias: bool = False  # a bias on the output projection (Llama with attention_bias)
+    qkv_bias: bool = False  # a bias on the q, k and v projections
+    o_bias: bool = False  # a bias on the output projection
     qk_norm: bool = False  # RMSNorm on each query and key head before RoPE (Qwen3)
 
 
@@ -133,8 +133,9 @@ class DecoderOnlyLM(BaseLLMModel):
         """Refuse config settings this family's code does not implement (none by default)."""
 
     def attention_options(self, config: ModelConfig) -> AttentionOptions:
-        """Which optional parts this family's attention has (none by default)."""
-        return AttentionOptions()
+        """Which optional parts this family's attention has; by default, as in transformers'
+        Llama and Qwen3, a bias on all four projections exactly when ``attention_bias`` is set."""
+        return AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias)
 
     def make_mlp(self, config: ModelConfig, layer_id: int) -> nn.Module:
         """The feed-forward block of layer ``layer_id``: a dense gated MLP unless overridden."""

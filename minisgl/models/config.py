@@ -96,12 +96,10 @@ class ModelConfig:
                 f"num_attention_heads ({self.num_qo_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_kv_heads}): each KV head serves a whole "
                 "group of query heads")
-        if self.head_dim % 2:
-            raise ConfigError(f"head_dim must be even (rotary embedding turns pairs of "
-                              f"features), got {self.head_dim}")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim % 2:
             raise ConfigError(f"partial_rotary_factor {self.partial_rotary_factor} must be in "
-                              f"(0, 1] and give an even number of rotary features")
+                              f"(0, 1] and turn an even number of the head_dim "
+                              f"({self.head_dim}) features: rotary embedding turns pairs")
         if not self.rms_norm_eps > 0 or not self.rope_theta > 0:
             raise ConfigError(f"rms_norm_eps ({self.rms_norm_eps}) and rope_theta "
                               f"({self.rope_theta}) must be positive")
@@ -140,9 +138,6 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any], source: str = "config") -> ModelConfig:
         """Parse a ``config.json`` dict; ``source`` (a file name) starts every error message."""
-        if not isinstance(d, Mapping):
-            raise ConfigError(f"{source}: expected a JSON object, got {type(d).__name__}")
-
         def get(key: str, kind: type, default: Any = _MISSING) -> Any:
             return _read(d, source, key, kind, default)
 
@@ -195,12 +190,10 @@ class ModelConfig:
         config.json names one of them). ``transformers.generate`` stops on the ids of
         generation_config.json, so they are added here: the engine stops where it does.
         """
-        config_file = os.path.join(path, "config.json") if os.path.isdir(path) else os.fspath(path)
-        config = cls.from_dict(load_hf_config(path), source=config_file)
-        generation_file = os.path.join(os.path.dirname(config_file), "generation_config.json")
+        config = cls.from_dict(load_hf_config(path), source=os.path.join(path, "config.json"))
+        generation_file = os.path.join(path, "generation_config.json")
         if os.path.isfile(generation_file):
-            generation = load_hf_config(generation_file)
-            extra = _read_list(generation, generation_file, "eos_token_id", int)
+            extra = _read_list(load_hf_config(generation_file), generation_file, "eos_token_id", int)
             merged = tuple(dict.fromkeys(config.eos_token_ids + extra))  # in order, no repeats
             config = dataclasses.replace(config, eos_token_ids=merged)
         return config
@@ -246,17 +239,15 @@ def _rope_settings(d: Mapping[str, Any], source: str) -> tuple[float, dict[str, 
     if not isinstance(params, Mapping):
         raise ConfigError(f"{source}: rope_parameters/rope_scaling must be an object, "
                           f"got {params!r}")
-    params = dict(params)
-    given = {key: d.get(key) for key in ("rope_theta", "partial_rotary_factor")}
-    for key in given:  # inside rope_parameters wins (`or` would skip a 0 that must be checked)
-        inner = params.pop(key, None)
-        given[key] = given[key] if inner is None else inner
-    if given["rope_theta"] is None:
+    # Inside rope_parameters wins (`or` would skip a 0 there, which must be checked).
+    given = {**d, **{key: value for key, value in params.items() if value is not None}}
+    if given.get("rope_theta") is None:
         raise ConfigError(f"{source}: missing required key 'rope_theta' "
                           "(or 'rope_theta' inside 'rope_parameters')")
     theta = _read(given, source, "rope_theta", float)
     partial = _read(given, source, "partial_rotary_factor", float, 1.0)
-    rope_type = params.pop("rope_type", None) or params.pop("type", None) or "default"
-    params.pop("type", None)
-    scaling = None if rope_type == "default" else {"rope_type": rope_type, **params}
+    rope_type = params.get("rope_type") or params.get("type") or "default"
+    read = ("rope_theta", "partial_rotary_factor", "rope_type", "type")
+    rest = {key: value for key, value in params.items() if key not in read}
+    scaling = None if rope_type == "default" else {"rope_type": rope_type, **rest}
     return theta, scaling, partial

@@ -4,18 +4,15 @@ No qk-norm, no bias unless ``attention_bias`` asks for one (then on all four pro
 ``head_dim`` usually ``hidden_size / heads``. Llama 3.1 and later stretch RoPE to long contexts
 with ``rope_scaling`` of type ``llama3`` (:func:`~minisgl.layers.get_rope` has it);
 the 1B and 3B models tie the LM head to the embedding, the larger ones do not. Both come from
-config.json, so this file only says which options the shared blocks take.
+config.json, so the shared blocks' defaults are Llama's: this file only refuses ``mlp_bias``.
 """
 
 from __future__ import annotations
 
-from minisgl.models.blocks import AttentionOptions, DecoderOnlyLM, refuse_true
+from minisgl.models.blocks import DecoderOnlyLM, refuse_true
 from minisgl.models.config import ModelConfig
 
 
 class LlamaForCausalLM(DecoderOnlyLM):
     def check_config(self, config: ModelConfig) -> None:
         refuse_true(config, "mlp_bias", "LlamaForCausalLM")
-
-    def attention_options(self, config: ModelConfig) -> AttentionOptions:
-        return AttentionOptions(qkv_bias=config.attention_bias, o_bias=config.attention_bias)

@@ -16,10 +16,12 @@ options.
 
 from __future__ import annotations
 
+import dataclasses
+
 from minisgl.models.blocks import AttentionOptions, DecoderOnlyLM
 from minisgl.models.config import ModelConfig
 
 
 class Qwen3ForCausalLM(DecoderOnlyLM):
     def attention_options(self, config: ModelConfig) -> AttentionOptions:
-        return AttentionOptions(qkv_bias=config.attention_bias, qk_norm=True)
+        return dataclasses.replace(super().attention_options(config), qk_norm=True)

@@ -11,6 +11,7 @@ sends ``mlp.experts.5.up_proj.weight`` to slot ``(5, 1)`` of the stacked ``gate_
 
 from __future__ import annotations
 
+import re
 from collections.abc import Hashable
 
 from torch import nn
@@ -26,6 +27,8 @@ _EXPERT_SLOTS: dict[str, tuple[str, int | None]] = {
     "up_proj": ("gate_up_proj", 1),
     "down_proj": ("down_proj", None),
 }
+# One expert's projection in a checkpoint: (...mlp.experts).(5).(up_proj).weight
+_EXPERT_TENSOR = re.compile(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight")
 
 
 def sparse_layer_ids(config: ModelConfig) -> list[int]:
@@ -54,15 +57,11 @@ class Qwen3MoeForCausalLM(Qwen3ForCausalLM):
 
     def checkpoint_to_param(self, name: str) -> tuple[str, Hashable]:
         """``...mlp.experts.5.up_proj.weight`` -> (``...mlp.experts.gate_up_proj``, (5, 1))."""
-        parts = name.split(".")
-        if "experts" in parts and len(parts) > parts.index("experts") + 2:
-            at = parts.index("experts")
-            expert, proj = parts[at + 1], parts[at + 2]
-            if expert.isdigit() and proj in _EXPERT_SLOTS:
-                param, slot = _EXPERT_SLOTS[proj]
-                shard = int(expert) if slot is None else (int(expert), slot)
-                return ".".join(parts[: at + 1] + [param]), shard
-        return super().checkpoint_to_param(name)
+        match = _EXPERT_TENSOR.fullmatch(name)
+        if match is None:
+            return super().checkpoint_to_param(name)
+        experts, expert, (param, slot) = match[1], int(match[2]), _EXPERT_SLOTS[match[3]]
+        return f"{experts}.{param}", expert if slot is None else (expert, slot)
 
     def param_to_checkpoint(self, param_name: str, shard_id: Hashable) -> str:
         module, _, leaf = param_name.rpartition(".")

@@ -140,18 +140,16 @@ def load_weights(
     start = time.perf_counter()
     show = progress and get_tp_info().is_primary
     # disable=None: tqdm shows the bar on a terminal and stays silent in logs and pipes.
-    with tqdm(total=len(names), desc="Loading weights", unit="tensor",
-              disable=None if show else True) as bar:
-        for name, tensor in iter_checkpoint_tensors(files):
-            bar.update(1)
-            if name not in targets:
-                continue  # a tied duplicate (the plan skipped it)
-            param_name, shard_id = targets[name]
-            module, attr = _owner(model, param_name)
-            try:  # the layer picks this rank's slice and its slot in a merged parameter
-                module.load_weight(tensor, shard_id, param_name=attr)
-            except ValueError as exc:
-                raise ValueError(f"cannot load checkpoint tensor {name!r}: {exc}") from None
+    for name, tensor in tqdm(iter_checkpoint_tensors(files), total=len(names),
+                             desc="Loading weights", unit="tensor", disable=None if show else True):
+        if name not in targets:
+            continue  # a tied duplicate (the plan skipped it)
+        param_name, shard_id = targets[name]
+        module, attr = _owner(model, param_name)
+        try:  # the layer picks this rank's slice and its slot in a merged parameter
+            module.load_weight(tensor, shard_id, param_name=attr)
+        except ValueError as exc:
+            raise ValueError(f"cannot load checkpoint tensor {name!r}: {exc}") from None
     logger.debug("loaded %d tensors from %d file(s) in %.2f s (%d tied duplicate(s) skipped)",
                  len(targets), len(files), time.perf_counter() - start,
                  len(names) - len(targets))

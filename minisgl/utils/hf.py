@@ -8,14 +8,13 @@ story.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import re
 import shutil
+import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 from minisgl.utils.logger import get_logger
@@ -83,15 +82,10 @@ def looks_like_local_path(text: str) -> bool:
     """True for what a user means as a directory here, not as a hub id: a path starting with
     ``.``, ``/`` or ``~``, one under ``models/`` (where the book's checkpoints live), one with
     more than one separator, or one whose parent directory exists here."""
-    text = text.strip()
-    if not text:
-        return False
-    if text.startswith((".", "/", "~", f"{MODELS_DIR}/", f"{MODELS_DIR}{os.sep}")):
-        return True
-    if text.count("/") + (text.count(os.sep) if os.sep != "/" else 0) > 1:
-        return True
+    text = text.strip().replace(os.sep, "/")
     parent = Path(text).parent
-    return parent != Path(".") and parent.is_dir()
+    return (text.startswith((".", "/", "~", f"{MODELS_DIR}/")) or text.count("/") > 1
+            or (parent != Path(".") and parent.is_dir()))
 
 
 def _download_from_hub(repo_id: str) -> Path:
@@ -156,17 +150,20 @@ def default_model(root: Path = REPO_ROOT) -> Path:
 
 
 def build_tiny_model(out: Path, root: Path = REPO_ROOT) -> Path:
-    """Write the tiny Qwen3 checkpoint to ``out`` with ``tools/make_tiny_model.py``'s builder.
+    """Write the tiny Qwen3 checkpoint to ``out`` with ``tools/make_tiny_model.py``.
 
     It is written to a temporary directory beside ``out`` and renamed into place, so a process
     that starts meanwhile never sees half a checkpoint, and two that build at once both end
     with a whole one.
     """
-    maker = _load_tiny_model_maker(root)
-    out.parent.mkdir(parents=True, exist_ok=True)
+    script = root / "tools" / "make_tiny_model.py"
+    if not script.is_file():
+        raise ModelPathError(f"the tiny model is missing and {script} (which writes it) is not "
+                             "there: run from a clone of the repository, or give --model")
     partial = out.with_name(f".{out.name}.partial-{os.getpid()}")
     shutil.rmtree(partial, ignore_errors=True)
-    maker.write_checkpoint(partial, maker.TINY_QWEN3)
+    subprocess.run([sys.executable, str(script), "--out", str(partial)], check=True,
+                   stdout=subprocess.DEVNULL)
     try:
         partial.rename(out)
     except OSError:  # another process finished first: keep its copy
@@ -174,19 +171,6 @@ def build_tiny_model(out: Path, root: Path = REPO_ROOT) -> Path:
         if not (out / "config.json").is_file():
             raise
     return out
-
-
-def _load_tiny_model_maker(root: Path) -> ModuleType:
-    script = root / "tools" / "make_tiny_model.py"
-    if not script.is_file():
-        raise ModelPathError(f"the tiny model is missing and {script} (which writes it) is not "
-                             "there: run from a clone of the repository, or give --model")
-    spec = importlib.util.spec_from_file_location("_make_tiny_model", script)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while being built
-    spec.loader.exec_module(module)
-    return module
 
 
 def load_hf_config(path: str | os.PathLike[str]) -> dict[str, Any]:
