@@ -1,10 +1,7 @@
-"""The two interfaces of the KV cache: where the vectors live, and who may reuse them.
+"""The interface of the prefix cache: who may reuse a finished request's KV pages.
 
-``BaseKVPool`` stores every layer's keys and values, one row per *token slot*; page ``p`` owns
-slots ``p * page_size .. p * page_size + page_size - 1``. The pool does not know which request a
-slot belongs to: the allocator and the page table do. ``BasePrefixCache`` is the policy that
-keeps finished requests' pages for reuse; the scheduler talks only to this interface, so a new
-policy is a new class. Chapter 5 tells the story.
+``BasePrefixCache`` is the policy that keeps finished requests' pages for reuse; the scheduler
+talks only to this interface, so a new policy is a new class. Chapter 5 tells the story.
 """
 
 from __future__ import annotations
@@ -12,61 +9,6 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
-
-import torch
-
-
-class BaseKVPool(ABC):
-    """Storage for the keys and values of every layer, addressed by token slot.
-
-    A slot is one token's K (or V) vectors for all KV heads of one layer: ``[num_kv_heads,
-    head_dim]`` numbers. ``kv_cache(layer)`` holds the two ``[num_slots, num_kv_heads, head_dim]``
-    tensors of that layer, and slot ``s`` is their row ``s``. Implementations differ in layout, not in
-    addressing.
-    """
-
-    # What every pool tells its readers, set by the implementation's constructor.
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_pages: int
-    page_size: int
-    device: torch.device
-    dtype: torch.dtype
-
-    @abstractmethod
-    def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer_id``'s keys and values: two ``[num_slots, num_kv_heads, head_dim]``
-        views (no copy)."""
-
-    @abstractmethod
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor,
-                 layer_id: int) -> None:
-        """Write ``k[i]`` and ``v[i]`` (``[num_kv_heads, head_dim]``) to slot ``out_loc[i]``."""
-
-    @property
-    def num_slots(self) -> int:
-        """Token slots in the pool: every page's ``page_size`` slots."""
-        return self.num_pages * self.page_size
-
-    def gather_kv(self, slots: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read back the keys and values at ``slots``: two ``[len(slots), num_kv_heads, head_dim]``.
-
-        A copy, in the order of ``slots``: how the torch attention backend reads a request's
-        scattered pages as one sequence. Fused kernels read the pages in place (:meth:`kv_pages`).
-        """
-        k, v = self.kv_cache(layer_id)
-        return k[slots], v[slots]
-
-    def kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer_id``'s K and V seen page by page: ``[num_pages, page_size, heads, dim]``.
-
-        The same memory as :meth:`kv_cache`, reshaped (no copy): the form
-        paged attention kernels such as FlashInfer's take.
-        """
-        k, v = self.kv_cache(layer_id)
-        shape = (self.num_pages, self.page_size, *k.shape[1:])
-        return k.view(shape), v.view(shape)
 
 
 @dataclass(frozen=True)
