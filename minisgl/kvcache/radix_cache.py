@@ -78,11 +78,10 @@ class RadixCache(BasePrefixCache):
         # A logical clock rather than wall time: the order of events is all LRU needs, and a
         # counter makes eviction (and every test of it) deterministic.
         self._clock = 0
-        # Every page the tree holds. The sizes below are kept in step with the tree by each
-        # operation, so the scheduler reads them in O(1); check_invariants recounts them.
+        # Every page the tree holds, and how many are unlocked: kept in step with the tree by
+        # each operation, so the scheduler reads the sizes in O(1); check_invariants recounts.
         self._pages: set[int] = set()
         self._num_evictable = 0
-        self._num_locked = 0
 
     # ---------------------------------------------------------------------------------------
     # Sizes
@@ -99,8 +98,8 @@ class RadixCache(BasePrefixCache):
 
     @property
     def num_locked_pages(self) -> int:
-        """Pages the tree holds that some running request reads."""
-        return self._num_locked
+        """Pages the tree holds that some running request reads: every one not evictable."""
+        return len(self._pages) - self._num_evictable
 
     # ---------------------------------------------------------------------------------------
     # Matching
@@ -224,7 +223,6 @@ class RadixCache(BasePrefixCache):
             was_locked = node.lock_count > 0
             node.lock_count += step
             if (node.lock_count > 0) != was_locked:
-                self._num_locked += step * node.num_pages
                 self._num_evictable -= step * node.num_pages
             node = node.parent
 
@@ -298,8 +296,8 @@ class RadixCache(BasePrefixCache):
 
         if self.root.tokens or self.root.pages or self.root.lock_count or self.root.depth:
             fail("the root holds no tokens, no pages and no locks")
-        seen: set[int] = set()
-        evictable = locked = 0
+        pages: list[int] = []
+        evictable = 0
         for node in self._nodes():
             parent = node.parent
             if parent is None or parent.children.get(node.tokens[: self.page_size]) is not node:
@@ -310,25 +308,20 @@ class RadixCache(BasePrefixCache):
             if node.depth != parent.depth + len(node.tokens):
                 fail(f"node at depth {node.depth} sits under a node at depth {parent.depth} "
                      f"with {len(node.tokens)} tokens on its edge")
-            if seen.intersection(node.pages) or len(set(node.pages)) != node.num_pages:
-                fail(f"a page appears twice in the tree: {node.pages}")
-            seen.update(node.pages)
-            # Locks cover whole paths: a node is locked at least as often as all its children.
+            # Locks cover whole paths: a node is locked at least as often as all its children
+            # (and so, from the leaves up, never a negative number of times).
             if node.lock_count < sum(c.lock_count for c in node.children.values()):
                 fail(f"node at depth {node.depth} has fewer locks than its children")
             if parent is not self.root and parent.last_used < node.last_used:
                 fail(f"node at depth {node.depth} was used after its parent")
-            if node.lock_count < 0:
-                fail(f"node at depth {node.depth} has {node.lock_count} locks")
-            if node.lock_count:
-                locked += node.num_pages
-            else:
-                evictable += node.num_pages
-        if seen != self._pages:
-            fail(f"the tree holds {len(seen)} pages but the cache counts {len(self._pages)}")
-        if (evictable, locked) != (self._num_evictable, self._num_locked):
-            fail(f"recounted {evictable} evictable / {locked} locked pages, the counters say "
-                 f"{self._num_evictable} / {self._num_locked}")
+            pages.extend(node.pages)
+            evictable += 0 if node.lock_count else node.num_pages
+        if len(set(pages)) != len(pages):
+            fail(f"a page appears twice in the tree: {sorted(pages)}")
+        if set(pages) != self._pages:
+            fail(f"the tree holds {len(pages)} pages but the cache counts {len(self._pages)}")
+        if evictable != self._num_evictable:
+            fail(f"recounted {evictable} evictable pages, the counter says {self._num_evictable}")
 
     def pretty(self, max_tokens: int = 12) -> str:
         """A drawing of the tree: each edge's token ids (``|`` between pages), pages, lock
