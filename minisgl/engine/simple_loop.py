@@ -39,8 +39,6 @@ class ContiguousKVCache(AttentionBackend):
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        if max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
         shape = (num_layers, max_len, num_kv_heads, head_dim)
         # Allocated once, up front, at the longest length this sequence may reach: no
         # reallocation or copying while generating, at the price of memory reserved unused.
@@ -160,9 +158,7 @@ def generate(model: BaseLLMModel, prompt_ids: Sequence[int] | torch.Tensor,
     Returns:
         The generated token ids and why generation stopped.
     """
-    if torch.is_tensor(prompt_ids):
-        prompt_ids = prompt_ids.tolist()
-    prompt = [int(t) for t in prompt_ids]
+    prompt = [int(t) for t in prompt_ids]  # a tensor's too
     if not prompt:
         raise ValueError("prompt_ids is empty; generation needs at least one token")
     longest = len(prompt) + params.max_tokens
