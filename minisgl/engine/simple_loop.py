@@ -18,10 +18,8 @@ from typing import Literal
 import torch
 
 from minisgl.core import SamplingParams
-from minisgl.distributed import get_tp_info
 from minisgl.engine.sample import make_generator, sample_batch
 from minisgl.layers.attention import AttentionBackend, use_attention_backend
-from minisgl.layers.base import local_kv_heads
 from minisgl.models.base import BaseLLMModel
 
 FinishReason = Literal["stop", "length"]
@@ -76,12 +74,10 @@ class ContiguousKVCache(AttentionBackend):
 
     @classmethod
     def for_model(cls, model: BaseLLMModel, max_len: int) -> ContiguousKVCache:
-        """A cache shaped for ``model``, on its device and in its dtype."""
-        config = model.config
-        weight = next(model.parameters())
-        # This process's share of the KV heads (all of them without tensor parallelism).
-        num_kv_heads = local_kv_heads(config.num_kv_heads, get_tp_info().size)
-        return cls(config.num_layers, num_kv_heads, config.head_dim, max_len,
+        """A cache shaped for ``model`` (all of its KV heads: one process), on its device and
+        in its dtype."""
+        config, weight = model.config, next(model.parameters())
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, max_len,
                    dtype=weight.dtype, device=weight.device)
 
 
