@@ -10,6 +10,8 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from minisgl.utils.checks import check_int
+
 
 @dataclass(frozen=True)
 class CacheHandle:
@@ -50,7 +52,14 @@ class BasePrefixCache(ABC):
     while it runs (a locked prefix is never evicted), ``insert`` when it finishes (the cache
     takes the pages it keeps; the caller frees the duplicates, ``num_already_cached``, and every
     page past ``handle.num_tokens``), and ``evict`` when the allocator runs short.
+
+    Args:
+        page_size: token slots per KV page: the unit of matching, keeping and eviction.
     """
+
+    def __init__(self, page_size: int = 1) -> None:
+        check_int("page_size", page_size, at_least=1)
+        self.page_size = page_size
 
     @abstractmethod
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
@@ -85,3 +94,9 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def num_locked_pages(self) -> int:
         """Pages the cache holds that some running request has locked."""
+
+    def _check_whole_pages(self, num_tokens: int, num_pages: int) -> None:
+        """What :meth:`insert` is offered must be whole pages: ``num_pages`` full ones."""
+        if num_tokens != num_pages * self.page_size:
+            raise ValueError(f"insert: {num_pages} page(s) of {self.page_size} tokens cannot "
+                             f"hold {num_tokens} tokens (offer whole pages only)")

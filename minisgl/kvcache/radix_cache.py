@@ -72,8 +72,7 @@ class RadixCache(BasePrefixCache):
     """
 
     def __init__(self, page_size: int = 1) -> None:
-        check_int("page_size", page_size, at_least=1)
-        self.page_size = page_size
+        super().__init__(page_size)
         self.root = RadixNode(tokens=(), pages=[])
         # A logical clock rather than wall time: the order of events is all LRU needs, and a
         # counter makes eviction (and every test of it) deterministic.
@@ -175,9 +174,7 @@ class RadixCache(BasePrefixCache):
                 or a page to be kept is one the cache holds already (somewhere else).
         """
         tokens, new_pages = tuple(_as_ints(token_ids)), _as_ints(pages)
-        if len(tokens) != len(new_pages) * self.page_size:
-            raise ValueError(f"insert: {len(new_pages)} page(s) of {self.page_size} tokens cannot "
-                             f"hold {len(tokens)} tokens (offer whole pages only)")
+        self._check_whole_pages(len(tokens), len(new_pages))
         if len(set(new_pages)) != len(new_pages):
             raise ValueError(f"insert: a page id appears twice in {new_pages[:16]}")
         node, _ = self._walk(tokens)
