@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 from dataclasses import dataclass
 
 import torch
@@ -82,23 +83,19 @@ class EngineConfig:
         _check_choice("device", str(self.device), DEVICE_CHOICES, allow_cuda_index=True)
         resolve_dtype(self.dtype)  # raises a ValueError naming the bad dtype and the choices
         _check_choice("attention_backend", self.attention_backend, ATTENTION_BACKENDS)
-        check_int("page_size", self.page_size, at_least=1)
         if not (is_number(self.memory_fraction) and math.isfinite(self.memory_fraction)
                 and 0 < self.memory_fraction < 1):
             raise ValueError(f"memory_fraction must be a number in (0, 1), the share of free "
                              f"GPU memory the KV cache takes; got {self.memory_fraction!r}")
         if self.cpu_kv_memory is None:  # the environment is read once, here, at the edge
             object.__setattr__(self, "cpu_kv_memory", read_env().cpu_kv_memory)
-        check_int("cpu_kv_memory", self.cpu_kv_memory, at_least=1)
-        if self.num_pages is not None:
-            check_int("num_pages", self.num_pages, at_least=1)
-        check_int("max_running_reqs", self.max_running_reqs, at_least=1)
-        if self.max_seq_len is not None:
-            check_int("max_seq_len", self.max_seq_len, at_least=1)
+        for name in ("page_size", "cpu_kv_memory", "max_running_reqs"):
+            check_int(name, getattr(self, name), at_least=1)
+        for name in ("num_pages", "max_seq_len", "cuda_graph_max_bs"):  # None: worked out later
+            if getattr(self, name) is not None:
+                check_int(name, getattr(self, name), at_least=1)
         if not isinstance(self.cuda_graph, bool):
             raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
-        if self.cuda_graph_max_bs is not None:
-            check_int("cuda_graph_max_bs", self.cuda_graph_max_bs, at_least=1)
         if self.cuda_graph_batch_sizes is not None:
             sizes = tuple(self.cuda_graph_batch_sizes)
             if not sizes:
@@ -122,10 +119,7 @@ class EngineConfig:
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...],
                   allow_cuda_index: bool = False) -> None:
-    text = value.strip().lower() if isinstance(value, str) else None
-    if text in choices:
-        return
-    if allow_cuda_index and text is not None and text.startswith("cuda:") and text[5:].isdigit():
-        return
-    extra = " (or cuda:N)" if allow_cuda_index else ""
-    raise ValueError(f"{name} must be one of {', '.join(choices)}{extra}; got {value!r}")
+    text = value.strip().lower() if isinstance(value, str) else ""
+    if text not in choices and not (allow_cuda_index and re.fullmatch(r"cuda:\d+", text)):
+        extra = " (or cuda:N)" if allow_cuda_index else ""
+        raise ValueError(f"{name} must be one of {', '.join(choices)}{extra}; got {value!r}")

@@ -18,10 +18,8 @@ from typing import Literal
 import torch
 
 from minisgl.core import SamplingParams
-from minisgl.distributed import get_tp_info
 from minisgl.engine.sample import make_generator, sample_batch
 from minisgl.layers.attention import AttentionBackend, use_attention_backend
-from minisgl.layers.base import local_kv_heads
 from minisgl.models.base import BaseLLMModel
 
 FinishReason = Literal["stop", "length"]
@@ -39,8 +37,6 @@ class ContiguousKVCache(AttentionBackend):
 
     def __init__(self, num_layers: int, num_kv_heads: int, head_dim: int, max_len: int,
                  dtype: torch.dtype, device: torch.device | str) -> None:
-        if max_len < 1:
-            raise ValueError(f"max_len must be >= 1, got {max_len}")
         shape = (num_layers, max_len, num_kv_heads, head_dim)
         # Allocated once, up front, at the longest length this sequence may reach: no
         # reallocation or copying while generating, at the price of memory reserved unused.
@@ -78,12 +74,10 @@ class ContiguousKVCache(AttentionBackend):
 
     @classmethod
     def for_model(cls, model: BaseLLMModel, max_len: int) -> ContiguousKVCache:
-        """A cache shaped for ``model``, on its device and in its dtype."""
-        config = model.config
-        weight = next(model.parameters())
-        # This process's share of the KV heads (all of them without tensor parallelism).
-        num_kv_heads = local_kv_heads(config.num_kv_heads, get_tp_info().size)
-        return cls(config.num_layers, num_kv_heads, config.head_dim, max_len,
+        """A cache shaped for ``model`` (all of its KV heads: one process), on its device and
+        in its dtype."""
+        config, weight = model.config, next(model.parameters())
+        return cls(config.num_layers, config.num_kv_heads, config.head_dim, max_len,
                    dtype=weight.dtype, device=weight.device)
 
 
@@ -160,9 +154,7 @@ def generate(model: BaseLLMModel, prompt_ids: Sequence[int] | torch.Tensor,
     Returns:
         The generated token ids and why generation stopped.
     """
-    if torch.is_tensor(prompt_ids):
-        prompt_ids = prompt_ids.tolist()
-    prompt = [int(t) for t in prompt_ids]
+    prompt = [int(t) for t in prompt_ids]  # a tensor's too
     if not prompt:
         raise ValueError("prompt_ids is empty; generation needs at least one token")
     longest = len(prompt) + params.max_tokens

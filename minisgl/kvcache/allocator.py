@@ -33,15 +33,10 @@ class PageAllocator:
 
     def __init__(self, num_pages: int) -> None:
         check_int("num_pages", num_pages, at_least=1)
-        self._num_pages = num_pages
+        self.num_pages = num_pages  # pages under management, free or not
         # Reversed, so a fresh pool hands out 0, 1, 2, ...: printed page tables read easily.
         self._free_stack: list[int] = list(range(num_pages - 1, -1, -1))
         self._is_free = bytearray([1]) * num_pages
-
-    @property
-    def num_pages(self) -> int:
-        """Pages under management, free or not."""
-        return self._num_pages
 
     @property
     def num_free(self) -> int:
@@ -51,7 +46,7 @@ class PageAllocator:
     @property
     def num_used(self) -> int:
         """Pages handed out and not yet freed."""
-        return self._num_pages - len(self._free_stack)
+        return self.num_pages - len(self._free_stack)
 
     def is_free(self, page: int) -> bool:
         """Whether ``page`` (a valid id) is currently free."""
@@ -66,12 +61,11 @@ class PageAllocator:
         """
         if not (type(n) is int and n >= 0):  # the hot path: no helper call per step
             raise ValueError(f"alloc: the number of pages must be an integer >= 0, got {n!r}")
-        if n > len(self._free_stack):
+        rest = len(self._free_stack) - n  # the free pages left below the n taken
+        if rest < 0:
             raise OutOfPagesError(requested=n, free=len(self._free_stack))
-        if n == 0:
-            return []
-        pages = self._free_stack[-n:]
-        del self._free_stack[-n:]
+        pages = self._free_stack[rest:]
+        del self._free_stack[rest:]
         pages.reverse()  # top of the stack first: the most recently freed page is reused first
         for page in pages:
             self._is_free[page] = 0
@@ -85,9 +79,9 @@ class PageAllocator:
                 double free), or the same id twice in ``pages``.
         """
         ids = pages.tolist() if isinstance(pages, torch.Tensor) else list(pages)
-        unknown = [p for p in ids if not (is_int(p) and 0 <= p < self._num_pages)]
+        unknown = [p for p in ids if not (is_int(p) and 0 <= p < self.num_pages)]
         if unknown:
-            raise ValueError(f"free: page id(s) {unknown[:8]} are not in 0..{self._num_pages - 1}")
+            raise ValueError(f"free: page id(s) {unknown[:8]} are not in 0..{self.num_pages - 1}")
         already_free = [p for p in ids if self._is_free[p]]
         if already_free:
             raise ValueError(f"free: page(s) {already_free[:8]} are already free (double free)")
@@ -99,5 +93,5 @@ class PageAllocator:
             self._free_stack.append(page)
 
     def __repr__(self) -> str:
-        return f"PageAllocator(num_pages={self._num_pages}, num_free={self.num_free})"
+        return f"PageAllocator(num_pages={self.num_pages}, num_free={self.num_free})"
 

@@ -1,10 +1,7 @@
-"""The two interfaces of the KV cache: where the vectors live, and who may reuse them.
+"""The interface of the prefix cache: who may reuse a finished request's KV pages.
 
-``BaseKVPool`` stores every layer's keys and values, one row per *token slot*; page ``p`` owns
-slots ``p * page_size .. p * page_size + page_size - 1``. The pool does not know which request a
-slot belongs to: the allocator and the page table do. ``BasePrefixCache`` is the policy that
-keeps finished requests' pages for reuse; the scheduler talks only to this interface, so a new
-policy is a new class. Chapter 5 tells the story.
+``BasePrefixCache`` is the policy that keeps finished requests' pages for reuse; the scheduler
+talks only to this interface, so a new policy is a new class. Chapter 5 tells the story.
 """
 
 from __future__ import annotations
@@ -13,60 +10,7 @@ from abc import ABC, abstractmethod
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import torch
-
-
-class BaseKVPool(ABC):
-    """Storage for the keys and values of every layer, addressed by token slot.
-
-    A slot is one token's K (or V) vectors for all KV heads of one layer: ``[num_kv_heads,
-    head_dim]`` numbers. ``kv_cache(layer)`` holds the two ``[num_slots, num_kv_heads, head_dim]``
-    tensors of that layer, and slot ``s`` is their row ``s``. Implementations differ in layout, not in
-    addressing.
-    """
-
-    # What every pool tells its readers, set by the implementation's constructor.
-    num_layers: int
-    num_kv_heads: int
-    head_dim: int
-    num_pages: int
-    page_size: int
-    device: torch.device
-    dtype: torch.dtype
-
-    @abstractmethod
-    def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer_id``'s keys and values: two ``[num_slots, num_kv_heads, head_dim]``
-        views (no copy)."""
-
-    @abstractmethod
-    def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor,
-                 layer_id: int) -> None:
-        """Write ``k[i]`` and ``v[i]`` (``[num_kv_heads, head_dim]``) to slot ``out_loc[i]``."""
-
-    @property
-    def num_slots(self) -> int:
-        """Token slots in the pool: every page's ``page_size`` slots."""
-        return self.num_pages * self.page_size
-
-    def gather_kv(self, slots: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read back the keys and values at ``slots``: two ``[len(slots), num_kv_heads, head_dim]``.
-
-        A copy, in the order of ``slots``: how the torch attention backend reads a request's
-        scattered pages as one sequence. Fused kernels read the pages in place (:meth:`kv_pages`).
-        """
-        k, v = self.kv_cache(layer_id)
-        return k[slots], v[slots]
-
-    def kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Layer ``layer_id``'s K and V seen page by page: ``[num_pages, page_size, heads, dim]``.
-
-        The same memory as :meth:`kv_cache`, reshaped (no copy): the form
-        paged attention kernels such as FlashInfer's take.
-        """
-        k, v = self.kv_cache(layer_id)
-        shape = (self.num_pages, self.page_size, *k.shape[1:])
-        return k.view(shape), v.view(shape)
+from minisgl.utils.checks import check_int
 
 
 @dataclass(frozen=True)
@@ -108,7 +52,14 @@ class BasePrefixCache(ABC):
     while it runs (a locked prefix is never evicted), ``insert`` when it finishes (the cache
     takes the pages it keeps; the caller frees the duplicates, ``num_already_cached``, and every
     page past ``handle.num_tokens``), and ``evict`` when the allocator runs short.
+
+    Args:
+        page_size: token slots per KV page: the unit of matching, keeping and eviction.
     """
+
+    def __init__(self, page_size: int = 1) -> None:
+        check_int("page_size", page_size, at_least=1)
+        self.page_size = page_size
 
     @abstractmethod
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
@@ -143,3 +94,9 @@ class BasePrefixCache(ABC):
     @abstractmethod
     def num_locked_pages(self) -> int:
         """Pages the cache holds that some running request has locked."""
+
+    def _check_whole_pages(self, num_tokens: int, num_pages: int) -> None:
+        """What :meth:`insert` is offered must be whole pages: ``num_pages`` full ones."""
+        if num_tokens != num_pages * self.page_size:
+            raise ValueError(f"insert: {num_pages} page(s) of {self.page_size} tokens cannot "
+                             f"hold {num_tokens} tokens (offer whole pages only)")

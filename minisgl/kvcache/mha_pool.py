@@ -1,8 +1,10 @@
 """The KV pool for multi-head (and grouped-query) attention: one K and one V tensor per layer.
 
-The whole cache is one block allocated when the engine starts; requests borrow its pages
-through the allocator and never allocate KV memory of their own, so the engine's memory use
-stays flat. Chapter 5 tells the story.
+The pool stores every layer's keys and values, one row per *token slot*; page ``p`` owns slots
+``p * page_size .. p * page_size + page_size - 1``. It does not know which request a slot
+belongs to: the allocator and the page table do. The whole cache is one block allocated when
+the engine starts; requests borrow its pages through the allocator and never allocate KV memory
+of their own, so the engine's memory use stays flat. Chapter 5 tells the story.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from minisgl.kvcache.base import BaseKVPool
 from minisgl.utils.checks import check_int
 from minisgl.utils.logger import get_logger
 
@@ -21,8 +22,12 @@ if TYPE_CHECKING:
 logger = get_logger(__name__)
 
 
-class MHAKVPool(BaseKVPool):
-    """Keys and values of every layer, ``page_size`` token slots per page.
+class MHAKVPool:
+    """Keys and values of every layer, addressed by token slot, ``page_size`` slots per page.
+
+    A slot is one token's K (or V) vectors for all KV heads of one layer: ``[num_kv_heads,
+    head_dim]`` numbers. ``kv_cache(layer)`` holds the two ``[num_slots, num_kv_heads, head_dim]``
+    tensors of that layer, and slot ``s`` is their row ``s``.
 
     Args:
         num_layers: transformer layers; each gets its own K and V tensor.
@@ -49,8 +54,15 @@ class MHAKVPool(BaseKVPool):
                                dtype=dtype, device=device)
         self.device = self._kv.device
 
+    @property
+    def num_slots(self) -> int:
+        """Token slots in the pool: every page's ``page_size`` slots."""
+        return self.num_pages * self.page_size
+
     def kv_cache(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self._kv[0, layer_id], self._kv[1, layer_id]  # [num_slots, heads, dim] views
+        """Layer ``layer_id``'s keys and values: two ``[num_slots, num_kv_heads, head_dim]``
+        views (no copy)."""
+        return self._kv[0, layer_id], self._kv[1, layer_id]
 
     def store_kv(self, k: torch.Tensor, v: torch.Tensor, out_loc: torch.Tensor,
                  layer_id: int) -> None:
@@ -66,6 +78,25 @@ class MHAKVPool(BaseKVPool):
         k_cache, v_cache = self.kv_cache(layer_id)
         k_cache[out_loc] = k.to(self.dtype)
         v_cache[out_loc] = v.to(self.dtype)
+
+    def gather_kv(self, slots: torch.Tensor, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read back the keys and values at ``slots``: two ``[len(slots), num_kv_heads, head_dim]``.
+
+        A copy, in the order of ``slots``: how the torch attention backend reads a request's
+        scattered pages as one sequence. Fused kernels read the pages in place (:meth:`kv_pages`).
+        """
+        k, v = self.kv_cache(layer_id)
+        return k[slots], v[slots]
+
+    def kv_pages(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer ``layer_id``'s K and V seen page by page: ``[num_pages, page_size, heads, dim]``.
+
+        The same memory as :meth:`kv_cache`, reshaped (no copy): the form
+        paged attention kernels such as FlashInfer's take.
+        """
+        k, v = self.kv_cache(layer_id)
+        shape = (self.num_pages, self.page_size, *k.shape[1:])
+        return k.view(shape), v.view(shape)
 
     @property
     def bytes_per_token(self) -> int:

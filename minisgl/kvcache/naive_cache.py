@@ -10,22 +10,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 from minisgl.kvcache.base import BasePrefixCache, CacheHandle, InsertResult, PrefixMatch
-from minisgl.utils.checks import check_int
 
 # The only prefix this cache ever holds: the empty one.
 EMPTY_HANDLE = CacheHandle(num_tokens=0)
 
 
 class NaivePrefixCache(BasePrefixCache):
-    """A prefix cache that matches nothing and keeps nothing.
-
-    Args:
-        page_size: token slots per KV page (only used to check what callers offer).
-    """
-
-    def __init__(self, page_size: int = 1) -> None:
-        check_int("page_size", page_size, at_least=1)
-        self.page_size = page_size
+    """A prefix cache that matches nothing and keeps nothing."""
 
     def match_prefix(self, token_ids: Sequence[int]) -> PrefixMatch:
         """Always the empty prefix: the request computes every token of its prompt."""
@@ -39,9 +30,7 @@ class NaivePrefixCache(BasePrefixCache):
 
     def insert(self, token_ids: Sequence[int], pages: Sequence[int]) -> InsertResult:
         """Keep none of the pages: the caller frees all of them."""
-        if len(token_ids) != len(pages) * self.page_size:
-            raise ValueError(f"insert: {len(pages)} page(s) of {self.page_size} tokens cannot hold "
-                             f"{len(token_ids)} tokens (offer whole pages only)")
+        self._check_whole_pages(len(token_ids), len(pages))
         return InsertResult(num_already_cached=0, handle=EMPTY_HANDLE)
 
     def evict(self, num_pages: int) -> list[int]:

@@ -9,10 +9,8 @@ Chapter 11 tells the story.
 
 from __future__ import annotations
 
-import heapq
-import itertools
 import operator
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -51,10 +49,6 @@ class RadixNode:
     last_used: int = 0
 
     @property
-    def is_leaf(self) -> bool:
-        return not self.children
-
-    @property
     def num_pages(self) -> int:
         return len(self.pages)
 
@@ -78,17 +72,15 @@ class RadixCache(BasePrefixCache):
     """
 
     def __init__(self, page_size: int = 1) -> None:
-        check_int("page_size", page_size, at_least=1)
-        self.page_size = page_size
+        super().__init__(page_size)
         self.root = RadixNode(tokens=(), pages=[])
         # A logical clock rather than wall time: the order of events is all LRU needs, and a
         # counter makes eviction (and every test of it) deterministic.
         self._clock = 0
-        # Every page the tree holds. The sizes below are kept in step with the tree by each
-        # operation, so the scheduler reads them in O(1); check_invariants recounts them.
+        # Every page the tree holds, and how many are unlocked: kept in step with the tree by
+        # each operation, so the scheduler reads the sizes in O(1); check_invariants recounts.
         self._pages: set[int] = set()
         self._num_evictable = 0
-        self._num_locked = 0
 
     # ---------------------------------------------------------------------------------------
     # Sizes
@@ -105,8 +97,8 @@ class RadixCache(BasePrefixCache):
 
     @property
     def num_locked_pages(self) -> int:
-        """Pages the tree holds that some running request reads."""
-        return self._num_locked
+        """Pages the tree holds that some running request reads: every one not evictable."""
+        return len(self._pages) - self._num_evictable
 
     # ---------------------------------------------------------------------------------------
     # Matching
@@ -118,12 +110,12 @@ class RadixCache(BasePrefixCache):
         an edge, that edge is split there, so that the handle can name a node. The nodes on
         the matched path count as used now for LRU eviction.
         """
-        node = self._walk(tuple(_as_ints(token_ids)))
-        return PrefixMatch(handle=RadixHandle(num_tokens=node.depth, node=node),
-                           pages=self._path_pages(node))
+        node, pages = self._walk(tuple(_as_ints(token_ids)))
+        return PrefixMatch(handle=RadixHandle(num_tokens=node.depth, node=node), pages=pages)
 
-    def _walk(self, tokens: Tokens) -> RadixNode:
-        """Follow ``tokens`` down the tree as far as whole pages agree; return the last node.
+    def _walk(self, tokens: Tokens) -> tuple[RadixNode, list[int]]:
+        """Follow ``tokens`` down the tree as far as whole pages agree: the last node, and the
+        pages on the way there, in token order.
 
         Every node on the way is stamped with a new tick of the clock. Tokens past the last
         whole page are not looked at: a request keeps writing into its last, partly filled
@@ -132,7 +124,7 @@ class RadixCache(BasePrefixCache):
         self._clock += 1
         page = self.page_size
         end = len(tokens) - len(tokens) % page
-        node, pos = self.root, 0
+        node, pos, pages = self.root, 0, []
         while pos < end:
             child = node.children.get(tokens[pos : pos + page])
             if child is None:
@@ -142,16 +134,9 @@ class RadixCache(BasePrefixCache):
             if num_pages < child.num_pages:
                 child = self._split(child, num_pages)  # the match ends inside this edge
             child.last_used = self._clock
+            pages.extend(child.pages)
             node, pos = child, pos + num_pages * page
-        return node
-
-    def _path_pages(self, node: RadixNode) -> list[int]:
-        """The pages on the path from the root to ``node``, in token order."""
-        runs: list[list[int]] = []
-        while node.parent is not None:
-            runs.append(node.pages)
-            node = node.parent
-        return [p for run in reversed(runs) for p in run]
+        return node, pages
 
     def _split(self, node: RadixNode, num_pages: int) -> RadixNode:
         """Cut ``node``'s edge after its first ``num_pages`` pages; return the new upper node.
@@ -189,12 +174,10 @@ class RadixCache(BasePrefixCache):
                 or a page to be kept is one the cache holds already (somewhere else).
         """
         tokens, new_pages = tuple(_as_ints(token_ids)), _as_ints(pages)
-        if len(tokens) != len(new_pages) * self.page_size:
-            raise ValueError(f"insert: {len(new_pages)} page(s) of {self.page_size} tokens cannot "
-                             f"hold {len(tokens)} tokens (offer whole pages only)")
+        self._check_whole_pages(len(tokens), len(new_pages))
         if len(set(new_pages)) != len(new_pages):
             raise ValueError(f"insert: a page id appears twice in {new_pages[:16]}")
-        node = self._walk(tokens)
+        node, _ = self._walk(tokens)
         num_cached = node.depth
         if num_cached < len(tokens):
             kept = new_pages[num_cached // self.page_size :]
@@ -220,13 +203,7 @@ class RadixCache(BasePrefixCache):
         The lock covers every node from the handle's up to the root: a request reads its whole
         prefix.
         """
-        node = self._node_of(handle, "lock")
-        while node.parent is not None:
-            if node.lock_count == 0:
-                self._num_evictable -= node.num_pages
-                self._num_locked += node.num_pages
-            node.lock_count += 1
-            node = node.parent
+        self._count_lock(self._node_of(handle, "lock"), +1)
 
     def unlock(self, handle: CacheHandle) -> None:
         """Undo one :meth:`lock` of ``handle``; the last unlock makes its pages evictable."""
@@ -234,11 +211,16 @@ class RadixCache(BasePrefixCache):
         if node.parent is not None and node.lock_count == 0:
             raise ValueError(f"unlock: the prefix of {handle.num_tokens} tokens is not locked "
                              "(one unlock per lock)")
+        self._count_lock(node, -1)
+
+    def _count_lock(self, node: RadixNode, step: int) -> None:
+        """Add ``step`` (+1 or -1) to every lock count from ``node`` up to the root; a node's
+        pages move between evictable and locked when its count leaves or comes back to 0."""
         while node.parent is not None:
-            node.lock_count -= 1
-            if node.lock_count == 0:
-                self._num_locked -= node.num_pages
-                self._num_evictable += node.num_pages
+            was_locked = node.lock_count > 0
+            node.lock_count += step
+            if (node.lock_count > 0) != was_locked:
+                self._num_evictable -= step * node.num_pages
             node = node.parent
 
     def _node_of(self, handle: CacheHandle, op: str) -> RadixNode:
@@ -246,8 +228,7 @@ class RadixCache(BasePrefixCache):
         if not isinstance(handle, RadixHandle):
             raise TypeError(f"{op}: expected a handle from RadixCache.match_prefix or insert, "
                              f"got {handle!r}")
-        node = handle.node
-        top = node
+        top = handle.node
         while top.parent is not None:
             top = top.parent
         if top is not self.root:
@@ -255,8 +236,8 @@ class RadixCache(BasePrefixCache):
             raise ValueError(f"{op}: the prefix of {handle.num_tokens} tokens is not in this "
                              "cache (evicted since it was matched, or another cache's handle); "
                              "lock a handle right after match_prefix, before anything evicts")
-        assert node.depth == handle.num_tokens, (node.depth, handle.num_tokens)
-        return node
+        assert handle.node.depth == handle.num_tokens, (handle.node.depth, handle.num_tokens)
+        return handle.node
 
     # ---------------------------------------------------------------------------------------
     # Evicting
@@ -270,27 +251,22 @@ class RadixCache(BasePrefixCache):
         again.
         """
         check_int("evict: num_pages", num_pages, at_least=0)
-        if num_pages == 0:
-            return []
-        # A heap of (last used, tie-breaker, node): the least recently used leaf on top.
-        # A parent is never used less recently than its children (a walk stamps the whole
-        # path), so a parent that becomes a leaf never jumps ahead of an older leaf.
-        serial = itertools.count()
-        candidates = [(node.last_used, next(serial), node) for node in self._nodes()
-                      if node.is_leaf and node.lock_count == 0]
-        heapq.heapify(candidates)
+        # Every unlocked node, least recently used first. A walk stamps its whole path, so a
+        # parent is never used less recently than its children; on a tie the deeper node comes
+        # first. So each node comes after all of its children (a lock on a child would lock
+        # it too): by its turn it is a leaf.
+        unlocked = [node for node in self._nodes() if node.lock_count == 0]
+        unlocked.sort(key=lambda node: (node.last_used, -node.depth))
         freed: list[int] = []
-        while len(freed) < num_pages and candidates:
-            _, _, leaf = heapq.heappop(candidates)
-            parent = leaf.parent
-            assert parent is not None and leaf.is_leaf and leaf.lock_count == 0
-            del parent.children[leaf.tokens[: self.page_size]]
+        for leaf in unlocked:
+            if len(freed) >= num_pages:
+                break
+            assert leaf.parent is not None and not leaf.children
+            del leaf.parent.children[leaf.tokens[: self.page_size]]
             leaf.parent = None  # cut loose: a stale handle to it is now detected
             freed.extend(leaf.pages)
             self._pages.difference_update(leaf.pages)
             self._num_evictable -= leaf.num_pages
-            if parent.parent is not None and parent.is_leaf and parent.lock_count == 0:
-                heapq.heappush(candidates, (parent.last_used, next(serial), parent))
         logger.debug("evicted %d page(s) (asked for %d); %d evictable left",
                      len(freed), num_pages, self._num_evictable)
         return freed
@@ -317,8 +293,8 @@ class RadixCache(BasePrefixCache):
 
         if self.root.tokens or self.root.pages or self.root.lock_count or self.root.depth:
             fail("the root holds no tokens, no pages and no locks")
-        seen: set[int] = set()
-        evictable = locked = 0
+        pages: list[int] = []
+        evictable = 0
         for node in self._nodes():
             parent = node.parent
             if parent is None or parent.children.get(node.tokens[: self.page_size]) is not node:
@@ -329,42 +305,32 @@ class RadixCache(BasePrefixCache):
             if node.depth != parent.depth + len(node.tokens):
                 fail(f"node at depth {node.depth} sits under a node at depth {parent.depth} "
                      f"with {len(node.tokens)} tokens on its edge")
-            if seen.intersection(node.pages) or len(set(node.pages)) != node.num_pages:
-                fail(f"a page appears twice in the tree: {node.pages}")
-            seen.update(node.pages)
-            # Locks cover whole paths: a node is locked at least as often as all its children.
+            # Locks cover whole paths: a node is locked at least as often as all its children
+            # (and so, from the leaves up, never a negative number of times).
             if node.lock_count < sum(c.lock_count for c in node.children.values()):
                 fail(f"node at depth {node.depth} has fewer locks than its children")
             if parent is not self.root and parent.last_used < node.last_used:
                 fail(f"node at depth {node.depth} was used after its parent")
-            if node.lock_count < 0:
-                fail(f"node at depth {node.depth} has {node.lock_count} locks")
-            if node.lock_count:
-                locked += node.num_pages
-            else:
-                evictable += node.num_pages
-        if seen != self._pages:
-            fail(f"the tree holds {len(seen)} pages but the cache counts {len(self._pages)}")
-        if (evictable, locked) != (self._num_evictable, self._num_locked):
-            fail(f"recounted {evictable} evictable / {locked} locked pages, the counters say "
-                 f"{self._num_evictable} / {self._num_locked}")
+            pages.extend(node.pages)
+            evictable += 0 if node.lock_count else node.num_pages
+        if len(set(pages)) != len(pages):
+            fail(f"a page appears twice in the tree: {sorted(pages)}")
+        if set(pages) != self._pages:
+            fail(f"the tree holds {len(pages)} pages but the cache counts {len(self._pages)}")
+        if evictable != self._num_evictable:
+            fail(f"recounted {evictable} evictable pages, the counter says {self._num_evictable}")
 
-    def pretty(self, decode: Callable[[Sequence[int]], str] | None = None,
-               max_tokens: int = 12) -> str:
-        """A drawing of the tree: each edge's tokens, pages, lock count and last use.
-
-        Args:
-            decode: turns a run of token ids into text (a tokenizer's ``decode``); without
-                it the ids are printed, with ``|`` between pages.
-            max_tokens: runs longer than this are cut, with the number of tokens left out.
+    def pretty(self, max_tokens: int = 12) -> str:
+        """A drawing of the tree: each edge's token ids (``|`` between pages), pages, lock
+        count and last use. Runs longer than ``max_tokens`` are cut, saying how many are left out.
         """
         lines = [f"root  ({self.num_cached_pages} pages cached: {self.num_locked_pages} "
                  f"locked, {self.num_evictable_pages} evictable)"]
 
         def run_text(tokens: Tokens) -> str:
             shown, page = tokens[:max_tokens], self.page_size
-            text = repr(decode(list(shown))) if decode is not None else "|".join(
-                " ".join(map(str, shown[i : i + page])) for i in range(0, len(shown), page))
+            text = "|".join(" ".join(map(str, shown[i : i + page]))
+                            for i in range(0, len(shown), page))
             more = len(tokens) - len(shown)
             return text + (f" …(+{more})" if more else "")
 

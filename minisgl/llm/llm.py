@@ -15,7 +15,6 @@ import itertools
 import os
 from collections.abc import Sequence
 from multiprocessing.process import BaseProcess
-from numbers import Integral
 from typing import Any
 
 from tqdm import tqdm
@@ -216,7 +215,7 @@ def _as_list(prompts: Sequence[Prompt]) -> list[Prompt]:
     if not isinstance(prompts, Sequence):
         raise TypeError(f"prompts must be a list of strings or of token-id lists, "
                         f"got {type(prompts).__name__}")
-    if prompts and all(isinstance(p, Integral) for p in prompts):
+    if prompts and all(is_int(p) for p in prompts):
         raise TypeError("prompts is a flat list of integers; for one prompt given as token ids "
                         "pass a list holding that list: [[1, 2, 3]]")
     return list(prompts)
