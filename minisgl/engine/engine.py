@@ -301,7 +301,7 @@ class Engine:
         one request's one new token, so every row is scored."""
         g = self.graph_inputs
         with use_attention_backend(self.attn_backend):
-            g.logits[:bs] = self.model.forward(g.input_ids[:bs], g.fields[:bs])
+            self.model.forward(g.input_ids[:bs], g.fields[:bs], out=g.logits[:bs])
 
     def input_ids(self, batch: Batch) -> torch.Tensor:
         """The ``[T]`` token ids ``batch`` feeds, on the device, gathered from the token pool."""

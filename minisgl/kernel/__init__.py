@@ -41,9 +41,9 @@ class Kernels:
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         return flashinfer_ops.silu_and_mul(x) if flashinfer_ops.can_silu_and_mul(x) else None
 
-    def matmul(self, x: torch.Tensor, weight: torch.Tensor,
-               out_dtype: torch.dtype | None) -> torch.Tensor | None:
-        return gemv.matmul(x, weight, out_dtype)
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None,
+               out: torch.Tensor | None = None) -> torch.Tensor | None:
+        return gemv.matmul(x, weight, out_dtype, out)
 
     can_qk_prologue = staticmethod(qk_prologue.can_qk_prologue)
     qk_prologue = staticmethod(qk_prologue.qk_prologue)

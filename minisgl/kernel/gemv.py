@@ -77,14 +77,15 @@ def can_mm_float32(x: torch.Tensor, out_dtype: torch.dtype | None) -> bool:
     return out_dtype == torch.float32 and ready("mm_float32", x, _trial_mm_float32)
 
 
-def matmul(x: torch.Tensor, weight: torch.Tensor,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor | None:
-    """``x @ weight.T`` in ``out_dtype`` by :func:`gemv` or float32 cuBLAS; None when neither
-    takes the call (the caller's ``F.linear`` then computes it)."""
+def matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor | None:
+    """``x @ weight.T`` in ``out_dtype`` by :func:`gemv` or float32 cuBLAS, into ``out`` when
+    given; None when neither takes the call (the caller's ``F.linear`` then computes it)."""
     if can_gemv(x, weight):
-        return gemv(x, weight, out_dtype)
+        y = gemv(x, weight, out_dtype)
+        return y if out is None else out.copy_(y)
     if out_dtype not in (None, x.dtype) and can_mm_float32(x, out_dtype):
-        return torch.mm(x, weight.t(), out_dtype=out_dtype)
+        return torch.mm(x, weight.t(), out_dtype=out_dtype, out=out)
     return None
 
 

@@ -102,14 +102,16 @@ class ParallelLMHead(_VocabParallelBase):
         # Tied: the embedding's Parameter object itself, not a copy.
         super().__init__(num_embeddings, embedding_dim, None if tie_to is None else tie_to.weight)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    def forward(self, hidden: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """``[T, vocab]`` float32 logits, written into ``out`` when given."""
+        if self.tp_size == 1:
+            return matmul(hidden, self.weight, out_dtype=torch.float32, out=out)
         # [T, padded_rows] float32: scores for our block only
         logits = matmul(hidden, self.weight, out_dtype=torch.float32)
-        if self.tp_size == 1:
-            return logits
         # Lay every rank's block side by side. Summing zero-padded blocks with all-reduce is an
         # all-gather written with the one collective the layers use.
         rows = self.shard.padded_rows
         gathered = logits.new_zeros(logits.shape[0], rows * self.tp_size)
         gathered[:, self.tp_rank * rows : (self.tp_rank + 1) * rows] = logits
-        return all_reduce(gathered)[:, : self.num_embeddings]
+        logits = all_reduce(gathered)[:, : self.num_embeddings]
+        return logits if out is None else out.copy_(logits)

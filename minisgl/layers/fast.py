@@ -61,9 +61,9 @@ class FastPaths(Protocol):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
         return None
 
-    def matmul(self, x: torch.Tensor, weight: torch.Tensor,
-               out_dtype: torch.dtype | None) -> torch.Tensor | None:
-        return None  # x @ weight.T in out_dtype
+    def matmul(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None,
+               out: torch.Tensor | None = None) -> torch.Tensor | None:
+        return None  # x @ weight.T in out_dtype (into out, when given)
 
     def can_qk_prologue(self, qkv: torch.Tensor, positions: torch.Tensor,
                         cos_sin_cache: torch.Tensor, head_dim: int,

@@ -28,16 +28,19 @@ from .base import (BaseLayer, ShardId, copy_checked, divide, first_local_kv_head
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """``x @ weight.T (+ bias)``, in ``out_dtype`` when given (float32 for the LM head's logits).
 
     A kernel behind :mod:`~minisgl.layers.fast` may take the product; ``F.linear`` otherwise.
+    ``out`` (no bias) receives the product: a CUDA graph's fixed logits, written in place.
     """
-    y = fast.paths.matmul(x, weight, out_dtype)
+    assert out is None or bias is None, "out= is for a product without bias"
+    y = fast.paths.matmul(x, weight, out_dtype, out)
     if y is not None:
         return y if bias is None else y + bias
     y = F.linear(x, weight, bias)
-    return y if out_dtype is None else y.to(out_dtype)
+    y = y if out_dtype is None else y.to(out_dtype)
+    return y if out is None else out.copy_(y)
 
 
 class _LinearBase(BaseLayer):

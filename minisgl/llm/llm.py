@@ -166,7 +166,7 @@ class LLM:
                     result = self.scheduler.step()
                     # An overlapped step may launch nothing and only read the last batch's
                     # tokens: idle, yet some requests finished.
-                    assert not result.idle or result.finished, \
+                    assert result.phase is not None or result.finished, \
                         "requests pending, yet the scheduler had no work"
                     for req in result.finished:
                         pending.discard(req.uid)

@@ -32,12 +32,14 @@ class BaseLLMModel(nn.Module, ABC):
         input_ids: torch.Tensor,
         positions: torch.Tensor,
         logits_indices: torch.Tensor | None = None,
+        out: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Logits, float32, of shape [T, vocab] or [len(logits_indices), vocab].
 
         ``logits_indices`` picks the token rows to score *before* the LM head: during
         generation only the last token of each request needs logits, and the LM head (a
         ``hidden x vocab`` matrix product) is the most expensive layer per scored token.
+        ``out``, when given, receives the logits (a CUDA graph's fixed memory: no copy).
         """
 
     # Checkpoint tensors that our layers fuse: the checkpoint's module name -> (our module

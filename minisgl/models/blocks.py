@@ -142,11 +142,12 @@ class DecoderOnlyLM(BaseLLMModel):
         return GatedMLP(config.hidden_size, config.intermediate_size)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                logits_indices: torch.Tensor | None = None) -> torch.Tensor:
+                logits_indices: torch.Tensor | None = None,
+                out: torch.Tensor | None = None) -> torch.Tensor:
         hidden = self.model(input_ids, positions)
         if logits_indices is not None:
             hidden = hidden[logits_indices]
-        return self.lm_head(hidden).float()
+        return self.lm_head(hidden, out=out)
 
 
 def refuse_true(config: ModelConfig, key: str, family: str) -> None:
