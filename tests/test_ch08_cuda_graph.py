@@ -168,6 +168,18 @@ def test_on_cpu_graphs_are_off_and_the_engine_still_decodes(cpu_engine: Engine) 
         cpu_engine.pages.release(req)
 
 
+def test_the_model_writes_its_logits_into_out_as_a_replay_needs(cpu_engine: Engine) -> None:
+    """``out=``: the LM head's product lands in the given memory (a graph's fixed logits), the
+    same logits the model returns without it, and that memory is what comes back."""
+    model, vocab = cpu_engine.model, cpu_engine.model_config.vocab_size
+    ids, positions = torch.tensor([5, 7, 11]), torch.tensor([0, 1, 2])
+    fixed = torch.full((4, vocab), float("nan"))
+    written = model.forward(ids, positions, out=fixed[:3])
+    assert written.data_ptr() == fixed.data_ptr()
+    torch.testing.assert_close(fixed[:3], model.forward(ids, positions), rtol=0, atol=0)
+    assert fixed[3].isnan().all(), "nothing past the rows asked for"
+
+
 def test_the_flag_turns_graphs_off_and_says_so(tiny_model_dir: Path,
                                                caplog: pytest.LogCaptureFixture) -> None:
     logger = logging.getLogger("minisgl")
