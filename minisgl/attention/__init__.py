@@ -19,14 +19,8 @@ import importlib.util
 
 import torch
 
-from minisgl.attention.base import (
-    AttnMetadata,
-    BaseAttnBackend,
-    BatchLayout,
-    layout_of,
-    pad_batch,
-    total_lens,
-)
+from minisgl.attention.base import (AttnMetadata, BaseAttnBackend, BatchLayout, layout_of,
+                                    pad_batch, total_lens)
 from minisgl.attention.torch_native import TorchNativeBackend
 from minisgl.kvcache.mha_pool import MHAKVPool
 from minisgl.kvcache.page_table import PageTable
@@ -89,14 +83,7 @@ def create_attention_backend(name: str, kv_pool: MHAKVPool, page_table: PageTabl
 
 
 __all__ = [
-    "ATTENTION_BACKENDS",
-    "AttnMetadata",
-    "BaseAttnBackend",
-    "BatchLayout",
-    "TorchNativeBackend",
-    "create_attention_backend",
-    "layout_of",
-    "pad_batch",
-    "resolve_attention_backend",
+    "ATTENTION_BACKENDS", "AttnMetadata", "BaseAttnBackend", "BatchLayout", "TorchNativeBackend",
+    "create_attention_backend", "layout_of", "pad_batch", "resolve_attention_backend",
     "total_lens",
 ]

@@ -205,10 +205,7 @@ class BaseAttnBackend(ABC):
 
     def _current(self, num_tokens: int) -> AttnMetadata:
         """The prepared batch's metadata, once ``num_tokens`` (the model's) is known to match."""
-        meta = self._metadata
-        if meta is None:
-            raise RuntimeError(f"the {self.name} attention backend has no batch: call "
-                               "prepare(layout) before running the model")
+        meta = self.metadata
         if num_tokens != meta.out_loc.shape[0]:
             raise ValueError(f"the model passed {num_tokens} tokens but the prepared batch has "
                              f"{meta.out_loc.shape[0]}; call prepare() for each batch")

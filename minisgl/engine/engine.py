@@ -24,12 +24,8 @@ from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
 from minisgl.distributed.group import broadcast_from_rank0, device_for_rank, min_over_ranks
 from minisgl.engine.config import EngineConfig
-from minisgl.engine.graph import (
-    GraphInputs,
-    GraphRunner,
-    capture_batch_sizes,
-    cuda_graph_disabled_reason,
-)
+from minisgl.engine.graph import (GraphInputs, GraphRunner, capture_batch_sizes,
+                                  cuda_graph_disabled_reason)
 from minisgl.engine.sample import make_generator, sample_batch
 from minisgl.engine.token_pool import TokenPool
 from minisgl.kvcache import MHAKVPool, RequestPages
