@@ -45,7 +45,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     if os.environ.get("MINISGL_REQUIRE_GPU") == "1" or _has_cuda():
         return
     for item in items:
-        if "gpu" in item.keywords:
+        if item.get_closest_marker("gpu") is not None:  # a marker, not a folder named gpu
             item.add_marker(pytest.mark.skip(reason=GPU_SKIP_REASON))
 
 
