@@ -200,10 +200,8 @@ async def whole_answers(request: Request, frontend: RequestRouter, uids: Sequenc
     :meth:`RequestRouter.replies` aborts the requests. The first request that failed answers
     for all, with its error's status and an OpenAI error body.
     """
-    async def collect_all() -> list[tuple[str, UserReply]]:
-        return await asyncio.gather(*(frontend.collect(uid) for uid in uids))
-
-    answers = await wait_or_disconnect(collect_all(), request)
+    answers = await wait_or_disconnect(
+        asyncio.gather(*(frontend.collect(uid) for uid in uids)), request)
     for _, last in answers:
         if last.error is not None:
             raise APIError.of(last.error, prompt_param)
@@ -223,11 +221,9 @@ async def first_replies_then_rest(request: Request, frontend: RequestRouter,
     """
     streams = [frontend.replies(uid) for uid in uids]
 
-    async def first_replies() -> list[UserReply]:
-        return await asyncio.gather(*(replies.__anext__() for replies in streams))
-
     try:
-        firsts = await wait_or_disconnect(first_replies(), request)
+        firsts = await wait_or_disconnect(
+            asyncio.gather(*(replies.__anext__() for replies in streams)), request)
         failed = next((first.error for first in firsts if first.error is not None), None)
         if failed is not None:
             raise APIError.of(failed, prompt_param)
@@ -310,10 +306,8 @@ def _model_card(request: Request) -> dict[str, Any]:
 async def health(request: Request):
     """200 while every worker process runs; 503 and the reason otherwise (also
     while the API server cannot serve: its reply listener stopped, or it is shutting down)."""
-    problem = request.app.state.health()
     unavailable = _frontend(request).unavailable
-    if problem is None and unavailable is not None:
-        problem = unavailable.message
+    problem = request.app.state.health() or (unavailable.message if unavailable else None)
     if problem is not None:
         return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
     return {"status": "ok"}

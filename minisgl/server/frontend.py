@@ -144,15 +144,6 @@ class RequestRouter:
         """Every waiting request's buffer, by uid (a read-only view)."""
         return MappingProxyType(self._pending)
 
-    @property
-    def listener_error(self) -> BaseException | None:
-        """What stopped the listener, if it stopped. Without it no reply reaches anyone: the
-        watchdog then ends every request, and logs why."""
-        task = self._listener
-        if task is None or not task.done() or task.cancelled():
-            return None
-        return task.exception()
-
     def start(self) -> None:
         """Start the listener and the watchdog (once); call from inside the event loop."""
         if self._listener is None:
@@ -327,10 +318,10 @@ class RequestRouter:
         """What the watchdog does, a few times a second: fail every request if a worker or
         the reply listener has died; cut off readers that have been behind too long; free
         requests whose reader has not even come for the error they were ended with."""
-        stopped = self.listener_error
-        if stopped is not None:
-            self.fail_all(unavailable_error(
-                f"the API server's reply listener stopped: {stopped!r}", "listener_died"))
+        listener = self._listener  # without it, no reply reaches anyone
+        if listener is not None and listener.done() and not listener.cancelled():
+            self.fail_all(unavailable_error(f"the API server's reply listener stopped: "
+                                            f"{listener.exception()!r}", "listener_died"))
         problem = self._health() if self._health is not None else None
         if problem is not None:
             self.fail_all(unavailable_error(problem, "worker_died"))
