@@ -200,8 +200,10 @@ async def whole_answers(request: Request, frontend: RequestRouter, uids: Sequenc
     :meth:`RequestRouter.replies` aborts the requests. The first request that failed answers
     for all, with its error's status and an OpenAI error body.
     """
-    answers = await wait_or_disconnect(
-        asyncio.gather(*(frontend.collect(uid) for uid in uids)), request)
+    async def collect_all() -> list[tuple[str, UserReply]]:
+        return await asyncio.gather(*(frontend.collect(uid) for uid in uids))
+
+    answers = await wait_or_disconnect(collect_all(), request)
     for _, last in answers:
         if last.error is not None:
             raise APIError.of(last.error, prompt_param)
@@ -221,9 +223,11 @@ async def first_replies_then_rest(request: Request, frontend: RequestRouter,
     """
     streams = [frontend.replies(uid) for uid in uids]
 
+    async def first_replies() -> list[UserReply]:
+        return await asyncio.gather(*(replies.__anext__() for replies in streams))
+
     try:
-        firsts = await wait_or_disconnect(
-            asyncio.gather(*(replies.__anext__() for replies in streams)), request)
+        firsts = await wait_or_disconnect(first_replies(), request)
         failed = next((first.error for first in firsts if first.error is not None), None)
         if failed is not None:
             raise APIError.of(failed, prompt_param)

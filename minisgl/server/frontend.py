@@ -168,20 +168,18 @@ class RequestRouter:
         """
         if self.unavailable is not None:  # a worker died, the server is shutting down
             raise APIError.of(self.unavailable)
-        buffer = ReplyBuffer(self.reply_buffer_size)
         self.start()
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         request = TokenizeRequest(uid, params, text=text, input_ids=input_ids, messages=messages,
                                   strict_max_tokens=strict_max_tokens)
         # The buffer exists before the request leaves, so no reply can find it missing.
-        self._pending[uid] = buffer
+        self._pending[uid] = ReplyBuffer(self.reply_buffer_size)
         try:
             await self._tokenizer_of(uid).put(request)
-        except SerializationError as exc:  # e.g. an integer that does not fit in 64 bits
+        except BaseException as exc:
             self._pending.pop(uid, None)
-            raise APIError(400, f"the request cannot be sent to the workers: {exc}") from None
-        except BaseException:
-            self._pending.pop(uid, None)
+            if isinstance(exc, SerializationError):  # e.g. an integer that needs over 64 bits
+                raise APIError(400, f"the request cannot be sent to the workers: {exc}") from None
             raise
         self.stats.submitted += 1
         return uid
@@ -322,8 +320,7 @@ class RequestRouter:
         if listener is not None and listener.done() and not listener.cancelled():
             self.fail_all(unavailable_error(f"the API server's reply listener stopped: "
                                             f"{listener.exception()!r}", "listener_died"))
-        problem = self._health() if self._health is not None else None
-        if problem is not None:
+        if self._health is not None and (problem := self._health()) is not None:
             self.fail_all(unavailable_error(problem, "worker_died"))
         for uid, buffer in list(self._pending.items()):
             if buffer.lag(now) <= self.slow_reader_timeout_s:

@@ -217,10 +217,8 @@ def main(argv: Sequence[str] | None = None, shell: ShellRunner | None = None) ->
 def _shown_path(path: Path) -> str:
     """``path`` relative to the working directory when it lies inside it (``models/x``, as a
     user would type it), else absolute."""
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
+    cwd = Path.cwd()
+    return str(path.relative_to(cwd) if path.is_relative_to(cwd) else path)
 
 
 # --------------------------------------------------------------------------- HTTP
