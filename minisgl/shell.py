@@ -90,13 +90,11 @@ class Shell:
                     raise
                 self._write("\n")
                 raise KeyboardInterrupt from None
-            if not line:
-                continue
             if line.startswith("/"):
                 if not self.command(line):
                     return
-                continue
-            await self._interruptible(self.answer(line))
+            elif line:
+                await self._interruptible(self.answer(line))
 
     async def _interruptible(self, work: Awaitable[str]) -> str:
         self._current, self._interrupted = asyncio.ensure_future(work), False
@@ -153,8 +151,7 @@ class Shell:
                 raise  # the shell itself is being cancelled
             stopped = True
         if error is not None:
-            after_text = "\n" if parts else ""  # the error goes on a line of its own
-            self._write(f"{after_text}[error: {error}]\n")
+            self._write(("\n" if parts else "") + f"[error: {error}]\n")  # on a line of its own
             return ""
         self._write(" [interrupted]\n" if stopped else "\n")
         reply_text = "".join(parts)

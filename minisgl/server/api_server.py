@@ -310,10 +310,8 @@ def _model_card(request: Request) -> dict[str, Any]:
 async def health(request: Request):
     """200 while every worker process runs; 503 and the reason otherwise (also
     while the API server cannot serve: its reply listener stopped, or it is shutting down)."""
-    problem = request.app.state.health()
     unavailable = _frontend(request).unavailable
-    if problem is None and unavailable is not None:
-        problem = unavailable.message
+    problem = request.app.state.health() or (unavailable.message if unavailable else None)
     if problem is not None:
         return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
     return {"status": "ok"}

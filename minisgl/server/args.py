@@ -207,14 +207,11 @@ def _add_engine_option(group: argparse._ArgumentGroup, name: str, help_text: str
     if isinstance(default, bool) or name == "overlap":
         group.add_argument(flag, action=argparse.BooleanOptionalAction, default=None,
                            help=shown)
-    elif name == "cpu_kv_memory":
-        group.add_argument(flag, type=_mem_bytes, default=None, metavar="SIZE", help=shown)
-    elif name == "memory_fraction":
-        group.add_argument(flag, type=float, default=None, metavar="F", help=shown)
-    elif isinstance(default, str):
-        group.add_argument(flag, default=None, metavar="NAME", help=shown)
-    else:  # the integer options (some default to None: sized by the engine)
-        group.add_argument(flag, type=int, default=None, metavar="N", help=shown)
+        return
+    # Integers, unless said otherwise (some default to None: sized by the engine).
+    kind, metavar = {"cpu_kv_memory": (_mem_bytes, "SIZE"), "memory_fraction": (float, "F")}.get(
+        name, (str, "NAME") if isinstance(default, str) else (int, "N"))
+    group.add_argument(flag, type=kind, default=None, metavar=metavar, help=shown)
 
 
 def _mem_bytes(text: str) -> int:
@@ -232,8 +229,7 @@ def parse_args(argv: Sequence[str] | None = None) -> ServerArgs:
     """
     parser = build_parser()
     ns = vars(parser.parse_args(argv))
-    engine = {name: ns.pop(name) for name in ENGINE_OPTIONS}
-    engine = {name: value for name, value in engine.items() if value is not None}
+    engine = {name: value for name in ENGINE_OPTIONS if (value := ns.pop(name)) is not None}
     try:
         args = ServerArgs(engine_options=engine, **ns)
         # checks the engine options; the path is checked when it is opened

@@ -144,15 +144,6 @@ class RequestRouter:
         """Every waiting request's buffer, by uid (a read-only view)."""
         return MappingProxyType(self._pending)
 
-    @property
-    def listener_error(self) -> BaseException | None:
-        """What stopped the listener, if it stopped. Without it no reply reaches anyone: the
-        watchdog then ends every request, and logs why."""
-        task = self._listener
-        if task is None or not task.done() or task.cancelled():
-            return None
-        return task.exception()
-
     def start(self) -> None:
         """Start the listener and the watchdog (once); call from inside the event loop."""
         if self._listener is None:
@@ -177,20 +168,18 @@ class RequestRouter:
         """
         if self.unavailable is not None:  # a worker died, the server is shutting down
             raise APIError.of(self.unavailable)
-        buffer = ReplyBuffer(self.reply_buffer_size)
         self.start()
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         request = TokenizeRequest(uid, params, text=text, input_ids=input_ids, messages=messages,
                                   strict_max_tokens=strict_max_tokens)
         # The buffer exists before the request leaves, so no reply can find it missing.
-        self._pending[uid] = buffer
+        self._pending[uid] = ReplyBuffer(self.reply_buffer_size)
         try:
             await self._tokenizer_of(uid).put(request)
-        except SerializationError as exc:  # e.g. an integer that does not fit in 64 bits
+        except BaseException as exc:
             self._pending.pop(uid, None)
-            raise APIError(400, f"the request cannot be sent to the workers: {exc}") from None
-        except BaseException:
-            self._pending.pop(uid, None)
+            if isinstance(exc, SerializationError):  # e.g. an integer that needs over 64 bits
+                raise APIError(400, f"the request cannot be sent to the workers: {exc}") from None
             raise
         self.stats.submitted += 1
         return uid
@@ -327,12 +316,11 @@ class RequestRouter:
         """What the watchdog does, a few times a second: fail every request if a worker or
         the reply listener has died; cut off readers that have been behind too long; free
         requests whose reader has not even come for the error they were ended with."""
-        stopped = self.listener_error
-        if stopped is not None:
-            self.fail_all(unavailable_error(
-                f"the API server's reply listener stopped: {stopped!r}", "listener_died"))
-        problem = self._health() if self._health is not None else None
-        if problem is not None:
+        listener = self._listener  # without it, no reply reaches anyone
+        if listener is not None and listener.done() and not listener.cancelled():
+            self.fail_all(unavailable_error(f"the API server's reply listener stopped: "
+                                            f"{listener.exception()!r}", "listener_died"))
+        if self._health is not None and (problem := self._health()) is not None:
             self.fail_all(unavailable_error(problem, "worker_died"))
         for uid, buffer in list(self._pending.items()):
             if buffer.lag(now) <= self.slow_reader_timeout_s:

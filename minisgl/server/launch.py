@@ -217,10 +217,8 @@ def main(argv: Sequence[str] | None = None, shell: ShellRunner | None = None) ->
 def _shown_path(path: Path) -> str:
     """``path`` relative to the working directory when it lies inside it (``models/x``, as a
     user would type it), else absolute."""
-    try:
-        return str(path.relative_to(Path.cwd()))
-    except ValueError:
-        return str(path)
+    cwd = Path.cwd()
+    return str(path.relative_to(cwd) if path.is_relative_to(cwd) else path)
 
 
 # --------------------------------------------------------------------------- HTTP
@@ -286,7 +284,6 @@ class OrderlyServer(uvicorn.Server):
         self.worker_died: str | None = None  # which worker died, once one has
         self._died_at = 0.0
         self._shutdown_timeout_s = shutdown_timeout_s
-        self._loop: asyncio.AbstractEventLoop | None = None
         self.stopped_by: int | None = None  # the first signal that stopped the server
 
     async def on_tick(self, counter: int) -> bool:
@@ -305,10 +302,6 @@ class OrderlyServer(uvicorn.Server):
         if frontend is not None:
             frontend.fail_all(SHUTTING_DOWN)
 
-    async def serve(self, sockets: list[socket.socket] | None = None) -> None:
-        self._loop = asyncio.get_running_loop()
-        await super().serve(sockets)
-
     async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
         # uvicorn stops accepting connections, then waits for those in flight: they have
         # shutdown_timeout_s seconds to end by themselves.
@@ -323,8 +316,9 @@ class OrderlyServer(uvicorn.Server):
         if self.stopped_by is None:
             self.stopped_by = sig
         super().handle_exit(sig, frame)
-        if self.force_exit and self._loop is not None:  # a second Ctrl-C: no more waiting
-            self._loop.call_soon_threadsafe(self._end_requests)
+        if self.force_exit:  # a second Ctrl-C: no more waiting. uvicorn's handlers are only
+            # installed while it serves, so the loop runs (in this thread, between bytecodes).
+            asyncio.get_running_loop().call_soon_threadsafe(self._end_requests)
 
 
 class WorkerDied(Exception):

@@ -190,9 +190,7 @@ def _neutral(*values: Any, shown: str) -> Any:
 
 def _same_json(value: Any, neutral: Any) -> bool:
     """JSON equality: ``false`` is not ``0`` (Python's ``False == 0`` is), ``0`` is ``0.0``."""
-    if isinstance(value, bool) or isinstance(neutral, bool):
-        return type(value) is type(neutral) and value == neutral
-    return value == neutral
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool)
 
 
 class _GenerationBody(BaseModel):
@@ -259,9 +257,8 @@ class _GenerationBody(BaseModel):
             "ignore_eos": self.ignore_eos,
             "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
             "stop_token_ids": tuple(self.stop_token_ids or ()),
+            "stop": stop,  # after stop_token_ids: an error names the longer one first
         }
-        if stop:  # text stop strings: the detokenizer applies them
-            values["stop"] = stop
         try:
             return SamplingParams(**values)
         except (TypeError, ValueError) as exc:  # the engine's own range checks, one place

@@ -40,11 +40,15 @@ def usage_dict(usage: TokenUsage | None) -> dict[str, int] | None:
     return None if usage is None else {**asdict(usage), "total_tokens": usage.total_tokens}
 
 
+def choice(index: int, finish_reason: str | None, **content: Any) -> dict[str, Any]:
+    """One of ``choices``: its ``content`` (a ``message``, a ``delta`` or a ``text``)."""
+    return {"index": index, **content, "logprobs": None, "finish_reason": finish_reason}
+
+
 def chat_body(meta: ResponseMeta, text: str, last: UserReply) -> dict[str, Any]:
     """A whole (non-streamed) chat completion."""
-    return meta.body("chat.completion",
-                     [{"index": 0, "message": {"role": "assistant", "content": text},
-                       "logprobs": None, "finish_reason": last.finish_reason}],
+    message = {"role": "assistant", "content": text}
+    return meta.body("chat.completion", [choice(0, last.finish_reason, message=message)],
                      usage=usage_dict(last.usage))
 
 
@@ -59,27 +63,13 @@ def total_usage(usages: Sequence[TokenUsage | None]) -> TokenUsage | None:
 def completion_body(meta: ResponseMeta,
                     answers: Sequence[tuple[str, UserReply]]) -> dict[str, Any]:
     """A whole (non-streamed) text completion: a choice per prompt, in the prompts' order."""
-    choices = [{"index": i, "text": text, "logprobs": None, "finish_reason": last.finish_reason}
-               for i, (text, last) in enumerate(answers)]
+    choices = [choice(i, last.finish_reason, text=text) for i, (text, last) in enumerate(answers)]
     return meta.body("text_completion", choices,
                      usage=usage_dict(total_usage([last.usage for _, last in answers])))
 
 
-def chat_chunk(meta: ResponseMeta, delta: dict[str, str],
-               finish_reason: str | None = None) -> dict[str, Any]:
-    """One streamed piece of a chat completion."""
-    return meta.body("chat.completion.chunk", [{"index": 0, "delta": delta, "logprobs": None,
-                                                "finish_reason": finish_reason}])
-
-
-def completion_chunk(meta: ResponseMeta, text: str, finish_reason: str | None = None,
-                     index: int = 0) -> dict[str, Any]:
-    """One streamed piece of a text completion (of choice ``index``)."""
-    return meta.body("text_completion", [{"index": index, "text": text, "logprobs": None,
-                                          "finish_reason": finish_reason}])
-
-
 SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
+CHAT_CHUNK = "chat.completion.chunk"
 
 
 def sse_event(payload: Mapping[str, Any]) -> bytes:
@@ -89,6 +79,12 @@ def sse_event(payload: Mapping[str, Any]) -> bytes:
     the blank line can only mean "end of event".
     """
     return b"data: " + json.dumps(payload, ensure_ascii=False).encode() + b"\n\n"
+
+
+def chunk(meta: ResponseMeta, kind: str, extra: Mapping[str, Any], index: int = 0,
+          finish_reason: str | None = None, **content: Any) -> bytes:
+    """One streamed piece of choice ``index`` as an SSE event, with ``extra`` fields."""
+    return sse_event(meta.body(kind, [choice(index, finish_reason, **content)], **extra))
 
 
 async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
@@ -102,17 +98,16 @@ async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
     """
     extra = {"usage": None} if include_usage else {}  # OpenAI: null on all but the last
     async with aclosing(replies):
-        yield sse_event({**chat_chunk(meta, {"role": "assistant", "content": ""}), **extra})
+        yield chunk(meta, CHAT_CHUNK, extra, delta={"role": "assistant", "content": ""})
         async for reply in replies:
             if reply.delta:  # empty while a multi-byte character is incomplete
-                yield sse_event({**chat_chunk(meta, {"content": reply.delta}), **extra})
+                yield chunk(meta, CHAT_CHUNK, extra, delta={"content": reply.delta})
             if reply.error is not None:
                 yield sse_event(APIError.of(reply.error, "messages").body())
             elif reply.finished:
-                yield sse_event({**chat_chunk(meta, {}, reply.finish_reason), **extra})
+                yield chunk(meta, CHAT_CHUNK, extra, 0, reply.finish_reason, delta={})
                 if include_usage:
-                    yield sse_event(meta.body("chat.completion.chunk", [],
-                                              usage=usage_dict(reply.usage)))
+                    yield sse_event(meta.body(CHAT_CHUNK, [], usage=usage_dict(reply.usage)))
         yield SSE_DONE
 
 
@@ -131,13 +126,12 @@ async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta:
     async with aclosing(replies):
         async for index, reply in replies:
             if reply.delta:
-                yield sse_event({**completion_chunk(meta, reply.delta, index=index), **extra})
+                yield chunk(meta, "text_completion", extra, index, text=reply.delta)
             if reply.error is not None:
                 yield sse_event(APIError.of(reply.error).body())
                 break
             if reply.finished:
-                yield sse_event({**completion_chunk(meta, "", reply.finish_reason, index),
-                                 **extra})
+                yield chunk(meta, "text_completion", extra, index, reply.finish_reason, text="")
                 usages.append(reply.usage)
                 if include_usage and len(usages) == num_choices:
                     yield sse_event(meta.body("text_completion", [],
