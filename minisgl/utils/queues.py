@@ -243,11 +243,3 @@ class ZmqAsyncPullQueue(_Queue, Generic[T]):
             self._ready.extend(self._unframe(frame))
         return self._ready.popleft()
 
-
-def close_queues(*queues: _Queue | None) -> None:
-    """A worker's last act: close the queues it opened (None for one it never got to), then
-    the process's ZMQ context, which would otherwise wait for its sockets forever."""
-    for queue in queues:
-        if queue is not None:
-            queue.close()  # linger 0: frames not handed over yet are dropped
-    zmq.Context.instance().term()
