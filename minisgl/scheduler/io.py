@@ -206,10 +206,9 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
                 io = SchedulerIO(scheduler, stats)
             with frozen_heap():  # start-up's objects stay out of the collector's full passes
                 while not signals.requested:
-                    messages = []
-                    if not scheduler.has_work:  # idle: sleep until a message (or a signal) comes
-                        messages.append(signals.receive(receive))
-                    out = io.receive(messages + receive.drain())
+                    # idle: sleep until a message (or a signal) comes; busy: take what has arrived
+                    messages = receive.drain() if scheduler.has_work else signals.receive(receive)
+                    out = io.receive(messages)
                     if scheduler.has_work:
                         out += io.step()
                     send.put_many(out)  # one frame per step

@@ -161,11 +161,11 @@ def run_tp_follower(config: SchedulerConfig, launch: TPLaunch, rank: int,
                 scheduler = Scheduler(config)
             with frozen_heap():  # as the leader's loop (scheduler/io.py)
                 while not signals.requested:
-                    message = signals.receive(inbox)
-                    if isinstance(message, RankInput):
-                        apply_input(scheduler, message.message)
-                    else:
-                        follow_step(scheduler, message, rank)
+                    for message in signals.receive(inbox):
+                        if isinstance(message, RankInput):
+                            apply_input(scheduler, message.message)
+                        else:
+                            follow_step(scheduler, message, rank)
                     if stats is not None:  # after an abort too: it frees pages without a step
                         stats.update(**scheduler.gauges(f"rank{rank}_"))
         finally:
