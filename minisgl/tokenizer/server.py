@@ -79,13 +79,10 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
             receive = ZmqPullQueue(inbox, TokenizerMessage, bind=True)
             send = ZmqPushQueue(scheduler_addr, BackendMessage, bind=False)
         while not signals.requested:
-            out: list[BackendMessage] = []
-            for message in signals.receive(receive):  # sleeps until a message (or a signal)
-                if isinstance(message, AbortRequest):
-                    out.append(message)  # forwarded unchanged, behind its request
-                elif isinstance(message, TokenizeRequest):
-                    out.append(tokenize_or_fail(manager, message))
-            send.put_many(out)
+            messages = signals.receive(receive)  # sleeps until a message (or a signal) comes
+            # an abort goes on unchanged, behind its request, in the same frame
+            send.put_many([tokenize_or_fail(manager, m) if isinstance(m, TokenizeRequest) else m
+                           for m in messages])
 
 
 def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
