@@ -27,12 +27,9 @@ from minisgl.scheduler.tp import TPLaunch, check_tp, run_tp_follower, start_lead
 from minisgl.utils.checks import is_int
 from minisgl.utils.heap import frozen_heap
 from minisgl.utils.hf import resolve_model_path
-from minisgl.utils.logger import get_logger
 from minisgl.utils.processes import (WorkerFailed, new_ready_queue, start_process, stop_processes,
                                      wait_ready)
 from minisgl.utils.torch_utils import configure_cpu_threads
-
-logger = get_logger(__name__)
 
 # How long LLM(tp=N) waits for its other ranks to load the model and report ready.
 TP_STARTUP_TIMEOUT_S = 600.0

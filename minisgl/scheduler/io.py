@@ -24,8 +24,8 @@ from minisgl.scheduler.tp import TPLaunch, start_leader
 from minisgl.utils.logger import get_logger
 from minisgl.utils.counters import SharedCounters
 from minisgl.utils.heap import frozen_heap
-from minisgl.utils.processes import ShutdownRequested, ShutdownSignals, reporting_readiness
-from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue, close_queues
+from minisgl.utils.processes import reporting_readiness, worker_process
+from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue
 from minisgl.utils.torch_utils import configure_cpu_threads
 
 logger = get_logger(__name__)
@@ -196,27 +196,22 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
     """
     # the process that computes gets the cores (shared with the other ranks under TP)
     configure_cpu_threads("model", processes=1 if tp is None else tp.size)
-    signals = ShutdownSignals()
-    receive = send = scheduler = None
-    try:
-        with signals.interruptible(), reporting_readiness(ready, "scheduler"):
-            receive = ZmqPullQueue(inbox, BackendMessage, bind=True)
-            send = ZmqPushQueue(detokenizer_addr, DetokenizerMessage, bind=False)
-            scheduler = Scheduler(config) if tp is None else start_leader(config, tp)
-            io = SchedulerIO(scheduler, stats)
-        with frozen_heap():  # start-up's objects stay out of the collector's full passes
-            while not signals.requested:
-                messages = []
-                if not scheduler.has_work:  # idle: sleep until a message (or a signal) comes
-                    messages.append(signals.receive(receive))
-                out = io.receive(messages + receive.drain())
-                if scheduler.has_work:
-                    out += io.step()
-                send.put_many(out)  # one frame per step
-    except ShutdownRequested:
-        pass
-    finally:
-        if scheduler is not None:
-            scheduler.close()
-        close_queues(receive, send)
-    logger.info("scheduler stopped")
+    with worker_process("scheduler") as signals:
+        scheduler = None
+        try:
+            with signals.interruptible(), reporting_readiness(ready, "scheduler"):
+                receive = ZmqPullQueue(inbox, BackendMessage, bind=True)
+                send = ZmqPushQueue(detokenizer_addr, DetokenizerMessage, bind=False)
+                scheduler = Scheduler(config) if tp is None else start_leader(config, tp)
+                io = SchedulerIO(scheduler, stats)
+            with frozen_heap():  # start-up's objects stay out of the collector's full passes
+                while not signals.requested:
+                    # idle: sleep until a message (or a signal) comes; busy: take what has arrived
+                    messages = receive.drain() if scheduler.has_work else signals.receive(receive)
+                    out = io.receive(messages)
+                    if scheduler.has_work:
+                        out += io.step()
+                    send.put_many(out)  # one frame per step
+        finally:
+            if scheduler is not None:
+                scheduler.close()

@@ -24,15 +24,11 @@ from minisgl.message import AbortRequest, BackendMessage, Message, UserRequest
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
-from minisgl.utils.logger import get_logger
 from minisgl.utils.counters import SharedCounters
 from minisgl.utils.heap import frozen_heap
-from minisgl.utils.processes import ShutdownRequested, ShutdownSignals, reporting_readiness
-from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue, close_queues, ipc_address
+from minisgl.utils.processes import reporting_readiness, worker_process
+from minisgl.utils.queues import ZmqPullQueue, ZmqPushQueue, ipc_address
 from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device
-
-logger = get_logger(__name__)
-
 
 class FollowerMessage(Message, family=True):
     """Everything a follower rank receives from rank 0."""
@@ -156,28 +152,24 @@ def run_tp_follower(config: SchedulerConfig, launch: TPLaunch, rank: int,
         stats: counters named by :func:`follower_counters` for this rank, or None.
     """
     configure_cpu_threads("model", processes=launch.size)  # the ranks share the cores
-    signals = ShutdownSignals()
-    inbox = None
-    try:
-        with signals.interruptible(), reporting_readiness(ready, f"scheduler-rank{rank}"):
-            inbox = ZmqPullQueue(launch.follower_addrs[rank - 1], FollowerMessage, bind=True)
-            join_group(config, launch, rank)
-            scheduler = Scheduler(config)
-        with frozen_heap():  # as the leader's loop (scheduler/io.py)
-            while not signals.requested:
-                message = signals.receive(inbox)
-                if isinstance(message, RankInput):
-                    apply_input(scheduler, message.message)
-                else:
-                    follow_step(scheduler, message, rank)
-                if stats is not None:  # after an abort too: it frees pages without a step
-                    stats.update(**scheduler.gauges(f"rank{rank}_"))
-    except ShutdownRequested:
-        pass
-    finally:
-        close_queues(inbox)
-        destroy_tp_group()
-    logger.info("scheduler rank %d stopped", rank)
+    name = f"scheduler-rank{rank}"
+    with worker_process(name) as signals:
+        try:
+            with signals.interruptible(), reporting_readiness(ready, name):
+                inbox = ZmqPullQueue(launch.follower_addrs[rank - 1], FollowerMessage, bind=True)
+                join_group(config, launch, rank)
+                scheduler = Scheduler(config)
+            with frozen_heap():  # as the leader's loop (scheduler/io.py)
+                while not signals.requested:
+                    for message in signals.receive(inbox):
+                        if isinstance(message, RankInput):
+                            apply_input(scheduler, message.message)
+                        else:
+                            follow_step(scheduler, message, rank)
+                    if stats is not None:  # after an abort too: it frees pages without a step
+                        stats.update(**scheduler.gauges(f"rank{rank}_"))
+        finally:
+            destroy_tp_group()
 
 
 def follow_step(scheduler: Scheduler, message: RankStep, rank: int) -> None:

@@ -79,14 +79,10 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
             receive = ZmqPullQueue(inbox, TokenizerMessage, bind=True)
             send = ZmqPushQueue(scheduler_addr, BackendMessage, bind=False)
         while not signals.requested:
-            messages = [signals.receive(receive)]  # sleeps until a message (or a signal) comes
-            out: list[BackendMessage] = []
-            for message in messages + receive.drain():
-                if isinstance(message, AbortRequest):
-                    out.append(message)  # forwarded unchanged, behind its request
-                elif isinstance(message, TokenizeRequest):
-                    out.append(tokenize_or_fail(manager, message))
-            send.put_many(out)
+            messages = signals.receive(receive)  # sleeps until a message (or a signal) comes
+            # an abort goes on unchanged, behind its request, in the same frame
+            send.put_many([tokenize_or_fail(manager, m) if isinstance(m, TokenizeRequest) else m
+                           for m in messages])
 
 
 def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
@@ -115,8 +111,8 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
             abort = (None if scheduler_addr is None
                      else ZmqPushQueue(scheduler_addr, BackendMessage, bind=False))
         while not signals.requested:
-            messages = [signals.receive(receive)]  # sleeps until a message (or a signal) comes
-            replies, aborts = manager.process(messages + receive.drain())
+            # signals.receive sleeps until a message (or a signal) comes
+            replies, aborts = manager.process(signals.receive(receive))
             send.put_many(replies)
             if abort is not None:
                 abort.put_many(aborts)

@@ -185,9 +185,7 @@ def wait_ready(queue: multiprocessing.Queue, processes: Sequence[BaseProcess],
             running: stopping them is the caller's decision (usually :func:`stop_processes`).
     """
     names = [p.name for p in processes] if names is None else list(names)
-    if len(names) != len(processes):
-        raise ValueError(f"{len(names)} names for {len(processes)} processes")
-    waiting = {p.pid: (p, name) for p, name in zip(processes, names)}
+    waiting = {p.pid: (p, name) for p, name in zip(processes, names, strict=True)}
     deadline = time.monotonic() + timeout_s
     while waiting:
         try:
@@ -277,9 +275,9 @@ class ShutdownSignals:
         finally:
             self._interruptible = False
 
-    def receive(self, queue: ZmqPullQueue[T], poll_s: float = 0.1) -> T:
-        """The next message on ``queue``, however long it takes, unless a shutdown signal
-        comes first (then :class:`ShutdownRequested` is raised).
+    def receive(self, queue: ZmqPullQueue[T], poll_s: float = 0.1) -> list[T]:
+        """Every message that has arrived on ``queue``, once one has, however long it takes,
+        unless a shutdown signal comes first (then :class:`ShutdownRequested` is raised).
 
         Why not one blocking ``get``: the kernel may hand the signal to any thread of the
         process (torch's, the tokenizer library's), and then the main thread's wait is not
@@ -291,7 +289,7 @@ class ShutdownSignals:
         with self.interruptible():
             while True:
                 try:
-                    return queue.get(timeout_s=poll_s)
+                    return [queue.get(timeout_s=poll_s), *queue.drain()]
                 except TimeoutError:
                     if self.orphaned:
                         raise ShutdownRequested("the parent process has exited") from None

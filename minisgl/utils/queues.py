@@ -94,7 +94,6 @@ class _Queue:
                  message_type: type, bind: bool) -> None:
         self.address = address
         self.message_type = message_type
-        self._context = context
         self._socket = _open_socket(context, kind, address, bind)
 
     def _frame(self, messages: list[Any]) -> bytes:
@@ -120,7 +119,7 @@ class _Queue:
         if not self._socket.closed:
             self._socket.close(linger=int(linger_s * 1000))
             if linger_s > 0:
-                _wait_for_lingering_frames_at_exit(self._context)
+                _wait_for_lingering_frames_at_exit(self._socket.context)
 
     def __enter__(self):
         return self
@@ -243,11 +242,3 @@ class ZmqAsyncPullQueue(_Queue, Generic[T]):
             self._ready.extend(self._unframe(frame))
         return self._ready.popleft()
 
-
-def close_queues(*queues: _Queue | None) -> None:
-    """A worker's last act: close the queues it opened (None for one it never got to), then
-    the process's ZMQ context, which would otherwise wait for its sockets forever."""
-    for queue in queues:
-        if queue is not None:
-            queue.close()  # linger 0: frames not handed over yet are dropped
-    zmq.Context.instance().term()
