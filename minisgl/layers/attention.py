@@ -56,28 +56,45 @@ class AttentionBackend(Protocol):
         raise NotImplementedError(f"{type(self).__name__} names no KV destination")
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     num_cached: int = 0) -> torch.Tensor:
+    """Attention of ``T`` new queries over ``num_cached`` earlier tokens plus themselves.
+
+    ``q`` is [T, Hq, D], the queries of the tokens at positions ``num_cached .. num_cached+T-1``;
+    ``k`` and ``v`` are [S, Hkv, D] for every token so far (``S = num_cached + T``). Returns
+    [T, Hq, D] in the dtype of ``q``.
+    """
+    num_new, num_qo_heads, head_dim = q.shape
+    # GQA: query head h reads KV head h // group. Repeating the KV heads makes the shapes
+    # line up; a real kernel reads the shared head instead of copying it.
+    group = num_qo_heads // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    # Scores and softmax in float32: a softmax over thousands of bfloat16 scores would lose
+    # the small probabilities that still add up.
+    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * head_dim**-0.5
+    if num_new > 1:
+        # New token i sits at position num_cached + i and may see keys 0 .. num_cached + i.
+        # (A decode step's single token is the newest of all: it sees every key, no mask.)
+        query_pos = num_cached + torch.arange(num_new, device=q.device)
+        key_pos = torch.arange(k.shape[0], device=q.device)
+        future = key_pos[None, :] > query_pos[:, None]
+        scores.masked_fill_(future, float("-inf"))
+    out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v.float())
+    return out.to(q.dtype)
+
+
 class DenseCausalAttention(AttentionBackend):
     """The reference backend: one sequence, causal mask, no cache.
 
-    Token ``t`` attends to tokens ``0..t`` of the same forward pass. Keys and values are shared
-    by groups of query heads (grouped-query attention), so each KV head is repeated for its
-    group. Scores and softmax are computed in float32: a softmax over thousands of bfloat16
-    scores would lose the small probabilities that still add up.
+    Token ``t`` attends to tokens ``0..t`` of the same forward pass: :func:`causal_attention`
+    with nothing cached.
     """
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
     ) -> torch.Tensor:
-        num_tokens, num_qo_heads, head_dim = q.shape
-        group = num_qo_heads // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)  # [T, Hq, D]: query head h reads KV head h // group
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * head_dim**-0.5
-        future = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))  # no peeking at later tokens
-        probs = scores.softmax(dim=-1)
-        out = torch.einsum("hqk,khd->qhd", probs, v.float())
-        return out.to(q.dtype)
+        return causal_attention(q, k, v)
 
 
 # The backend in effect. A plain module variable rather than a thread-local: the model may run
