@@ -22,7 +22,7 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.layers.base import first_local_kv_head, local_kv_heads
-from minisgl.layers.embedding import VocabShard
+from minisgl.layers.embedding import vocab_rows
 from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
 from minisgl.utils.hf import example_checkpoint
@@ -51,10 +51,10 @@ def print_split(config: ModelConfig, tp: int, dtype: torch.dtype) -> None:
         kv = local_kv_heads(config.num_kv_heads, tp)
         kv0 = first_local_kv_head(config.num_kv_heads, rank, tp)
         cols = config.intermediate_size // tp
-        shard = VocabShard.for_rank(config.vocab_size, rank, tp)
+        start, end, _ = vocab_rows(config.vocab_size, rank, tp)
         kv_bytes = dataclasses.replace(config, num_kv_heads=kv).kv_bytes_per_token(dtype)
         print(f"{rank:>4}  {rank * q:>4}..{(rank + 1) * q - 1:<3}  {kv0:>4}..{kv0 + kv - 1:<3}  "
-              f"{rank * cols:>5}..{(rank + 1) * cols - 1:<5}  {shard.start:>6}..{shard.end - 1:<6}"
+              f"{rank * cols:>5}..{(rank + 1) * cols - 1:<5}  {start:>6}..{end - 1:<6}"
               f"  {kv_bytes:>10}")
     print(f"(whole model: {config.num_qo_heads} q heads, {config.num_kv_heads} kv heads, "
           f"{config.intermediate_size} mlp cols, {config.vocab_size} vocab rows, "

@@ -400,8 +400,7 @@ def test_vocab_parallel_embedding_ranks_sum_to_the_full_lookup() -> None:
             layer = VocabParallelEmbedding(vocab, HIDDEN)
         layer.load_weight(ref.weight)
         layers.append(layer)
-    shard = layers[1].shard
-    assert (shard.start, shard.end, shard.padded_rows) == (501, 1001, 501)
+    assert (layers[1].start, layers[1].end, layers[1].padded_rows) == (501, 1001, 501)
     ids = torch.tensor([0, 500, 501, 1000, 7, 999])  # both sides of the boundary
     for out in run_ranks(layers, [(ids,), (ids,)]):
         assert max_err(out, ref(ids)) <= ATOL

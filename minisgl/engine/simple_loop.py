@@ -19,7 +19,7 @@ import torch
 
 from minisgl.core import SamplingParams
 from minisgl.engine.sample import make_generator, sample_batch
-from minisgl.layers.attention import AttentionBackend, use_attention_backend
+from minisgl.layers.attention import AttentionBackend, causal_attention, use_attention_backend
 from minisgl.models.base import BaseLLMModel
 
 FinishReason = Literal["stop", "length"]
@@ -64,8 +64,8 @@ class ContiguousKVCache(AttentionBackend):
                              f"this step would need {end}")
         self.k_cache[layer_id, start:end] = k
         self.v_cache[layer_id, start:end] = v
-        return causal_attention_with_prefix(q, self.k_cache[layer_id, :end],
-                                            self.v_cache[layer_id, :end], num_cached=start)
+        return causal_attention(q, self.k_cache[layer_id, :end], self.v_cache[layer_id, :end],
+                                num_cached=start)
 
     def advance(self, num_tokens: int) -> None:
         """Commit the last step's ``num_tokens`` tokens, after every layer has stored them."""
@@ -79,40 +79,6 @@ class ContiguousKVCache(AttentionBackend):
         config, weight = model.config, next(model.parameters())
         return cls(config.num_layers, config.num_kv_heads, config.head_dim, max_len,
                    dtype=weight.dtype, device=weight.device)
-
-
-def causal_attention_with_prefix(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                                 num_cached: int) -> torch.Tensor:
-    """Attention of ``T`` new queries over ``num_cached`` stored tokens plus themselves.
-
-    Args:
-        q: ``[T, Hq, D]`` queries of the new tokens, at positions
-            ``num_cached .. num_cached + T - 1``.
-        k: ``[S, Hkv, D]`` keys of every token so far (``S = num_cached + T``).
-        v: ``[S, Hkv, D]`` values, likewise.
-        num_cached: how many of the ``S`` tokens precede this step.
-
-    Returns:
-        ``[T, Hq, D]`` in the dtype of ``q``.
-    """
-    num_new, num_qo_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    # GQA: query head h reads KV head h // group. Repeating the KV heads makes the shapes
-    # line up; a real kernel reads the shared head instead of copying it.
-    group = num_qo_heads // num_kv_heads
-    k = k.repeat_interleave(group, dim=1)
-    v = v.repeat_interleave(group, dim=1)
-    # Scores and softmax in float32, whatever the cache dtype, like the dense backend.
-    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * head_dim**-0.5
-    if num_new > 1:
-        # New token i sits at position num_cached + i and may see keys 0 .. num_cached + i.
-        # (A decode step's single token is the newest of all: it sees every key, no mask.)
-        query_pos = num_cached + torch.arange(num_new, device=q.device)
-        key_pos = torch.arange(k.shape[0], device=q.device)
-        future = key_pos[None, :] > query_pos[:, None]
-        scores.masked_fill_(future, float("-inf"))
-    out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v.float())
-    return out.to(q.dtype)
 
 
 @dataclass

@@ -23,11 +23,9 @@ from typing import Protocol
 import torch
 from torch import nn
 
-from minisgl.distributed import get_tp_info
-
 from . import fast
-from .base import divide, local_kv_heads
 from .fast import KVDestination
+from .linear import QKVParallelLinear, RowParallelLinear
 from .norm import RMSNorm
 from .rotary import RotaryEmbedding
 
@@ -56,28 +54,45 @@ class AttentionBackend(Protocol):
         raise NotImplementedError(f"{type(self).__name__} names no KV destination")
 
 
+def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                     num_cached: int = 0) -> torch.Tensor:
+    """Attention of ``T`` new queries over ``num_cached`` earlier tokens plus themselves.
+
+    ``q`` is [T, Hq, D], the queries of the tokens at positions ``num_cached .. num_cached+T-1``;
+    ``k`` and ``v`` are [S, Hkv, D] for every token so far (``S = num_cached + T``). Returns
+    [T, Hq, D] in the dtype of ``q``.
+    """
+    num_new, num_qo_heads, head_dim = q.shape
+    # GQA: query head h reads KV head h // group. Repeating the KV heads makes the shapes
+    # line up; a real kernel reads the shared head instead of copying it.
+    group = num_qo_heads // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    # Scores and softmax in float32: a softmax over thousands of bfloat16 scores would lose
+    # the small probabilities that still add up.
+    scores = torch.einsum("thd,shd->hts", q.float(), k.float()) * head_dim**-0.5
+    if num_new > 1:
+        # New token i sits at position num_cached + i and may see keys 0 .. num_cached + i.
+        # (A decode step's single token is the newest of all: it sees every key, no mask.)
+        query_pos = num_cached + torch.arange(num_new, device=q.device)
+        key_pos = torch.arange(k.shape[0], device=q.device)
+        future = key_pos[None, :] > query_pos[:, None]
+        scores.masked_fill_(future, float("-inf"))
+    out = torch.einsum("hts,shd->thd", torch.softmax(scores, dim=-1), v.float())
+    return out.to(q.dtype)
+
+
 class DenseCausalAttention(AttentionBackend):
     """The reference backend: one sequence, causal mask, no cache.
 
-    Token ``t`` attends to tokens ``0..t`` of the same forward pass. Keys and values are shared
-    by groups of query heads (grouped-query attention), so each KV head is repeated for its
-    group. Scores and softmax are computed in float32: a softmax over thousands of bfloat16
-    scores would lose the small probabilities that still add up.
+    Token ``t`` attends to tokens ``0..t`` of the same forward pass: :func:`causal_attention`
+    with nothing cached.
     """
 
     def forward(
         self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer_id: int
     ) -> torch.Tensor:
-        num_tokens, num_qo_heads, head_dim = q.shape
-        group = num_qo_heads // k.shape[1]
-        k = k.repeat_interleave(group, dim=1)  # [T, Hq, D]: query head h reads KV head h // group
-        v = v.repeat_interleave(group, dim=1)
-        scores = torch.einsum("qhd,khd->hqk", q.float(), k.float()) * head_dim**-0.5
-        future = torch.ones(num_tokens, num_tokens, dtype=torch.bool, device=q.device).triu(1)
-        scores = scores.masked_fill(future, float("-inf"))  # no peeking at later tokens
-        probs = scores.softmax(dim=-1)
-        out = torch.einsum("hqk,khd->qhd", probs, v.float())
-        return out.to(q.dtype)
+        return causal_attention(q, k, v)
 
 
 # The backend in effect. A plain module variable rather than a thread-local: the model may run
@@ -103,51 +118,48 @@ def use_attention_backend(backend: AttentionBackend) -> Iterator[AttentionBacken
 
 
 class AttentionLayer(nn.Module):
-    """qkv -> split -> qk-norm -> RoPE -> backend -> attention output.
+    """qkv_proj -> split -> qk-norm -> RoPE -> backend -> o_proj: a decoder layer's self_attn.
 
-    Head counts are the model's (global) ones; the layer works on this rank's share, the same
-    share :class:`~minisgl.layers.linear.QKVParallelLinear` produces. ``q_norm``/``k_norm``
-    (Qwen3) normalise each head's vector before the rotation; models without them pass None.
+    Head counts are the model's (global) ones; the layer works on this rank's share, the share
+    :class:`~minisgl.layers.linear.QKVParallelLinear` produces. With ``qk_norm_eps`` (Qwen3),
+    ``q_norm``/``k_norm`` normalise each head's vector before the rotation. Module names are
+    the checkpoints' (``self_attn.q_norm.weight``).
     """
 
-    def __init__(
-        self,
-        layer_id: int,
-        num_qo_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        rope: RotaryEmbedding,
-        q_norm: RMSNorm | None = None,
-        k_norm: RMSNorm | None = None,
-    ) -> None:
+    def __init__(self, layer_id: int, hidden_size: int, num_qo_heads: int, num_kv_heads: int,
+                 head_dim: int, rope: RotaryEmbedding, *, qk_norm_eps: float | None = None,
+                 qkv_bias: bool = False, o_bias: bool = False) -> None:
         super().__init__()
-        tp_size = get_tp_info().size
         self.layer_id = layer_id
         self.head_dim = head_dim
-        self.num_qo_heads = divide(num_qo_heads, tp_size, "num_qo_heads")  # local counts
-        self.num_kv_heads = local_kv_heads(num_kv_heads, tp_size)
+        self.qkv_proj = QKVParallelLinear(hidden_size, head_dim, num_qo_heads, num_kv_heads,
+                                          bias=qkv_bias)
+        self.num_qo_heads = self.qkv_proj.local_qo_heads  # this rank's heads from here on
+        self.num_kv_heads = self.qkv_proj.local_kv_heads
+        has_norm = qk_norm_eps is not None
+        self.q_norm = RMSNorm(head_dim, qk_norm_eps) if has_norm else None
+        self.k_norm = RMSNorm(head_dim, qk_norm_eps) if has_norm else None
         self.rope = rope
-        self.q_norm = q_norm
-        self.k_norm = k_norm
+        self.o_proj = RowParallelLinear(num_qo_heads * head_dim, hidden_size, bias=o_bias)
 
-    def forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """``qkv`` [T, (Hq + 2*Hkv) * D] and ``positions`` [T] -> attention output [T, Hq * D]."""
+    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """``x`` [T, hidden] and ``positions`` [T] -> attention output [T, hidden]."""
+        qkv = self.qkv_proj(x)
         fast_out = self._fast_forward(qkv, positions)
         if fast_out is not None:
-            return fast_out
+            return self.o_proj(fast_out)
         num_tokens = qkv.shape[0]
         q_size, kv_size = self.num_qo_heads * self.head_dim, self.num_kv_heads * self.head_dim
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         q = q.view(num_tokens, self.num_qo_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None:
-            q = self.q_norm(q)  # RMSNorm over head_dim, one scale vector shared by all heads
-        if self.k_norm is not None:
-            k = self.k_norm(k)
+        if self.q_norm is not None and self.k_norm is not None:
+            # RMSNorm over head_dim, one scale vector shared by all heads
+            q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rope(positions, q, k)
         out = get_attention_backend().forward(q, k, v, self.layer_id)
-        return out.reshape(num_tokens, q_size)
+        return self.o_proj(out.reshape(num_tokens, q_size))
 
     def _fast_forward(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor | None:
         """The same steps with one kernel before attention, where :mod:`.fast` has one; None
@@ -156,10 +168,6 @@ class AttentionLayer(nn.Module):
         kernel then writes the keys and values there itself, and the backend only attends.
         """
         has_norm = self.q_norm is not None and self.k_norm is not None
-        if has_norm != (self.q_norm is not None or self.k_norm is not None):
-            return None  # a norm on q or k alone: the kernel normalises both or neither
-        if has_norm and self.q_norm.eps != self.k_norm.eps:
-            return None
         weights = (self.q_norm.weight, self.k_norm.weight) if has_norm else None
         cos_sin = self.rope.cos_sin_cache
         if not fast.paths.can_qk_prologue(qkv, positions, cos_sin, self.head_dim, weights):

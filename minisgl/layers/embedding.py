@@ -9,8 +9,6 @@ checkpoint stores it once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.nn.functional as F
 
@@ -20,28 +18,15 @@ from .base import BaseLayer, ShardId, copy_checked, new_parameter, take_slice
 from .linear import matmul
 
 
-@dataclass(frozen=True)
-class VocabShard:
-    """The vocabulary rows ``[start, end)`` one rank holds, padded to ``padded_rows`` rows.
+def vocab_rows(vocab_size: int, tp_rank: int, tp_size: int) -> tuple[int, int, int]:
+    """The vocabulary rows ``[start, end)`` one rank holds, and the ``padded_rows`` it allocates.
 
     Every rank allocates the same number of rows (the vocabulary size divided by the rank count,
     rounded up) so the ranks' logits can be laid side by side; the last rank's spare rows stay 0.
     """
-
-    start: int
-    end: int
-    padded_rows: int
-
-    @classmethod
-    def for_rank(cls, vocab_size: int, tp_rank: int, tp_size: int) -> VocabShard:
-        padded_rows = -(-vocab_size // tp_size)  # ceil division
-        start = min(tp_rank * padded_rows, vocab_size)
-        end = min(start + padded_rows, vocab_size)
-        return cls(start, end, padded_rows)
-
-    @property
-    def rows(self) -> int:
-        return self.end - self.start
+    padded_rows = -(-vocab_size // tp_size)  # ceil division
+    start = min(tp_rank * padded_rows, vocab_size)
+    return start, min(start + padded_rows, vocab_size), padded_rows
 
 
 class _VocabParallelBase(BaseLayer):
@@ -52,19 +37,20 @@ class _VocabParallelBase(BaseLayer):
         super().__init__()
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
-        self.shard = VocabShard.for_rank(num_embeddings, self.tp_rank, self.tp_size)
+        self.start, self.end, self.padded_rows = vocab_rows(num_embeddings, self.tp_rank,
+                                                            self.tp_size)
         if weight is None:
-            weight = new_parameter(self.shard.padded_rows, embedding_dim)
+            weight = new_parameter(self.padded_rows, embedding_dim)
         self.weight = weight
 
     def load_weight(
         self, loaded: torch.Tensor, shard_id: ShardId = None, param_name: str = "weight"
     ) -> None:
-        what = f"{type(self).__name__}.{param_name}"
-        src = take_slice(loaded, 0, self.shard.start, self.shard.rows, self.num_embeddings, what)
+        what, rows = f"{type(self).__name__}.{param_name}", self.end - self.start
+        src = take_slice(loaded, 0, self.start, rows, self.num_embeddings, what)
         with torch.no_grad():
-            self.weight[self.shard.rows:].zero_()  # padding rows: never looked up, score 0
-        copy_checked(self.weight[: self.shard.rows], src, what)
+            self.weight[rows:].zero_()  # padding rows: never looked up, score 0
+        copy_checked(self.weight[:rows], src, what)
 
 
 class VocabParallelEmbedding(_VocabParallelBase):
@@ -77,8 +63,8 @@ class VocabParallelEmbedding(_VocabParallelBase):
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp_size == 1:
             return F.embedding(input_ids, self.weight)
-        owned = (input_ids >= self.shard.start) & (input_ids < self.shard.end)
-        local_ids = torch.where(owned, input_ids - self.shard.start, 0)
+        owned = (input_ids >= self.start) & (input_ids < self.end)
+        local_ids = torch.where(owned, input_ids - self.start, 0)
         hidden = F.embedding(local_ids, self.weight) * owned.unsqueeze(-1).to(self.weight.dtype)
         return all_reduce(hidden)
 
@@ -110,7 +96,7 @@ class ParallelLMHead(_VocabParallelBase):
         logits = matmul(hidden, self.weight, out_dtype=torch.float32)
         # Lay every rank's block side by side. Summing zero-padded blocks with all-reduce is an
         # all-gather written with the one collective the layers use.
-        rows = self.shard.padded_rows
+        rows = self.padded_rows
         gathered = logits.new_zeros(logits.shape[0], rows * self.tp_size)
         gathered[:, self.tp_rank * rows : (self.tp_rank + 1) * rows] = logits
         logits = all_reduce(gathered)[:, : self.num_embeddings]

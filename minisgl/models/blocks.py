@@ -21,9 +21,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from minisgl.layers import (MergedColumnParallelLinear, ParallelLMHead, QKVParallelLinear, RMSNorm,
-                            RotaryEmbedding, RowParallelLinear, VocabParallelEmbedding, get_rope,
-                            silu_and_mul)
+from minisgl.layers import (MergedColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear,
+                            VocabParallelEmbedding, get_rope, silu_and_mul)
 from minisgl.layers.attention import AttentionLayer
 from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ConfigError, ModelConfig
@@ -49,27 +48,6 @@ class AttentionOptions:
     qkv_bias: bool = False  # a bias on the q, k and v projections
     o_bias: bool = False  # a bias on the output projection
     qk_norm: bool = False  # RMSNorm on each query and key head before RoPE (Qwen3)
-
-
-class RotaryAttention(nn.Module):
-    """Fused qkv projection, optional qk-norm, RoPE, the attention backend, output projection."""
-
-    def __init__(self, config: ModelConfig, layer_id: int, rope: RotaryEmbedding,
-                 options: AttentionOptions) -> None:
-        super().__init__()
-        self.qkv_proj = QKVParallelLinear(config.hidden_size, config.head_dim,
-                                          config.num_qo_heads, config.num_kv_heads,
-                                          bias=options.qkv_bias)
-        # Registered on this module, so that they carry the checkpoint's names
-        # (self_attn.q_norm.weight); the attention layer holds the same modules.
-        self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if options.qk_norm else None
-        self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if options.qk_norm else None
-        self.attn = AttentionLayer(layer_id, config.num_qo_heads, config.num_kv_heads,
-                                   config.head_dim, rope, q_norm=self.q_norm, k_norm=self.k_norm)
-        self.o_proj = RowParallelLinear(config.q_size, config.hidden_size, bias=options.o_bias)
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attn(self.qkv_proj(x), positions))
 
 
 class DecoderLayer(nn.Module):
@@ -123,8 +101,13 @@ class DecoderOnlyLM(BaseLLMModel):
         rope = get_rope(config.head_dim, config.rotary_dim, config.max_position_embeddings,
                         config.rope_theta, config.rope_scaling)  # one table for every layer
         options = self.attention_options(config)
-        layers = [DecoderLayer(config, RotaryAttention(config, i, rope, options),
-                               self.make_mlp(config, i)) for i in range(config.num_layers)]
+        qk_norm_eps = config.rms_norm_eps if options.qk_norm else None
+        layers = []
+        for i in range(config.num_layers):
+            attn = AttentionLayer(i, config.hidden_size, config.num_qo_heads, config.num_kv_heads,
+                                  config.head_dim, rope, qk_norm_eps=qk_norm_eps,
+                                  qkv_bias=options.qkv_bias, o_bias=options.o_bias)
+            layers.append(DecoderLayer(config, attn, self.make_mlp(config, i)))
         self.model = DecoderModel(config, layers)
         tie_to = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size, tie_to=tie_to)
