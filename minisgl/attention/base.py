@@ -205,7 +205,10 @@ class BaseAttnBackend(ABC):
 
     def _current(self, num_tokens: int) -> AttnMetadata:
         """The prepared batch's metadata, once ``num_tokens`` (the model's) is known to match."""
-        meta = self.metadata
+        meta = self._metadata  # read directly: this runs in every layer of every step
+        if meta is None:
+            raise RuntimeError(f"the {self.name} attention backend has no batch: call "
+                               "prepare(layout) before running the model")
         if num_tokens != meta.out_loc.shape[0]:
             raise ValueError(f"the model passed {num_tokens} tokens but the prepared batch has "
                              f"{meta.out_loc.shape[0]}; call prepare() for each batch")
