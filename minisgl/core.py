@@ -305,8 +305,7 @@ class Batch:
             raise ValueError("a batch needs at least one request")
         if len({id(r) for r in self.reqs}) != len(self.reqs):
             raise ValueError("a request appears twice in one batch")
-        # what each has left to compute: its new_len, spelt out (once per request per step)
-        left = [req.num_tokens - req.cached_len for req in self.reqs]
+        left = [req.new_len for req in self.reqs]  # what each has left to compute
         for req, n in zip(self.reqs, left):
             if req.finish_reason is not None:
                 raise ValueError(f"request {req.uid} has finished ({req.finish_reason}); "
