@@ -30,7 +30,6 @@ from minisgl.attention.base import pad_batch
 from minisgl.attention.fi import import_flashinfer, page_arrays
 from minisgl.attention.utils import (
     indptr_of,
-    last_page_len,
     pages_for,
 )
 from minisgl.kvcache import MHAKVPool
@@ -147,7 +146,13 @@ def test_indptr_is_the_running_sum_with_a_leading_zero() -> None:
 
 @pytest.mark.parametrize("tokens, pages, last", [(1, 1, 1), (16, 1, 16), (17, 2, 1), (40, 3, 8)])
 def test_pages_and_last_page_length(tokens: int, pages: int, last: int) -> None:
-    assert (pages_for(tokens, 16), last_page_len(tokens, 16)) == (pages, last)
+    assert pages_for(tokens, 16) == pages
+    table = PageTable(1, 3, page_size=16)
+    row = table.alloc_row()
+    table.append_pages(row, [4, 5, 6][:pages])
+    arrays = page_arrays(table, layout_of([row], [0], [tokens]))
+    assert arrays["page_indptr"].tolist() == [0, pages]
+    assert arrays["last_page_lens"].tolist() == [last]
 
 
 def test_the_decode_slot_table_holds_each_request_s_slots_and_masks_the_padding() -> None:

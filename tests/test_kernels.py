@@ -205,7 +205,7 @@ def test_replay_arrays_in_pieces_cover_each_request_once_in_order(
     no request merges."""
     from minisgl.attention import layout_of
     from minisgl.attention.fi import piece_arrays
-    from minisgl.attention.utils import last_page_len, pages_for
+    from minisgl.attention.utils import pages_for
     from minisgl.kernel import KERNELS
     from minisgl.layers import fast
 
@@ -220,7 +220,7 @@ def test_replay_arrays_in_pieces_cover_each_request_once_in_order(
                               num_pieces, spares=True)
         num_pages = [pages_for(c + 1, size) for c in cached]
         pages = sum((table.row_pages(row)[:n].tolist() for row, n in zip(rows, num_pages)), [])
-        last_lens = [last_page_len(c + 1, size) for c in cached]
+        last_lens = [c % size + 1 for c in cached]  # c + 1 tokens: the last page's share
         indices = arrays["page_indices"].tolist()
         indptr = arrays["page_indptr"].tolist()
         entry_last = arrays["last_page_lens"].tolist()

@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout
-from minisgl.attention.utils import indptr_tensor, last_page_len, pages_for
+from minisgl.attention.utils import indptr_tensor, pages_for
 from minisgl.kvcache.mha_pool import MHAKVPool
 from minisgl.kvcache.page_table import PageTable
 from minisgl.layers import fast
@@ -83,7 +83,8 @@ def page_arrays(page_table: PageTable, layout: BatchLayout, spares: int = 0) -> 
     return {
         "page_indptr": indptr_tensor(num_pages),
         "page_indices": torch.from_numpy(ids),
-        "last_page_lens": torch.from_numpy(last_page_len(totals, page_size).astype(np.int32)),
+        # tokens in each request's last page: between 1 and page_size
+        "last_page_lens": torch.from_numpy((totals - (num_pages - 1) * page_size).astype(np.int32)),
         "qo_indptr": indptr_tensor(layout.new_lens),
     }
 
@@ -107,7 +108,7 @@ def piece_arrays(page_table: PageTable, layout: BatchLayout, num_pieces: int,
         owners = np.concatenate([owners, np.zeros(spare, dtype=np.int64)])
     arrays.update(page_indptr=indptr_tensor(pages),
                   last_page_lens=torch.from_numpy(last_lens.astype(np.int32)),
-                  query_rows=QueryRows(owners=torch.from_numpy(owners.astype(np.int64)),
+                  query_rows=QueryRows(owners=torch.from_numpy(owners.astype(np.int32)),
                                        indptr=torch.from_numpy(piece_indptr.astype(np.int32))))
     return arrays
 
@@ -168,15 +169,17 @@ class FlashInferBackend(BaseAttnBackend):
                   if num_pieces else page_arrays(self.page_table, layout))
         rows: QueryRows | None = arrays.get("query_rows")
         if static:  # into the fixed arrays the graph's kernels read
-            # Pinned, so that the host does not wait for the device to reach the copies.
-            for name in ("page_indptr", "last_page_lens"):  # plan() copies these two
-                arrays[name] = arrays[name].pin_memory()
-            ids = arrays["page_indices"]
-            self._graph_page_indices[: len(ids)].copy_(ids.pin_memory(), non_blocking=True)
+            # Staged in pinned memory, so that the host does not wait for the device to reach
+            # the copies: all in one, as each pinning costs tens of microseconds.
+            host = [arrays["page_indptr"], arrays["last_page_lens"], arrays["page_indices"]]
+            host += [rows.owners, rows.indptr] if rows is not None else []
+            staged = torch.cat(host).pin_memory().split([len(array) for array in host])
+            arrays["page_indptr"], arrays["last_page_lens"] = staged[:2]  # plan() copies these
+            self._graph_page_indices[: len(staged[2])].copy_(staged[2], non_blocking=True)
             arrays["page_indices"] = self._graph_page_indices[:0]  # nothing for plan() to copy
             if rows is not None:
-                fixed_rows.owners.copy_(rows.owners.pin_memory(), non_blocking=True)
-                fixed_rows.indptr.copy_(rows.indptr.pin_memory(), non_blocking=True)
+                fixed_rows.owners.copy_(staged[3], non_blocking=True)
+                fixed_rows.indptr.copy_(staged[4], non_blocking=True)
                 arrays["query_rows"] = fixed_rows
         else:
             arrays["page_indices"] = host_to_device(arrays["page_indices"], self.device)
@@ -239,7 +242,7 @@ class FlashInferBackend(BaseAttnBackend):
                 paged_kv_indptr_buffer=indptr[: entries + 1], paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last_lens[:entries])
             rows = QueryRows(
-                owners=torch.zeros(num_pieces, dtype=torch.int64, device=self.device),
+                owners=torch.zeros(num_pieces, dtype=torch.int32, device=self.device),
                 indptr=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
             ) if num_pieces else None
             self._graph_wrappers[bs] = (wrapper, rows, num_pieces)

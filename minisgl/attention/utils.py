@@ -42,8 +42,3 @@ def indptr_tensor(lengths: Sequence[int] | np.ndarray) -> torch.Tensor:
 def pages_for(num_tokens: Count, page_size: int) -> Count:
     """Pages that ``num_tokens`` tokens occupy (the last one may be partly filled)."""
     return -(-num_tokens // page_size)  # ceiling division
-
-
-def last_page_len(num_tokens: Count, page_size: int) -> Count:
-    """Tokens in the last of those pages: between 1 and ``page_size`` for a non-empty sequence."""
-    return num_tokens - (pages_for(num_tokens, page_size) - 1) * page_size
