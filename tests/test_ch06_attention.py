@@ -227,6 +227,8 @@ def test_forward_before_prepare_is_an_error() -> None:
     s = make_scenario([(0, 3)], page_size=1)
     with pytest.raises(RuntimeError, match="call prepare"):
         TorchNativeBackend(s.pool, s.table, HQ).forward(*s.new_tokens(0), 0)
+    with pytest.raises(RuntimeError, match="call prepare"):
+        TorchNativeBackend(s.pool, s.table, HQ).metadata
 
 
 def test_forward_with_a_different_token_count_is_an_error() -> None:

@@ -177,10 +177,7 @@ class BaseAttnBackend(ABC):
     @property
     def metadata(self) -> AttnMetadata:
         """The metadata of the batch being run; an error before the first :meth:`prepare`."""
-        if self._metadata is None:
-            raise RuntimeError(f"the {self.name} attention backend has no batch: call "
-                               "prepare(layout) before running the model")
-        return self._metadata
+        return self._current()
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                 layer_id: int) -> torch.Tensor:
@@ -203,13 +200,14 @@ class BaseAttnBackend(ABC):
             q = q.index_select(0, meta.query_rows.owners)
         return self._attend(q, layer_id, meta)
 
-    def _current(self, num_tokens: int) -> AttnMetadata:
-        """The prepared batch's metadata, once ``num_tokens`` (the model's) is known to match."""
-        meta = self._metadata  # read directly: this runs in every layer of every step
+    def _current(self, num_tokens: int | None = None) -> AttnMetadata:
+        """The prepared batch's metadata, once ``num_tokens`` (the model's, if given) is known
+        to match. Runs in every layer of every step: one call, no property in between."""
+        meta = self._metadata
         if meta is None:
             raise RuntimeError(f"the {self.name} attention backend has no batch: call "
                                "prepare(layout) before running the model")
-        if num_tokens != meta.out_loc.shape[0]:
+        if num_tokens is not None and num_tokens != meta.out_loc.shape[0]:
             raise ValueError(f"the model passed {num_tokens} tokens but the prepared batch has "
                              f"{meta.out_loc.shape[0]}; call prepare() for each batch")
         return meta
@@ -230,7 +228,7 @@ class BaseAttnBackend(ABC):
     def attend_stored(self, q: torch.Tensor, layer_id: int) -> torch.Tensor:
         """:meth:`forward` after the new K/V were written to :meth:`kv_destination`, and the
         queries to the rows it named."""
-        meta = self.metadata
+        meta = self._current()
         rows = meta.query_rows
         if q.shape[0] != (meta.out_loc.shape[0] if rows is None else len(rows.owners)):
             raise ValueError(f"attend_stored got {q.shape[0]} query rows; the prepared batch "
