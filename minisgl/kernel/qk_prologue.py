@@ -171,9 +171,8 @@ def qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, num_qo_heads: int,
     """
     q_weight, k_weight = norm_weights if norm_weights is not None else (None, None)
     if kv_dst is not None and can_store_into(kv_dst[0], kv_dst[1], head_dim):
-        q = launch(qkv, positions, num_qo_heads, num_kv_heads, head_dim, cos_sin_cache,
-                   q_weight, k_weight, eps, *kv_dst)
-        return q, None, None
+        return launch(qkv, positions, num_qo_heads, num_kv_heads, head_dim, cos_sin_cache,
+                      q_weight, k_weight, eps, *kv_dst), None, None
     shape = (qkv.shape[0], num_kv_heads, head_dim)
     k = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
     v = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
