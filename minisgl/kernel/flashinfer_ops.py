@@ -25,7 +25,6 @@ OPS = ("rmsnorm", "fused_add_rmsnorm", "rope", "silu_and_mul")
 
 _kernels: SimpleNamespace | None = None
 import_error: str | None = None  # why flashinfer could not be imported, once tried and failed
-_import_tried = False
 
 
 def available(x: torch.Tensor) -> bool:
@@ -38,9 +37,8 @@ def available(x: torch.Tensor) -> bool:
 
 def _load() -> SimpleNamespace | None:
     """Import FlashInfer's kernels once; None (logged at debug level) when that fails."""
-    global _kernels, import_error, _import_tried
-    if not _import_tried:
-        _import_tried = True
+    global _kernels, import_error
+    if _kernels is None and import_error is None:  # not tried yet
         try:
             from flashinfer.activation import silu_and_mul
             from flashinfer.norm import fused_add_rmsnorm, rmsnorm
