@@ -10,8 +10,6 @@ imports without a GPU or Triton; a kernel runs only where its ``can_*`` check sa
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import numpy as np
 import torch
 
@@ -24,37 +22,16 @@ OPS = (*flashinfer_ops.OPS, "qk_prologue", "gemv")
 class Kernels:
     """The kernels' answers to :class:`minisgl.layers.fast.FastPaths`."""
 
-    def rmsnorm(self, x: torch.Tensor, weight: torch.Tensor, eps: float,
-                residual: torch.Tensor | None
-                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
-        if not flashinfer_ops.can_rmsnorm(x, weight, residual):
-            return None
-        return flashinfer_ops.rmsnorm(x, weight, eps, residual)
-
-    def rope_inplace(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                     cos_sin_cache: torch.Tensor, head_dim: int) -> bool:
-        if not flashinfer_ops.can_rope(positions, q, k, cos_sin_cache, head_dim):
-            return False
-        flashinfer_ops.rope_inplace(positions, q, k, cos_sin_cache, head_dim)
-        return True
-
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor | None:
-        return flashinfer_ops.silu_and_mul(x) if flashinfer_ops.can_silu_and_mul(x) else None
-
-    def matmul(self, x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None,
-               out: torch.Tensor | None = None) -> torch.Tensor | None:
-        return gemv.matmul(x, weight, out_dtype, out)
-
+    rmsnorm = staticmethod(flashinfer_ops.rmsnorm)
+    rope_inplace = staticmethod(flashinfer_ops.rope_inplace)
+    silu_and_mul = staticmethod(flashinfer_ops.silu_and_mul)
+    matmul = staticmethod(gemv.matmul)
     can_qk_prologue = staticmethod(qk_prologue.can_qk_prologue)
     qk_prologue = staticmethod(qk_prologue.qk_prologue)
     can_moe = staticmethod(moe.fused_available)
+    moe = staticmethod(moe.moe_fused)
     decode_pieces = staticmethod(pieces.num_decode_pieces)
     merge_pieces = staticmethod(pieces.merge_pieces)
-
-    def moe(self, x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
-            expert_ids: torch.Tensor, weights: torch.Tensor,
-            silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
-        return moe.moe_fused(x, gate_up, down, expert_ids, weights, silu_and_mul)
 
     def cut_into_pieces(self, num_pages: np.ndarray, last_page_lens: np.ndarray,
                         page_size: int, num_pieces: int) -> pieces.Pieces:
@@ -67,7 +44,7 @@ KERNELS = Kernels()
 
 def kernel_status() -> dict[str, str]:
     """Each kernel's state: "on", "not tried yet", or why it runs as PyTorch code."""
-    if flashinfer_ops.not_importable():
+    if flashinfer_ops.import_error is not None:
         return {op: f"flashinfer not importable ({flashinfer_ops.import_error})" for op in OPS}
     return {op: op_status(op) for op in OPS}
 

@@ -24,8 +24,7 @@ ROPE_HEAD_DIMS = (64, 128, 256, 512)  # head sizes the rotary kernel is speciali
 OPS = ("rmsnorm", "fused_add_rmsnorm", "rope", "silu_and_mul")
 
 _kernels: SimpleNamespace | None = None
-import_error: str | None = None  # why flashinfer could not be imported, once tried
-_import_tried = False
+import_error: str | None = None  # why flashinfer could not be imported, once tried and failed
 
 
 def available(x: torch.Tensor) -> bool:
@@ -38,9 +37,8 @@ def available(x: torch.Tensor) -> bool:
 
 def _load() -> SimpleNamespace | None:
     """Import FlashInfer's kernels once; None (logged at debug level) when that fails."""
-    global _kernels, import_error, _import_tried
-    if not _import_tried:
-        _import_tried = True
+    global _kernels, import_error
+    if _kernels is None and import_error is None:  # not tried yet
         try:
             from flashinfer.activation import silu_and_mul
             from flashinfer.norm import fused_add_rmsnorm, rmsnorm
@@ -54,11 +52,6 @@ def _load() -> SimpleNamespace | None:
                 rmsnorm=rmsnorm, fused_add_rmsnorm=fused_add_rmsnorm,
                 rope=apply_rope_with_cos_sin_cache_inplace, silu_and_mul=silu_and_mul)
     return _kernels
-
-
-def not_importable() -> bool:
-    """flashinfer was tried and could not be imported."""
-    return _import_tried and _kernels is None
 
 
 # ------------------------------------------------------------------------------- RMSNorm
@@ -84,13 +77,16 @@ def can_rmsnorm(x: torch.Tensor, weight: torch.Tensor,
 
 def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float,
             residual: torch.Tensor | None = None
-            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
-    """RMSNorm as one kernel: :meth:`RMSNorm.forward <minisgl.layers.norm.RMSNorm.forward>`.
+            ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor] | None:
+    """RMSNorm as one kernel: :meth:`RMSNorm.forward <minisgl.layers.norm.RMSNorm.forward>`;
+    None where :func:`can_rmsnorm` refuses the call.
 
     The plain form writes a new tensor. The residual form works IN PLACE: ``residual``
     becomes ``x + residual``, then ``x`` becomes its normalised value; both are returned.
     """
-    assert _kernels is not None, "call can_rmsnorm() first"
+    if not can_rmsnorm(x, weight, residual):
+        return None
+    assert _kernels is not None  # can_rmsnorm loaded them
     if residual is None:
         out = torch.empty(x.shape, dtype=x.dtype, device=x.device)
         return _kernels.rmsnorm(x, weight, eps=eps, out=out)
@@ -139,12 +135,16 @@ def _heads_aligned(t: torch.Tensor, head_dim: int) -> bool:
 
 
 def rope_inplace(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
-                 cos_sin_cache: torch.Tensor, head_dim: int) -> None:
-    """Rotate ``q`` and ``k`` ([T, H*D] or [T, H, D]) IN PLACE, pairs (i, i + rotary_dim/2)."""
-    assert _kernels is not None, "call can_rope() first"
+                 cos_sin_cache: torch.Tensor, head_dim: int) -> bool:
+    """Rotate ``q`` and ``k`` ([T, H*D] or [T, H, D]) IN PLACE, pairs (i, i + rotary_dim/2);
+    False (nothing done) where :func:`can_rope` refuses the call."""
+    if not can_rope(positions, q, k, cos_sin_cache, head_dim):
+        return False
+    assert _kernels is not None  # can_rope loaded them
     # is_neox=True is the "rotate half" pairing of Llama/Qwen checkpoints; False would pair
     # neighbours (2i, 2i + 1).
     _kernels.rope(positions, q, k, head_dim, cos_sin_cache, is_neox=True)
+    return True
 
 
 # ------------------------------------------------------------------------ SiLU and multiply
@@ -160,9 +160,12 @@ def can_silu_and_mul(x: torch.Tensor) -> bool:
     return ready("silu_and_mul", x, _trial_silu_and_mul)
 
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """``silu(x[..., :d]) * x[..., d:]`` as one kernel, into a new tensor."""
-    assert _kernels is not None, "call can_silu_and_mul() first"
+def silu_and_mul(x: torch.Tensor) -> torch.Tensor | None:
+    """``silu(x[..., :d]) * x[..., d:]`` as one kernel, into a new tensor; None where
+    :func:`can_silu_and_mul` refuses the call."""
+    if not can_silu_and_mul(x):
+        return None
+    assert _kernels is not None  # can_silu_and_mul loaded them
     return _kernels.silu_and_mul(x)
 
 

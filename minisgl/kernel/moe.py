@@ -133,10 +133,8 @@ def moe_fused(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor,
     """The same sum as the reference, in two kernel launches plus the gate and the final sum.
 
     ``expert_ids`` and ``weights`` ([T, top_k]) are the router's choice (``Routing``);
-    ``silu_and_mul`` is the layers' gate, passed in because this package sits below them."""
-    if not fused_available(x):
-        raise RuntimeError(f"moe_fused needs a bfloat16 or float16 CUDA tensor and Triton, got "
-                           f"{x.dtype} on {x.device}; use moe_grouped instead")
+    ``silu_and_mul`` is the layers' gate, passed in because this package sits below them.
+    The caller checks :func:`fused_available` first (the MoE layer's ``fused`` path does)."""
     num_tokens, top_k = expert_ids.shape
     num_pairs = num_tokens * top_k
     # Small blocks when there are few rows (decode), larger ones for prefill.

@@ -15,8 +15,6 @@ exists only where Triton does (:mod:`.triton_compat`).
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 
 from minisgl.kernel.trials import on_gpu_16bit, ready, same_place
@@ -125,14 +123,10 @@ def launch(qkv: torch.Tensor, positions: torch.Tensor, num_qo_heads: int,
     return q
 
 
-class Destination(Protocol):
-    """Where the backend wants the new keys, values and queries (the layers' ``KVDestination``)."""
-
-    k_cache: torch.Tensor  # [slots, Hkv, head_dim]
-    v_cache: torch.Tensor
-    loc: torch.Tensor  # [T] int64
-    query_rows: torch.Tensor | None  # [T + 1] int32, or None for row t
-    num_query_rows: int
+# Where the backend wants the new keys, values and queries: the layers' ``KVDestination``, in
+# launch()'s order: k_cache and v_cache [slots, Hkv, head_dim], loc [T] int64, query_rows
+# ([T + 1] int32, or None for row t) and num_query_rows.
+Destination = tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None, int]
 
 
 def can_qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
@@ -176,11 +170,9 @@ def qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, num_qo_heads: int,
     and values come back as new ``[T, num_kv_heads, head_dim]`` tensors.
     """
     q_weight, k_weight = norm_weights if norm_weights is not None else (None, None)
-    if kv_dst is not None and can_store_into(kv_dst.k_cache, kv_dst.v_cache, head_dim):
-        q = launch(qkv, positions, num_qo_heads, num_kv_heads, head_dim, cos_sin_cache,
-                   q_weight, k_weight, eps, kv_dst.k_cache, kv_dst.v_cache, kv_dst.loc,
-                   kv_dst.query_rows, kv_dst.num_query_rows)
-        return q, None, None
+    if kv_dst is not None and can_store_into(kv_dst[0], kv_dst[1], head_dim):
+        return launch(qkv, positions, num_qo_heads, num_kv_heads, head_dim, cos_sin_cache,
+                      q_weight, k_weight, eps, *kv_dst), None, None
     shape = (qkv.shape[0], num_kv_heads, head_dim)
     k = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
     v = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)

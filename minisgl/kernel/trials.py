@@ -10,7 +10,6 @@ the plain PyTorch code instead of crashing.
 from __future__ import annotations
 
 import contextlib
-import logging
 from collections.abc import Callable, Iterator
 
 import torch
@@ -25,18 +24,7 @@ Trial = Callable[[torch.device, torch.dtype], None]
 
 _enabled = True
 _op_errors: dict[str, str | None] = {}  # op -> None (works) or why it was turned off
-_logged: set[str] = set()
-
-
-def enabled() -> bool:
-    """Whether the kernels may be used at all (:func:`use_fused` turns them off)."""
-    return _enabled
-
-
-def log_once(key: str, level: int, message: str, *args: object) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        logger.log(level, message, *args)
+_logged_dtypes: set[torch.dtype] = set()
 
 
 def ready(op: str, like: torch.Tensor, trial: Trial) -> bool:
@@ -84,8 +72,9 @@ def on_gpu_16bit(x: torch.Tensor) -> bool:
     if not (_enabled and x.is_cuda):
         return False
     if x.dtype not in SUPPORTED_DTYPES:
-        log_once(f"dtype-{x.dtype}", logging.DEBUG, "fused kernels: none takes %s; those calls "
-                 "run as PyTorch code", x.dtype)
+        if x.dtype not in _logged_dtypes:  # once per dtype: this runs for every layer's call
+            _logged_dtypes.add(x.dtype)
+            logger.debug("fused kernels: none takes %s; those calls run as PyTorch code", x.dtype)
         return False
     return True
 

@@ -109,8 +109,7 @@ def get_attention_backend() -> AttentionBackend:
 def use_attention_backend(backend: AttentionBackend) -> Iterator[AttentionBackend]:
     """Run the ``with`` block's forward passes through ``backend``; restore the previous after."""
     global _current_backend
-    previous = _current_backend
-    _current_backend = backend
+    previous, _current_backend = _current_backend, backend
     try:
         yield backend
     finally:

@@ -39,9 +39,7 @@ class _VocabParallelBase(BaseLayer):
         self.embedding_dim = embedding_dim
         self.start, self.end, self.padded_rows = vocab_rows(num_embeddings, self.tp_rank,
                                                             self.tp_size)
-        if weight is None:
-            weight = new_parameter(self.padded_rows, embedding_dim)
-        self.weight = weight
+        self.weight = new_parameter(self.padded_rows, embedding_dim) if weight is None else weight
 
     def load_weight(
         self, loaded: torch.Tensor, shard_id: ShardId = None, param_name: str = "weight"

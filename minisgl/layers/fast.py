@@ -36,6 +36,7 @@ class KVDestination(NamedTuple):
 
     The keys and values go into the layer's caches at the tokens' slots; the queries to row
     ``t`` for token ``t``, or to the rows ``query_rows`` names when the kernel reads them so.
+    The fields stay in this order: the qk prologue kernel unpacks them as its arguments.
     """
 
     k_cache: torch.Tensor  # [slots, Hkv, head_dim]

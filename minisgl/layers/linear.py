@@ -49,10 +49,7 @@ class _LinearBase(BaseLayer):
     def __init__(self, local_input_size: int, local_output_size: int, bias: bool = False) -> None:
         super().__init__()
         self.weight = new_parameter(local_output_size, local_input_size)
-        if bias:
-            self.bias = new_parameter(local_output_size)
-        else:
-            self.register_parameter("bias", None)
+        self.bias = new_parameter(local_output_size) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return matmul(x, self.weight, self.bias)
