@@ -3,9 +3,10 @@
 It *gathers* each request's keys and values out of the pages into a contiguous copy (the pool's
 ``gather_kv``) and computes ordinary attention on it; FlashInfer reads the pages in place, with
 the same result, which the tests check. A prefill (or mixed) batch attends request by request
-with a causal mask shifted by the cached length (:func:`causal_attention`); a decode batch is
-one computation over a padded ``[B, max_len]`` block (:func:`paged_decode_attention`). Scores
-and softmax are float32 whatever the cache dtype. Chapter 6 tells the story.
+with chapter 3's :func:`~minisgl.layers.attention.causal_attention`, its mask shifted by the
+cached length; a decode batch is one computation over a padded ``[B, max_len]`` block
+(:func:`paged_decode_attention`). Scores and softmax are float32 whatever the cache dtype.
+Chapter 6 tells the story.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import torch
 from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout, total_lens
 from minisgl.attention.utils import indptr_of
 from minisgl.kvcache.page_table import slots_of
+from minisgl.layers.attention import causal_attention
 from minisgl.utils.torch_utils import host_to_device
 
 
@@ -88,34 +90,6 @@ class TorchNativeBackend(BaseAttnBackend):
             for i, cached in enumerate(meta.layout.cached_lens)
         ]
         return torch.cat(outputs)
-
-
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     num_cached: int) -> torch.Tensor:
-    """One request: ``T`` new queries over ``S = num_cached + T`` keys, causally.
-
-    Args:
-        q: ``[T, Hq, D]`` queries of the new tokens, at positions ``num_cached .. S - 1``.
-        k: ``[S, Hkv, D]`` keys of the whole sequence, cached ones first.
-        v: ``[S, Hkv, D]`` values, likewise.
-        num_cached: how many of the ``S`` keys precede the new tokens.
-
-    Returns:
-        ``[T, Hq, D]`` in the dtype of ``q``.
-    """
-    num_new, num_qo_heads, head_dim = q.shape
-    num_kv_heads = k.shape[1]
-    # GQA without copying: split the query heads into [Hkv, group]; every query head of group
-    # h then meets KV head h through broadcasting.
-    qg = q.float().view(num_new, num_kv_heads, num_qo_heads // num_kv_heads, head_dim)
-    scores = torch.einsum("thgd,shd->hgts", qg, k.float()) * head_dim**-0.5
-    # The causal mask, shifted: new token t sits at position num_cached + t and sees keys
-    # 0 .. num_cached + t. With nothing cached this is the usual lower triangle.
-    query_pos = num_cached + torch.arange(num_new, device=q.device)
-    key_pos = torch.arange(k.shape[0], device=q.device)
-    scores.masked_fill_(key_pos[None, :] > query_pos[:, None], float("-inf"))
-    out = torch.einsum("hgts,shd->thgd", scores.softmax(dim=-1), v.float())
-    return out.reshape(num_new, num_qo_heads, head_dim).to(q.dtype)
 
 
 def paged_decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

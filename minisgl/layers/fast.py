@@ -27,7 +27,7 @@ class QueryRows:
     ``owners[r]``. A decode batch cut into pieces is one: each piece of a request is a row
     with the request's query."""
 
-    owners: torch.Tensor  # [R] int64, device: the token whose query each row holds
+    owners: torch.Tensor  # [R] int32, device: the token whose query each row holds
     indptr: torch.Tensor  # [T + 1] int32, device: token t's rows are indptr[t] .. indptr[t+1]-1
 
 
