@@ -27,7 +27,6 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -60,31 +59,7 @@ logger = get_logger(__name__)
 
 
 # =========================================================================== routes
-class Utf8BodyRoute(APIRoute):
-    """A route whose body must be UTF-8, as JSON is: anything else is HTTP 400 saying where
-    the first bad byte is (FastAPI would only say "There was an error parsing the body")."""
-
-    def get_route_handler(self) -> Callable[[Request], Any]:
-        handler = super().get_route_handler()
-
-        async def checked(request: Request) -> Response:
-            try:
-                body = await request.body()  # read once; the handler reads the same copy
-            except ClientDisconnect:  # gone before its body arrived: a 400, as FastAPI answers
-                raise APIError(400, "the client disconnected before its request body "
-                                    "arrived") from None
-            try:
-                body.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise APIError(400, f"the body is not valid UTF-8: byte 0x{body[exc.start]:02x} "
-                                    f"at position {exc.start} ({exc.reason}); JSON bodies must "
-                                    "be encoded in UTF-8") from None
-            return await handler(request)
-
-        return checked
-
-
-router = APIRouter(route_class=Utf8BodyRoute)
+router = APIRouter()
 
 
 def _frontend(request: Request) -> RequestRouter:
@@ -391,9 +366,9 @@ def answer_errors_as_openai(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        error = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
-                         kind="invalid_request_error" if exc.status_code < 500
-                         else "server_error")
+        error = unreadable_body(exc.__cause__) or APIError(
+            exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+            kind="invalid_request_error" if exc.status_code < 500 else "server_error")
         return error.response(headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ClientDisconnected)
@@ -405,3 +380,16 @@ def answer_errors_as_openai(app: FastAPI) -> None:
         logger.error("unexpected error while serving a request", exc_info=exc)
         return APIError(500, f"internal server error: {type(exc).__name__}",
                         kind="server_error").response()
+
+
+def unreadable_body(cause: BaseException | None) -> APIError | None:
+    """Why FastAPI could not read a body, which it answers with a bare HTTP 400 "There was an
+    error parsing the body": a body that is not UTF-8, as JSON must be (where its first bad
+    byte is), or a client that left before its body arrived."""
+    if isinstance(cause, UnicodeDecodeError):
+        return APIError(400, f"the body is not valid UTF-8: byte 0x{cause.object[cause.start]:02x} "
+                             f"at position {cause.start} ({cause.reason}); JSON bodies must be "
+                             "encoded in UTF-8")
+    if isinstance(cause, ClientDisconnect):
+        return APIError(400, "the client disconnected before its request body arrived")
+    return None
