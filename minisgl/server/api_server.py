@@ -62,10 +62,6 @@ logger = get_logger(__name__)
 router = APIRouter()
 
 
-def _frontend(request: Request) -> RequestRouter:
-    return request.app.state.frontend
-
-
 def _respond(request: Request, prefix: str,
              uids: list[int]) -> tuple[ResponseMeta, AccessRecord]:
     """The response's id (random, as OpenAI's are: unique across restarts), time and model, and
@@ -106,7 +102,7 @@ def checked_params(request: Request, body: ChatCompletionRequest | CompletionReq
 @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """A chat turn: the tokenizer applies the model's chat template to ``messages``."""
-    frontend = _frontend(request)
+    frontend: RequestRouter = request.app.state.frontend
     max_tokens = (body.max_tokens if body.max_completion_tokens is None
                   else body.max_completion_tokens)
     params = checked_params(request, body, max_tokens, DEFAULT_CHAT_MAX_TOKENS)
@@ -133,7 +129,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 async def completions(body: CompletionRequest, request: Request):
     """A plain completion of ``prompt`` (text, or token ids), no chat template. A list of
     prompts is answered with one choice per prompt, ``index`` in the order given."""
-    frontend = _frontend(request)
+    frontend: RequestRouter = request.app.state.frontend
     params = checked_params(request, body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
     prompts = body.prompts()
     uids = await submit_prompts(frontend, prompts, params, body.max_tokens is not None)
@@ -285,7 +281,7 @@ def _model_card(request: Request) -> dict[str, Any]:
 async def health(request: Request):
     """200 while every worker process runs; 503 and the reason otherwise (also
     while the API server cannot serve: its reply listener stopped, or it is shutting down)."""
-    unavailable = _frontend(request).unavailable
+    unavailable = request.app.state.frontend.unavailable
     problem = request.app.state.health() or (unavailable.message if unavailable else None)
     if problem is not None:
         return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
@@ -296,7 +292,7 @@ async def health(request: Request):
 async def metrics(request: Request):
     """Prometheus text: the workers' shared counters and the frontend's own."""
     state = request.app.state
-    text = metrics_text(state.metrics(), _frontend(request))
+    text = metrics_text(state.metrics(), state.frontend)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
