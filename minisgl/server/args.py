@@ -111,11 +111,6 @@ class ServerArgs:
         check_int("--reply-buffer-size", self.reply_buffer_size, at_least=1)
         check_seconds("--slow-reader-timeout", self.slow_reader_timeout_s)
         check_seconds("--shutdown-timeout", self.shutdown_timeout_s, allow_zero=True)
-        unknown = sorted(set(self.engine_options) - set(ENGINE_OPTIONS))
-        if unknown:
-            raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; "
-                             f"the options are: {', '.join(ENGINE_OPTIONS)}")
-        object.__setattr__(self, "engine_options", dict(self.engine_options))
 
     @property
     def model_name(self) -> str:
