@@ -68,8 +68,7 @@ def _respond(request: Request, prefix: str,
     the access log's record of its requests; the log line pairs the id with the uids."""
     meta = ResponseMeta(f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
                         request.app.state.model_name)
-    request.state.response_id = meta.id
-    request.state.access = record = AccessRecord(uids)
+    request.state.access = record = AccessRecord(uids, meta.id)
     return meta, record
 
 
@@ -131,8 +130,7 @@ async def completions(body: CompletionRequest, request: Request):
     prompts is answered with one choice per prompt, ``index`` in the order given."""
     frontend: RequestRouter = request.app.state.frontend
     params = checked_params(request, body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
-    prompts = body.prompts()
-    uids = await submit_prompts(frontend, prompts, params, body.max_tokens is not None)
+    uids = await submit_prompts(frontend, body.prompts(), params, body.max_tokens is not None)
     meta, record = _respond(request, "cmpl", uids)
     if body.stream:
         streams = await first_replies_then_rest(request, frontend, uids, "prompt")
