@@ -289,8 +289,7 @@ async def health(request: Request):
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request):
     """Prometheus text: the workers' shared counters and the frontend's own."""
-    state = request.app.state
-    text = metrics_text(state.metrics(), state.frontend)
+    text = metrics_text(request.app.state.metrics(), request.app.state.frontend)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 

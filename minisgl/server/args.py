@@ -129,10 +129,9 @@ class ServerArgs:
         The shell serves one conversation, so unless told otherwise it keeps one request
         slot (on CUDA that also means capturing a single decode graph instead of dozens).
         """
-        options = dict(self.engine_options)
-        if self.shell:
-            options.setdefault("max_running_reqs", 1)
-        return SchedulerConfig(model_path, device=self.device, dtype=self.dtype, **options)
+        shell_defaults = {"max_running_reqs": 1} if self.shell else {}
+        return SchedulerConfig(model_path, device=self.device, dtype=self.dtype,
+                               **{**shell_defaults, **self.engine_options})
 
 
 def build_parser() -> argparse.ArgumentParser:
