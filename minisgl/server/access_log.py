@@ -86,4 +86,3 @@ class AccessLog:
             record = state.get("access") or AccessRecord()  # no uid yet: every field is "-"
             logger.info("%s", record.line(scope["method"], scope["path"], status or 500,
                                           time.perf_counter() - start))
-
