@@ -8,7 +8,7 @@ the :class:`AccessLog` middleware writes the line. Chapter 16 tells the story.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator
 from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
@@ -25,6 +25,7 @@ class AccessRecord:
     """What the access log line says of one generation request (filled in as it goes)."""
 
     uids: list[int] = field(default_factory=list)
+    response_id: str | None = None  # pairs the response's id with the uids
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
@@ -35,6 +36,16 @@ class AccessRecord:
             self.prompt_tokens += reply.usage.prompt_tokens
             self.completion_tokens += reply.usage.completion_tokens
         self.finish_reasons.append(reply.finish_reason or "error")
+
+    def line(self, method: str, path: str, status: int, seconds: float) -> str:
+        """``POST /v1/completions 200 uid=3 prompt_tokens=5 completion_tokens=16
+        finish=length id=cmpl-... 0.052s``; the fields a request did not get to are ``-``."""
+        done = bool(self.finish_reasons)
+        return (f"{method} {path} {status} uid={','.join(map(str, self.uids)) or '-'} "
+                f"prompt_tokens={self.prompt_tokens if done else '-'} "
+                f"completion_tokens={self.completion_tokens if done else '-'} "
+                f"finish={','.join(self.finish_reasons) or '-'} id={self.response_id or '-'} "
+                f"{seconds:.3f}s")
 
 
 async def observed(replies: AsyncIterator[UserReply],
@@ -72,21 +83,6 @@ class AccessLog:
         try:
             await self.app(scope, receive, sending)
         finally:
-            logger.info("%s", access_line(scope["method"], scope["path"], status or 500,
-                                          time.perf_counter() - start, state.get("access"),
-                                          state.get("response_id")))
-
-
-def access_line(method: str, path: str, status: int, seconds: float,
-                record: AccessRecord | None, response_id: str | None) -> str:
-    """``POST /v1/completions 200 uid=3 id=cmpl-... prompt_tokens=5 completion_tokens=16
-    finish=length 0.052s``; the fields a request did not get to are ``-``."""
-    def shown(values: Sequence[object]) -> str:
-        return ",".join(map(str, values)) or "-"
-
-    record = record or AccessRecord()  # a request that got no uid: every field is "-"
-    done = bool(record.finish_reasons)
-    return (f"{method} {path} {status} uid={shown(record.uids)} "
-            f"prompt_tokens={record.prompt_tokens if done else '-'} "
-            f"completion_tokens={record.completion_tokens if done else '-'} "
-            f"finish={shown(record.finish_reasons)} id={response_id or '-'} {seconds:.3f}s")
+            record = state.get("access") or AccessRecord()  # no uid yet: every field is "-"
+            logger.info("%s", record.line(scope["method"], scope["path"], status or 500,
+                                          time.perf_counter() - start))

@@ -27,7 +27,6 @@ from typing import Any
 from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse, Response
-from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
@@ -60,35 +59,7 @@ logger = get_logger(__name__)
 
 
 # =========================================================================== routes
-class Utf8BodyRoute(APIRoute):
-    """A route whose body must be UTF-8, as JSON is: anything else is HTTP 400 saying where
-    the first bad byte is (FastAPI would only say "There was an error parsing the body")."""
-
-    def get_route_handler(self) -> Callable[[Request], Any]:
-        handler = super().get_route_handler()
-
-        async def checked(request: Request) -> Response:
-            try:
-                body = await request.body()  # read once; the handler reads the same copy
-            except ClientDisconnect:  # gone before its body arrived: a 400, as FastAPI answers
-                raise APIError(400, "the client disconnected before its request body "
-                                    "arrived") from None
-            try:
-                body.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                raise APIError(400, f"the body is not valid UTF-8: byte 0x{body[exc.start]:02x} "
-                                    f"at position {exc.start} ({exc.reason}); JSON bodies must "
-                                    "be encoded in UTF-8") from None
-            return await handler(request)
-
-        return checked
-
-
-router = APIRouter(route_class=Utf8BodyRoute)
-
-
-def _frontend(request: Request) -> RequestRouter:
-    return request.app.state.frontend
+router = APIRouter()
 
 
 def _respond(request: Request, prefix: str,
@@ -97,8 +68,7 @@ def _respond(request: Request, prefix: str,
     the access log's record of its requests; the log line pairs the id with the uids."""
     meta = ResponseMeta(f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
                         request.app.state.model_name)
-    request.state.response_id = meta.id
-    request.state.access = record = AccessRecord(uids)
+    request.state.access = record = AccessRecord(uids, meta.id)
     return meta, record
 
 
@@ -131,7 +101,7 @@ def checked_params(request: Request, body: ChatCompletionRequest | CompletionReq
 @router.post("/v1/chat/completions", responses=GENERATION_RESPONSES)
 async def chat_completions(body: ChatCompletionRequest, request: Request):
     """A chat turn: the tokenizer applies the model's chat template to ``messages``."""
-    frontend = _frontend(request)
+    frontend: RequestRouter = request.app.state.frontend
     max_tokens = (body.max_tokens if body.max_completion_tokens is None
                   else body.max_completion_tokens)
     params = checked_params(request, body, max_tokens, DEFAULT_CHAT_MAX_TOKENS)
@@ -158,10 +128,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
 async def completions(body: CompletionRequest, request: Request):
     """A plain completion of ``prompt`` (text, or token ids), no chat template. A list of
     prompts is answered with one choice per prompt, ``index`` in the order given."""
-    frontend = _frontend(request)
+    frontend: RequestRouter = request.app.state.frontend
     params = checked_params(request, body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
-    prompts = body.prompts()
-    uids = await submit_prompts(frontend, prompts, params, body.max_tokens is not None)
+    uids = await submit_prompts(frontend, body.prompts(), params, body.max_tokens is not None)
     meta, record = _respond(request, "cmpl", uids)
     if body.stream:
         streams = await first_replies_then_rest(request, frontend, uids, "prompt")
@@ -310,7 +279,7 @@ def _model_card(request: Request) -> dict[str, Any]:
 async def health(request: Request):
     """200 while every worker process runs; 503 and the reason otherwise (also
     while the API server cannot serve: its reply listener stopped, or it is shutting down)."""
-    unavailable = _frontend(request).unavailable
+    unavailable = request.app.state.frontend.unavailable
     problem = request.app.state.health() or (unavailable.message if unavailable else None)
     if problem is not None:
         return JSONResponse({"status": "unhealthy", "reason": problem}, status_code=503)
@@ -320,8 +289,7 @@ async def health(request: Request):
 @router.get("/metrics", response_class=PlainTextResponse)
 async def metrics(request: Request):
     """Prometheus text: the workers' shared counters and the frontend's own."""
-    state = request.app.state
-    text = metrics_text(state.metrics(), _frontend(request))
+    text = metrics_text(request.app.state.metrics(), request.app.state.frontend)
     return PlainTextResponse(text, media_type="text/plain; version=0.0.4")
 
 
@@ -391,9 +359,9 @@ def answer_errors_as_openai(app: FastAPI) -> None:
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
-        error = APIError(exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
-                         kind="invalid_request_error" if exc.status_code < 500
-                         else "server_error")
+        error = unreadable_body(exc.__cause__) or APIError(
+            exc.status_code, f"{exc.detail}: {request.method} {request.url.path}",
+            kind="invalid_request_error" if exc.status_code < 500 else "server_error")
         return error.response(headers=getattr(exc, "headers", None))
 
     @app.exception_handler(ClientDisconnected)
@@ -405,3 +373,16 @@ def answer_errors_as_openai(app: FastAPI) -> None:
         logger.error("unexpected error while serving a request", exc_info=exc)
         return APIError(500, f"internal server error: {type(exc).__name__}",
                         kind="server_error").response()
+
+
+def unreadable_body(cause: BaseException | None) -> APIError | None:
+    """Why FastAPI could not read a body, which it answers with a bare HTTP 400 "There was an
+    error parsing the body": a body that is not UTF-8, as JSON must be (where its first bad
+    byte is), or a client that left before its body arrived."""
+    if isinstance(cause, UnicodeDecodeError):
+        return APIError(400, f"the body is not valid UTF-8: byte 0x{cause.object[cause.start]:02x} "
+                             f"at position {cause.start} ({cause.reason}); JSON bodies must be "
+                             "encoded in UTF-8")
+    if isinstance(cause, ClientDisconnect):
+        return APIError(400, "the client disconnected before its request body arrived")
+    return None

@@ -111,11 +111,6 @@ class ServerArgs:
         check_int("--reply-buffer-size", self.reply_buffer_size, at_least=1)
         check_seconds("--slow-reader-timeout", self.slow_reader_timeout_s)
         check_seconds("--shutdown-timeout", self.shutdown_timeout_s, allow_zero=True)
-        unknown = sorted(set(self.engine_options) - set(ENGINE_OPTIONS))
-        if unknown:
-            raise ValueError(f"unknown engine option(s) {', '.join(unknown)}; "
-                             f"the options are: {', '.join(ENGINE_OPTIONS)}")
-        object.__setattr__(self, "engine_options", dict(self.engine_options))
 
     @property
     def model_name(self) -> str:
@@ -134,10 +129,9 @@ class ServerArgs:
         The shell serves one conversation, so unless told otherwise it keeps one request
         slot (on CUDA that also means capturing a single decode graph instead of dozens).
         """
-        options = dict(self.engine_options)
-        if self.shell:
-            options.setdefault("max_running_reqs", 1)
-        return SchedulerConfig(model_path, device=self.device, dtype=self.dtype, **options)
+        shell_defaults = {"max_running_reqs": 1} if self.shell else {}
+        return SchedulerConfig(model_path, device=self.device, dtype=self.dtype,
+                               **{**shell_defaults, **self.engine_options})
 
 
 def build_parser() -> argparse.ArgumentParser:

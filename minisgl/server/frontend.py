@@ -163,8 +163,7 @@ class RequestRouter:
         ``params.max_tokens``, so a prompt that leaves less room is refused, not shortened.
 
         Raises:
-            APIError: the server cannot serve (a worker died, it is shutting down: 503), or
-                the request cannot be sent (a value too large for the wire: 400).
+            APIError: the server cannot serve (a worker died, it is shutting down: 503).
         """
         if self.unavailable is not None:  # a worker died, the server is shutting down
             raise APIError.of(self.unavailable)
@@ -176,10 +175,8 @@ class RequestRouter:
         self._pending[uid] = ReplyBuffer(self.reply_buffer_size)
         try:
             await self._tokenizer_of(uid).put(request)
-        except BaseException as exc:
+        except BaseException:
             self._pending.pop(uid, None)
-            if isinstance(exc, SerializationError):  # e.g. an integer that needs over 64 bits
-                raise APIError(400, f"the request cannot be sent to the workers: {exc}") from None
             raise
         self.stats.submitted += 1
         return uid

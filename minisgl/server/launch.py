@@ -183,11 +183,7 @@ def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
                                  "max_seq_len", config.get("max_position_embeddings")),
                              metrics=workers.snapshot, health=workers.health)
             logger.info("minisgl serving %s on %s", args.model_name, args.url)
-            serve_http(app, listener, args.shutdown_timeout_s, health=workers.health)
-            return 0
-        except WorkerDied as exc:
-            logger.error("%s: the server cannot serve without it, and stops", exc)
-            return EXIT_WORKER_DIED
+            return serve_http(app, listener, args.shutdown_timeout_s, health=workers.health)
         except KeyboardInterrupt:
             logger.info("interrupted (SIGINT): shutting down")
             return EXIT_SIGINT
@@ -243,9 +239,10 @@ def bind_port(host: str, port: int) -> socket.socket:
 
 
 def serve_http(app: Any, sock: socket.socket, shutdown_timeout_s: float = 5.0,
-               health: Callable[[], str | None] | None = None) -> None:
+               health: Callable[[], str | None] | None = None) -> int:
     """Run uvicorn on ``sock`` until SIGINT or SIGTERM, or until ``health`` says a worker has
-    died (then :class:`WorkerDied` is raised, ``WORKER_DIED_GRACE_S`` seconds later).
+    died (then, ``WORKER_DIED_GRACE_S`` seconds later, return ``EXIT_WORKER_DIED``); 0 when
+    uvicorn stops by itself.
 
     uvicorn catches both signals to shut down gracefully, then raises the signal again with
     our handlers back in place, so the launcher's clean-up runs after it.
@@ -263,7 +260,9 @@ def serve_http(app: Any, sock: socket.socket, shutdown_timeout_s: float = 5.0,
     if server.stopped_by == signal.SIGTERM:
         raise _Terminated
     if server.worker_died is not None:
-        raise WorkerDied(server.worker_died)
+        logger.error("%s: the server cannot serve without it, and stops", server.worker_died)
+        return EXIT_WORKER_DIED
+    return 0
 
 
 class OrderlyServer(uvicorn.Server):
@@ -319,10 +318,6 @@ class OrderlyServer(uvicorn.Server):
         if self.force_exit:  # a second Ctrl-C: no more waiting. uvicorn's handlers are only
             # installed while it serves, so the loop runs (in this thread, between bytecodes).
             asyncio.get_running_loop().call_soon_threadsafe(self._end_requests)
-
-
-class WorkerDied(Exception):
-    """A worker process exited while the server was serving."""
 
 
 # --------------------------------------------------------------------------- signals
