@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # type names only: this module must stay importable without t
 # A torch.Generator accepts any seed that fits in an unsigned 64-bit integer.
 _MAX_SEED = 2**64 - 1
 
+# Why generation ended: a stop or end-of-sequence token, or max_tokens reached.
+FinishReason = Literal["stop", "length"]
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -143,7 +146,6 @@ def _invalid(field: str, value: object, allowed: str) -> None:
 # Requests and batches
 # --------------------------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length"]
 Phase = Literal["prefill", "decode"]
 PHASES: tuple[Phase, ...] = ("prefill", "decode")
 

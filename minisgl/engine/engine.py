@@ -168,36 +168,34 @@ class Engine:
         return limit if wanted is None else wanted
 
     def _plan_kv_budget(self, max_pages_per_req: int) -> KVBudget:
-        """This rank's budget, lowered to the smallest any rank can hold: every
-        rank makes the same paging decisions, so every rank must have the same pages."""
-        budget = self._plan_local_kv_budget(max_pages_per_req)
-        agreed = min_over_ranks(budget.num_pages)
-        if agreed < budget.num_pages:
-            budget = dataclasses.replace(
-                budget, num_pages=agreed,
-                source=f"{budget.source}, lowered to the smallest of {self.tp.size} ranks")
-        return budget
+        """Decide the pool's memory: a fixed page count, free GPU memory, or the CPU setting.
 
-    def _plan_local_kv_budget(self, max_pages_per_req: int) -> KVBudget:
-        """Decide the pool's memory: a fixed page count, free GPU memory, or the CPU setting."""
-        config = self.config
+        Then lower it to the smallest budget any rank can hold: every rank makes the same
+        paging decisions, so every rank must have the same pages.
+        """
+        config, free = self.config, None
+        if config.num_pages is not None:
+            bytes_per_page = self.rank_config.kv_bytes_per_token(self.dtype) * config.page_size
+            budget, source = config.num_pages * bytes_per_page, "the num_pages setting"
+        elif self.device.type == "cuda":
+            free = free_device_memory(self.device)
+            budget = int(free * config.memory_fraction)
+            source = (f"{config.memory_fraction:g} x {free / GiB:.2f} GiB free on "
+                      f"{self.device} after loading the model")
+        else:
+            assert config.cpu_kv_memory is not None  # EngineConfig read it from the environment
+            budget, source = config.cpu_kv_memory, "cpu_kv_memory (MINISGL_CPU_KV_MEMORY)"
         # More pages than every row of the page table can map would never be used (+1: the
         # spare page the CUDA graphs pad their batches with).
         max_useful = config.max_running_reqs * max_pages_per_req + 1
-        bytes_per_page = self.rank_config.kv_bytes_per_token(self.dtype) * config.page_size
-        if config.num_pages is not None:
-            return plan_kv_budget(config.num_pages * bytes_per_page, "the num_pages setting",
-                                  self.rank_config, self.dtype, config.page_size, max_useful)
-        if self.device.type == "cuda":
-            free = free_device_memory(self.device)
-            return plan_kv_budget(int(free * config.memory_fraction),
-                                  f"{config.memory_fraction:g} x {free / GiB:.2f} GiB free on "
-                                  f"{self.device} after loading the model",
-                                  self.rank_config, self.dtype, config.page_size, max_useful,
-                                  free_bytes=free)
-        assert config.cpu_kv_memory is not None  # EngineConfig filled it in from the environment
-        return plan_kv_budget(config.cpu_kv_memory, "cpu_kv_memory (MINISGL_CPU_KV_MEMORY)",
-                              self.rank_config, self.dtype, config.page_size, max_useful)
+        plan = plan_kv_budget(budget, source, self.rank_config, self.dtype, config.page_size,
+                              max_useful, free_bytes=free)
+        agreed = min_over_ranks(plan.num_pages)
+        if agreed < plan.num_pages:
+            plan = dataclasses.replace(
+                plan, num_pages=agreed,
+                source=f"{plan.source}, lowered to the smallest of {self.tp.size} ranks")
+        return plan
 
     def _log_kv_budget(self) -> None:
         b = self.kv_budget
