@@ -136,8 +136,12 @@ class Engine:
             self.model_config, num_qo_heads=self.model_config.num_qo_heads // self.tp.size,
             num_kv_heads=local_kv_heads(self.model_config.num_kv_heads, self.tp.size))
 
+        limit = self.model_config.max_position_embeddings
+        model_max_len = config.max_seq_len or limit
+        if model_max_len > limit:
+            raise ValueError(f"max_seq_len {model_max_len} exceeds the model's "
+                             f"max_position_embeddings ({limit}): its rotary table stops there")
         # Size the cache *after* loading the model: what the weights took is no longer free.
-        model_max_len = self._model_max_seq_len()
         self.kv_budget = self._plan_kv_budget(max_pages_per_req=pages_for(model_max_len,
                                                                           config.page_size))
         self.kv_pool = MHAKVPool.from_config(self.rank_config, self.kv_budget.num_pages,
@@ -158,14 +162,6 @@ class Engine:
         self.token_pool = TokenPool(num_rows, self.max_seq_len, self.device)
         self._log_kv_budget()
         self.graph_runner = self._make_graph_runner(no_graphs)
-
-    def _model_max_seq_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        wanted = self.config.max_seq_len
-        if wanted is not None and wanted > limit:
-            raise ValueError(f"max_seq_len {wanted} exceeds the model's "
-                             f"max_position_embeddings ({limit}): its rotary table stops there")
-        return limit if wanted is None else wanted
 
     def _plan_kv_budget(self, max_pages_per_req: int) -> KVBudget:
         """Decide the pool's memory: a fixed page count, free GPU memory, or the CPU setting.
@@ -339,5 +335,4 @@ def free_device_memory(device: torch.device) -> int:
     gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    free, _total = torch.cuda.mem_get_info(device)
-    return free
+    return torch.cuda.mem_get_info(device)[0]  # (free, total)
