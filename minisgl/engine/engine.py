@@ -38,8 +38,6 @@ from minisgl.utils.torch_utils import resolve_device, resolve_dtype
 
 logger = get_logger(__name__)
 
-GiB = 2**30
-
 
 @dataclass(frozen=True)
 class KVBudget:
@@ -176,7 +174,7 @@ class Engine:
         elif self.device.type == "cuda":
             free = free_device_memory(self.device)
             budget = int(free * config.memory_fraction)
-            source = (f"{config.memory_fraction:g} x {free / GiB:.2f} GiB free on "
+            source = (f"{config.memory_fraction:g} x {free / 2**30:.2f} GiB free on "
                       f"{self.device} after loading the model")
         else:
             assert config.cpu_kv_memory is not None  # EngineConfig read it from the environment
