@@ -99,7 +99,8 @@ class GraphRunner:
     """Captures the engine's decode step for a list of batch sizes and replays it.
 
     Args:
-        batch_sizes: the batch sizes to capture.
+        batch_sizes: the batch sizes to capture, at least one (``capture_batch_sizes`` of a
+            checked config).
         device: the CUDA device.
         prepare: ``prepare(bs)`` readies a batch of ``bs`` padding entries in the fixed
             memory (outside the graph: planning runs on the host).
@@ -116,8 +117,6 @@ class GraphRunner:
 
     def __init__(self, batch_sizes: Sequence[int], device: torch.device,
                  prepare: Callable[[int], object], run: Callable[[int], None]) -> None:
-        if not batch_sizes:
-            raise ValueError("batch_sizes must name at least one batch size to capture")
         self.batch_sizes = tuple(sorted(set(batch_sizes)))
         self.max_batch_size = self.batch_sizes[-1]
         # batch size -> the captured size that serves it, looked up once per step
