@@ -28,6 +28,9 @@ if TYPE_CHECKING:  # type names only: this module must stay importable without t
 # A torch.Generator accepts any seed that fits in an unsigned 64-bit integer.
 _MAX_SEED = 2**64 - 1
 
+# Why generation ended: a stop or end-of-sequence token, or max_tokens reached.
+FinishReason = Literal["stop", "length"]
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -143,7 +146,6 @@ def _invalid(field: str, value: object, allowed: str) -> None:
 # Requests and batches
 # --------------------------------------------------------------------------------------------
 
-FinishReason = Literal["stop", "length"]
 Phase = Literal["prefill", "decode"]
 PHASES: tuple[Phase, ...] = ("prefill", "decode")
 
@@ -216,20 +218,6 @@ class Req:
     def new_len(self) -> int:
         """Tokens the next forward pass computes: those without K/V in the pool yet."""
         return self.num_tokens - self.cached_len
-
-    def token_range(self, start: int, end: int) -> list[int]:
-        """``token_ids[start:end]``, without building the whole sequence first.
-
-        A decode step feeds one token of a sequence that may be thousands long; copying the
-        prompt and the output into one list to read it would cost the host that much per
-        request per step.
-        """
-        num_prompt = len(self.prompt_ids)
-        if start >= num_prompt:
-            return self.output_ids[start - num_prompt:end - num_prompt]
-        if end <= num_prompt:
-            return self.prompt_ids[start:end]
-        return self.prompt_ids[start:] + self.output_ids[:end - num_prompt]
 
     @property
     def is_finished(self) -> bool:
@@ -349,10 +337,3 @@ class Batch:
         for req, computed, complete in zip(self.reqs, self.new_lens, self.completes):
             req.cached_len += computed
             req.in_flight += complete
-
-    def new_token_ids(self) -> list[int]:
-        """The tokens this pass feeds, request after request, packed (no padding)."""
-        ids: list[int] = []
-        for req, n in zip(self.reqs, self.new_lens):
-            ids += req.token_range(req.cached_len, req.cached_len + n)
-        return ids

@@ -110,7 +110,7 @@ def all_pages_return(request: pytest.FixtureRequest) -> Iterator[None]:
 def test_a_new_request_has_its_whole_prompt_to_compute() -> None:
     req = Req(7, [5, 6, 7], greedy())
     assert (req.num_tokens, req.cached_len, req.new_len) == (3, 0, 3)
-    assert req.token_range(req.cached_len, req.num_tokens) == [5, 6, 7] and req.table_row is None
+    assert req.token_ids[req.cached_len:] == [5, 6, 7] and req.table_row is None
 
 
 def test_after_prefill_only_the_sampled_token_is_new() -> None:
@@ -118,7 +118,7 @@ def test_after_prefill_only_the_sampled_token_is_new() -> None:
     req.cached_len = 3  # what Batch.advance does after the prefill
     req.append_token(42)
     assert req.token_ids == [5, 6, 7, 42]
-    assert (req.new_len, req.token_range(req.cached_len, req.num_tokens)) == (1, [42])
+    assert (req.new_len, req.token_ids[req.cached_len:]) == (1, [42])
 
 
 @pytest.mark.parametrize(("params", "tokens", "reason"), [
@@ -149,11 +149,22 @@ def test_request_rejects_empty_or_negative_prompts(prompt: list[int]) -> None:
         Req(3, prompt)
 
 
-def test_batch_counts_and_packs_the_new_tokens() -> None:
+def fed_ids(engine: Engine, batch: Batch) -> list[int]:
+    """The input ids the engine packs for ``batch`` (its requests hold pages meanwhile)."""
+    for req in batch.reqs:
+        engine.pages.reserve(req)
+    try:
+        return engine.input_ids(batch).tolist()
+    finally:
+        for req in batch.reqs:
+            engine.pages.release(req)
+
+
+def test_batch_counts_and_packs_the_new_tokens(engine: Engine) -> None:
     a, b = Req(0, [1, 2, 3]), Req(1, [4])
     batch = Batch([a, b], "prefill")
     assert (batch.size, batch.num_tokens, batch.is_prefill) == (2, 4, True)
-    assert batch.new_token_ids() == [1, 2, 3, 4]
+    assert fed_ids(engine, batch) == [1, 2, 3, 4]
 
 
 def test_decode_batch_rejects_a_request_that_was_not_prefilled() -> None:
@@ -171,11 +182,11 @@ def test_batch_rejects_impossible_batches(make, match: str) -> None:
         make(Req(0, [1, 2]))
 
 
-def test_chunk_lens_feed_only_the_first_tokens_of_a_request() -> None:
+def test_chunk_lens_feed_only_the_first_tokens_of_a_request(engine: Engine) -> None:
     a, b = Req(0, [1, 2, 3, 4, 5]), Req(1, [6, 7])
     batch = Batch([a, b], "prefill", chunk_lens=[3, 2])
-    assert (batch.new_lens, batch.num_tokens, batch.new_token_ids()) == ([3, 2], 5,
-                                                                         [1, 2, 3, 6, 7])
+    assert (batch.new_lens, batch.num_tokens) == ([3, 2], 5)
+    assert fed_ids(engine, batch) == [1, 2, 3, 6, 7]
     with pytest.raises(ValueError, match="between 1 and its 2 uncomputed"):
         Batch([a, b], "prefill", chunk_lens=[3, 3])
 

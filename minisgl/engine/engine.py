@@ -38,8 +38,6 @@ from minisgl.utils.torch_utils import resolve_device, resolve_dtype
 
 logger = get_logger(__name__)
 
-GiB = 2**30
-
 
 @dataclass(frozen=True)
 class KVBudget:
@@ -136,8 +134,12 @@ class Engine:
             self.model_config, num_qo_heads=self.model_config.num_qo_heads // self.tp.size,
             num_kv_heads=local_kv_heads(self.model_config.num_kv_heads, self.tp.size))
 
+        limit = self.model_config.max_position_embeddings
+        model_max_len = config.max_seq_len or limit
+        if model_max_len > limit:
+            raise ValueError(f"max_seq_len {model_max_len} exceeds the model's "
+                             f"max_position_embeddings ({limit}): its rotary table stops there")
         # Size the cache *after* loading the model: what the weights took is no longer free.
-        model_max_len = self._model_max_seq_len()
         self.kv_budget = self._plan_kv_budget(max_pages_per_req=pages_for(model_max_len,
                                                                           config.page_size))
         self.kv_pool = MHAKVPool.from_config(self.rank_config, self.kv_budget.num_pages,
@@ -159,45 +161,35 @@ class Engine:
         self._log_kv_budget()
         self.graph_runner = self._make_graph_runner(no_graphs)
 
-    def _model_max_seq_len(self) -> int:
-        limit = self.model_config.max_position_embeddings
-        wanted = self.config.max_seq_len
-        if wanted is not None and wanted > limit:
-            raise ValueError(f"max_seq_len {wanted} exceeds the model's "
-                             f"max_position_embeddings ({limit}): its rotary table stops there")
-        return limit if wanted is None else wanted
-
     def _plan_kv_budget(self, max_pages_per_req: int) -> KVBudget:
-        """This rank's budget, lowered to the smallest any rank can hold: every
-        rank makes the same paging decisions, so every rank must have the same pages."""
-        budget = self._plan_local_kv_budget(max_pages_per_req)
-        agreed = min_over_ranks(budget.num_pages)
-        if agreed < budget.num_pages:
-            budget = dataclasses.replace(
-                budget, num_pages=agreed,
-                source=f"{budget.source}, lowered to the smallest of {self.tp.size} ranks")
-        return budget
+        """Decide the pool's memory: a fixed page count, free GPU memory, or the CPU setting.
 
-    def _plan_local_kv_budget(self, max_pages_per_req: int) -> KVBudget:
-        """Decide the pool's memory: a fixed page count, free GPU memory, or the CPU setting."""
-        config = self.config
+        Then lower it to the smallest budget any rank can hold: every rank makes the same
+        paging decisions, so every rank must have the same pages.
+        """
+        config, free = self.config, None
+        if config.num_pages is not None:
+            bytes_per_page = self.rank_config.kv_bytes_per_token(self.dtype) * config.page_size
+            budget, source = config.num_pages * bytes_per_page, "the num_pages setting"
+        elif self.device.type == "cuda":
+            free = free_device_memory(self.device)
+            budget = int(free * config.memory_fraction)
+            source = (f"{config.memory_fraction:g} x {free / 2**30:.2f} GiB free on "
+                      f"{self.device} after loading the model")
+        else:
+            assert config.cpu_kv_memory is not None  # EngineConfig read it from the environment
+            budget, source = config.cpu_kv_memory, "cpu_kv_memory (MINISGL_CPU_KV_MEMORY)"
         # More pages than every row of the page table can map would never be used (+1: the
         # spare page the CUDA graphs pad their batches with).
         max_useful = config.max_running_reqs * max_pages_per_req + 1
-        bytes_per_page = self.rank_config.kv_bytes_per_token(self.dtype) * config.page_size
-        if config.num_pages is not None:
-            return plan_kv_budget(config.num_pages * bytes_per_page, "the num_pages setting",
-                                  self.rank_config, self.dtype, config.page_size, max_useful)
-        if self.device.type == "cuda":
-            free = free_device_memory(self.device)
-            return plan_kv_budget(int(free * config.memory_fraction),
-                                  f"{config.memory_fraction:g} x {free / GiB:.2f} GiB free on "
-                                  f"{self.device} after loading the model",
-                                  self.rank_config, self.dtype, config.page_size, max_useful,
-                                  free_bytes=free)
-        assert config.cpu_kv_memory is not None  # EngineConfig filled it in from the environment
-        return plan_kv_budget(config.cpu_kv_memory, "cpu_kv_memory (MINISGL_CPU_KV_MEMORY)",
-                              self.rank_config, self.dtype, config.page_size, max_useful)
+        plan = plan_kv_budget(budget, source, self.rank_config, self.dtype, config.page_size,
+                              max_useful, free_bytes=free)
+        agreed = min_over_ranks(plan.num_pages)
+        if agreed < plan.num_pages:
+            plan = dataclasses.replace(
+                plan, num_pages=agreed,
+                source=f"{plan.source}, lowered to the smallest of {self.tp.size} ranks")
+        return plan
 
     def _log_kv_budget(self) -> None:
         b = self.kv_budget
@@ -341,5 +333,4 @@ def free_device_memory(device: torch.device) -> int:
     gc.collect()
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
-    free, _total = torch.cuda.mem_get_info(device)
-    return free
+    return torch.cuda.mem_get_info(device)[0]  # (free, total)

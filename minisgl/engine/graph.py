@@ -99,7 +99,8 @@ class GraphRunner:
     """Captures the engine's decode step for a list of batch sizes and replays it.
 
     Args:
-        batch_sizes: the batch sizes to capture.
+        batch_sizes: the batch sizes to capture, at least one (``capture_batch_sizes`` of a
+            checked config).
         device: the CUDA device.
         prepare: ``prepare(bs)`` readies a batch of ``bs`` padding entries in the fixed
             memory (outside the graph: planning runs on the host).
@@ -108,31 +109,28 @@ class GraphRunner:
     Use :meth:`disabled` for a runner that replays nothing.
     """
 
+    # What a runner that captured nothing keeps (see :meth:`disabled`).
+    disabled_reason: str | None = None
+    batch_sizes: tuple[int, ...] = ()
+    max_batch_size = 0  # the largest captured size
+    capture_seconds = 0.0
+
     def __init__(self, batch_sizes: Sequence[int], device: torch.device,
                  prepare: Callable[[int], object], run: Callable[[int], None]) -> None:
-        if not batch_sizes:
-            raise ValueError("batch_sizes must name at least one batch size to capture")
-        self.disabled_reason: str | None = None
-        self.batch_sizes: tuple[int, ...] = tuple(sorted(set(batch_sizes)))
-        self.max_batch_size = self.batch_sizes[-1]  # the largest captured size (0 when disabled)
+        self.batch_sizes = tuple(sorted(set(batch_sizes)))
+        self.max_batch_size = self.batch_sizes[-1]
         # batch size -> the captured size that serves it, looked up once per step
         self._padded_size = [0] + [padded_batch_size(b, self.batch_sizes)
                                    for b in range(1, self.max_batch_size + 1)]
         self.device = device
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.capture_seconds = 0.0
         self._capture_all(prepare, run)
 
     @classmethod
     def disabled(cls, reason: str) -> GraphRunner:
         """A runner that captures and replays nothing; ``disabled_reason`` says why."""
         runner = cls.__new__(cls)
-        runner.disabled_reason = reason
-        runner.batch_sizes = ()
-        runner.max_batch_size = 0
-        runner._padded_size = [0]
-        runner.graphs = {}
-        runner.capture_seconds = 0.0
+        runner.disabled_reason, runner.graphs = reason, {}
         logger.info("CUDA graphs: off (%s); decode steps run eagerly", reason)
         return runner
 

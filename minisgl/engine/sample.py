@@ -186,9 +186,7 @@ def make_generator(seed: int, device: torch.device | str) -> torch.Generator:
     replay the same noise). The same seed reproduces the same tokens on the same device type;
     CPU and CUDA generators produce different streams.
     """
-    generator = torch.Generator(device=device)
-    generator.manual_seed(seed)
-    return generator
+    return torch.Generator(device=device).manual_seed(seed)
 
 
 def sample_from_probs(probs: torch.Tensor,

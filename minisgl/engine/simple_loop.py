@@ -13,16 +13,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 
-from minisgl.core import SamplingParams
+from minisgl.core import FinishReason, SamplingParams
 from minisgl.engine.sample import make_generator, sample_batch
 from minisgl.layers.attention import AttentionBackend, causal_attention, use_attention_backend
 from minisgl.models.base import BaseLLMModel
-
-FinishReason = Literal["stop", "length"]
 
 
 class ContiguousKVCache(AttentionBackend):
@@ -72,14 +69,6 @@ class ContiguousKVCache(AttentionBackend):
         assert self.length + num_tokens <= self.max_len, "advanced past the cache's end"
         self.length += num_tokens
 
-    @classmethod
-    def for_model(cls, model: BaseLLMModel, max_len: int) -> ContiguousKVCache:
-        """A cache shaped for ``model`` (all of its KV heads: one process), on its device and
-        in its dtype."""
-        config, weight = model.config, next(model.parameters())
-        return cls(config.num_layers, config.num_kv_heads, config.head_dim, max_len,
-                   dtype=weight.dtype, device=weight.device)
-
 
 @dataclass
 class GenerationResult:
@@ -121,22 +110,25 @@ def generate(model: BaseLLMModel, prompt_ids: Sequence[int] | torch.Tensor,
         The generated token ids and why generation stopped.
     """
     prompt = [int(t) for t in prompt_ids]  # a tensor's too
+    config = model.config
     if not prompt:
         raise ValueError("prompt_ids is empty; generation needs at least one token")
     longest = len(prompt) + params.max_tokens
-    if longest > model.config.max_position_embeddings:
+    if longest > config.max_position_embeddings:
         raise ValueError(f"a {len(prompt)}-token prompt plus max_tokens={params.max_tokens} "
                          f"needs {longest} positions; the model has "
-                         f"{model.config.max_position_embeddings}")
+                         f"{config.max_position_embeddings}")
     if eos_token_ids is None:
-        eos_token_ids = model.config.eos_token_ids
-    device = next(model.parameters()).device
+        eos_token_ids = config.eos_token_ids
+    weight = next(model.parameters())  # the model's device and dtype
+    device = weight.device
     # One generator per request, created once and advanced step after step, so a seeded
     # request walks through its own random stream (None: the global generator).
     generator = None if params.seed is None else make_generator(params.seed, device)
     # The last generated token is never fed back, so the cache never holds more than this.
     # Without it the default dense backend sees the whole sequence each step, remembers nothing.
-    cache = (ContiguousKVCache.for_model(model, len(prompt) + params.max_tokens - 1)
+    cache = (ContiguousKVCache(config.num_layers, config.num_kv_heads, config.head_dim,
+                               len(prompt) + params.max_tokens - 1, weight.dtype, device)
              if use_cache else None)
     tokens = prompt  # grows by one token per step
     output: list[int] = []

@@ -14,12 +14,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from minisgl.utils.checks import check_int
-from minisgl.utils.logger import get_logger
 
 if TYPE_CHECKING:
     from minisgl.models.config import ModelConfig
-
-logger = get_logger(__name__)
 
 
 class MHAKVPool:
@@ -124,8 +121,5 @@ class MHAKVPool:
     def from_config(cls, model_config: ModelConfig, num_pages: int, page_size: int,
                     dtype: torch.dtype, device: torch.device | str) -> MHAKVPool:
         """A pool shaped for ``model_config`` (all of its KV heads: a single-device engine)."""
-        pool = cls(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
+        return cls(model_config.num_layers, model_config.num_kv_heads, model_config.head_dim,
                    num_pages, page_size, dtype, device)
-        logger.info("KV pool: %d pages x %d tokens = %d token slots, %.1f MiB on %s",
-                    num_pages, page_size, pool.num_slots, pool.num_bytes / 2**20, pool.device)
-        return pool

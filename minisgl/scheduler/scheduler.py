@@ -14,7 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING
+
 from minisgl.core import Batch, Phase, Req
 from minisgl.engine.engine import Engine
 from minisgl.scheduler.cache import PREFIX_CACHES, CacheManager
@@ -23,6 +24,9 @@ from minisgl.scheduler.overlap import HostTokens, InFlight
 from minisgl.scheduler.prefill import (ChunkedPrefillBudget, PrefillBudget, PrefillManager,
                                        cut_reqs, lifetime_pages, output_room, unsampled)
 from minisgl.utils.logger import get_logger
+
+if TYPE_CHECKING:  # tp.py builds on this module
+    from minisgl.scheduler.tp import RankFollowers
 
 logger = get_logger(__name__)
 
@@ -68,20 +72,6 @@ class StepResult:
         return self.phase is None
 
 
-class Followers(Protocol):
-    """Who hears every input and step of rank 0's scheduler, in order (chapter 17's
-    ``scheduler.tp.RankFollowers``)."""
-
-    def added(self, req: Req) -> None: ...
-    def aborted(self, uid: int) -> None: ...
-    def stepping(self, step: int) -> None: ...
-
-    def failed(self, step: int, exc: Exception) -> BaseException:
-        """The error a failed step raises: the ranks may now disagree."""
-
-    def close(self) -> None: ...
-
-
 class Scheduler:
     """Forms batches from requests that come and go, and runs them on an engine.
 
@@ -104,7 +94,7 @@ class Scheduler:
     token it read: with overlap, those of the batch before.
     """
 
-    def __init__(self, config: SchedulerConfig, followers: Followers | None = None) -> None:
+    def __init__(self, config: SchedulerConfig, followers: RankFollowers | None = None) -> None:
         if not isinstance(config, SchedulerConfig):
             raise TypeError(f"Scheduler takes a SchedulerConfig, got {type(config).__name__}")
         self.config = config
