@@ -212,9 +212,8 @@ def _running(target: Watched) -> bool:
 def _how_it_ended(name: str, target: Watched) -> str:
     """``rank 1 (pid 42) was killed by SIGKILL``; for a sibling, whose exit code we cannot
     read, only that it exited."""
-    if not isinstance(target, BaseProcess):
-        return f"{name} (pid {target}) {describe_exit(None)}"
-    return f"{name} (pid {target.pid}) {describe_exit(target.exitcode)}"
+    pid, code = (target.pid, target.exitcode) if isinstance(target, BaseProcess) else (target, None)
+    return f"{name} (pid {pid}) {describe_exit(code)}"
 
 
 def stop_watching() -> None:

@@ -227,16 +227,13 @@ class DetokenizeManager:
         for message in messages:
             if isinstance(message, AbortRequest):  # the scheduler's last word on a request
                 reply = self.abort(message.uid, message.error)
-                if reply is not None:
-                    replies.append(reply)
-                continue
-            try:
-                reply = self.detokenize(message)
-            except Exception as exc:  # noqa: BLE001 - fail it, serve the others
-                reply = self.fail(message, exc)
-            if reply is None:
-                continue
-            replies.append(reply)
-            if reply.finished and not message.finished:
-                aborts.append(AbortRequest(message.uid))
+            else:
+                try:
+                    reply = self.detokenize(message)
+                except Exception as exc:  # noqa: BLE001 - fail it, serve the others
+                    reply = self.fail(message, exc)
+                if reply is not None and reply.finished and not message.finished:
+                    aborts.append(AbortRequest(message.uid))
+            if reply is not None:
+                replies.append(reply)
         return replies, aborts

@@ -112,11 +112,6 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     return host.pin_memory().to(device, non_blocking=True)
 
 
-def count_parameters(module: torch.nn.Module) -> int:
-    """Number of scalars in ``module``'s parameters, each shared tensor counted once."""
-    return sum(p.numel() for p in module.parameters())
-
-
 ThreadRole = Literal["model", "helper"]
 CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")  # cgroup v2: "<quota> <period>" or "max ..."
 
