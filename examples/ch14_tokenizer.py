@@ -83,7 +83,7 @@ def show_stop_string(tokenizer) -> None:
     print(f"  finish_reason {last.finish_reason!r} after {len(replies)} tokens, usage "
           f"{last.usage.prompt_tokens}+{last.usage.completion_tokens}; to the scheduler: {aborts}")
     print(f"  the {len(ids) - len(replies)} later tokens are dropped; states kept: "
-          f"{manager.num_live} (a tombstone, until the scheduler's last word)")
+          f"{len(manager.states)} (a tombstone, until the scheduler's last word)")
 
 
 def wait_idle(scheduler: SharedCounters, detokenizer: SharedCounters) -> None:

@@ -151,11 +151,6 @@ class DetokenizeManager:
         self.decode: Decode = tokenizer.decode
         self.states: dict[int, RequestText] = {}
 
-    @property
-    def num_live(self) -> int:
-        """Requests whose state is kept (the ``live_states`` counter)."""
-        return len(self.states)
-
     def detokenize(self, message: DetokenizeRequest) -> UserReply | None:
         """The reply for one token of a request, or None when the token is to be dropped.
 

@@ -117,4 +117,4 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
             if abort is not None:
                 abort.put_many(aborts)
             if stats is not None:
-                stats.update(live_states=manager.num_live)
+                stats.update(live_states=len(manager.states))
