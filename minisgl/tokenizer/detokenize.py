@@ -15,15 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.message import (
-    AbortRequest,
-    DetokenizeRequest,
-    DetokenizerMessage,
-    RequestError,
-    TokenUsage,
-    UserReply,
-    server_error,
-)
+from minisgl.message import (AbortRequest, DetokenizeRequest, DetokenizerMessage, RequestError,
+                             TokenUsage, UserReply, server_error)
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)

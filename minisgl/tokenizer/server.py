@@ -13,17 +13,9 @@ from __future__ import annotations
 
 import multiprocessing
 
-from minisgl.message import (
-    AbortRequest,
-    BackendMessage,
-    DetokenizerMessage,
-    FrontendMessage,
-    RequestError,
-    TokenizeRequest,
-    TokenizerMessage,
-    UserRequest,
-    server_error,
-)
+from minisgl.message import (AbortRequest, BackendMessage, DetokenizerMessage, FrontendMessage,
+                             RequestError, TokenizeRequest, TokenizerMessage, UserRequest,
+                             server_error)
 from minisgl.tokenizer.detokenize import DetokenizeManager
 from minisgl.tokenizer.tokenize import TokenizeManager, load_tokenizer
 from minisgl.utils.logger import get_logger

@@ -26,11 +26,8 @@ from minisgl.utils.logger import get_logger
 logger = get_logger(__name__)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-DTYPE_CHOICES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPE_CHOICES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                          "float16": torch.float16}
 # Spellings that configs and users also write for the same three dtypes.
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
