@@ -197,10 +197,6 @@ class ZmqPullQueue(_Queue[T]):
         self._ready.clear()
         return messages
 
-    def empty(self) -> bool:
-        """True when :meth:`get` would have to wait."""
-        return not self._ready and not self._socket.poll(0)
-
 
 class ZmqAsyncPushQueue(_Queue[T]):
     """:class:`ZmqPushQueue` for an asyncio event loop: ``await queue.put(message)``."""
@@ -211,12 +207,6 @@ class ZmqAsyncPushQueue(_Queue[T]):
     async def put(self, message: T) -> None:
         """Send one message; yields to the event loop only if ZMQ's buffer is full."""
         await self._socket.send(self._frame([message]), copy=False)
-
-    async def put_many(self, messages: Iterable[T]) -> None:
-        """Send several messages in one frame."""
-        batch = list(messages)
-        if batch:
-            await self._socket.send(self._frame(batch), copy=False)
 
 
 class ZmqAsyncPullQueue(_Queue[T]):
