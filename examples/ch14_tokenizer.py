@@ -137,8 +137,8 @@ def run_pipeline(model: str, device: str, tokenizer) -> None:
             start_process(run_scheduler, "scheduler",
                           args=(config, scheduler_in, detokenizer_in, ready, scheduler_stats)),
             start_process(run_detokenizer, "detokenizer",
-                          args=(model, detokenizer_in, frontend_in, ready, detokenizer_stats,
-                                scheduler_in)),
+                          args=(model, detokenizer_in, frontend_in, scheduler_in, ready,
+                                detokenizer_stats)),
             start_process(run_tokenizer, "tokenizer-0",
                           args=(model, tokenizer_in, scheduler_in, ready)),
         ]

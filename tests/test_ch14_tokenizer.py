@@ -468,8 +468,8 @@ def pipeline(tiny_model_dir: Path) -> Iterator[Pipeline]:
             start_process(run_scheduler, "ch14-scheduler",
                           args=(config, scheduler_in, detokenizer_in, ready, scheduler_stats)),
             start_process(run_detokenizer, "ch14-detokenizer",
-                          args=(model, detokenizer_in, frontend_in, ready, detokenizer_stats,
-                                scheduler_in)),
+                          args=(model, detokenizer_in, frontend_in, scheduler_in, ready,
+                                detokenizer_stats)),
             start_process(run_tokenizer, "ch14-tokenizer",
                           args=(model, tokenizer_in, scheduler_in, ready)),
         ]

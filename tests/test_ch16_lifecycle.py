@@ -894,8 +894,8 @@ def pipeline(tiny_model_dir: Path) -> Iterator[Pipeline]:
             start_process(scheduler_with_a_fault, "ch16-scheduler",
                           args=(config, scheduler_in, detokenizer_in, ready, scheduler_stats)),
             start_process(detokenizer_with_a_fault, "ch16-detokenizer",
-                          args=(model, detokenizer_in, frontend_in, ready, detokenizer_stats,
-                                scheduler_in)),
+                          args=(model, detokenizer_in, frontend_in, scheduler_in, ready,
+                                detokenizer_stats)),
             start_process(run_tokenizer, "ch16-tokenizer",
                           args=(model, tokenizer_in, scheduler_in, ready)),
         ]

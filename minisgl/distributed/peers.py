@@ -148,16 +148,13 @@ def _connect(address: str, rank: int, size: int, deadline: float,
     if where.scheme != "tcp" or where.hostname is None or where.port is None:
         raise ValueError(f"a rendezvous address is tcp://HOST:PORT, got {address!r}")
     timeout = timedelta(seconds=max(1.0, deadline - time.monotonic()))
-    if rank == 0:
-        return dist.TCPStore(where.hostname, where.port, size, True, timeout=timeout,
-                             wait_for_workers=False)
-    while True:
+    while rank != 0:  # the other ranks knock until rank 0 answers
         try:
             socket.create_connection((where.hostname, where.port), STORE_KNOCK_S).close()
             break
         except OSError:  # rank 0 not listening yet
             waiting()
-    return dist.TCPStore(where.hostname, where.port, size, False, timeout=timeout,
+    return dist.TCPStore(where.hostname, where.port, size, rank == 0, timeout=timeout,
                          wait_for_workers=False)
 
 
