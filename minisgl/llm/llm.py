@@ -179,9 +179,8 @@ class LLM:
 
     def _completion(self, req: Req) -> Completion:
         assert req.finish_reason is not None, req
-        text_ids = req.output_ids
-        if req.finish_reason == "stop":  # an EOS or stop token is a signal, not text
-            text_ids = text_ids[:-1]
+        # an EOS or stop token is a signal, not text
+        text_ids = req.output_ids[:-1] if req.finish_reason == "stop" else req.output_ids
         return {"text": self.tokenizer.decode(text_ids), "token_ids": list(req.output_ids),
                 "finish_reason": req.finish_reason}
 
