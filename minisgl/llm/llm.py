@@ -170,8 +170,7 @@ class LLM:
                     # tokens: idle, yet some requests finished.
                     assert result.phase is not None or result.finished, \
                         "requests pending, yet the scheduler had no work"
-                    for req in result.finished:
-                        pending.discard(req.uid)
+                    pending.difference_update(req.uid for req in result.finished)
                     bar.update(len(result.finished))
         finally:  # an error or Ctrl-C: drop what is left, so that no page stays taken
             for uid in pending:
