@@ -116,7 +116,7 @@ def init_tp_group(rank: int, size: int, device: torch.device, init_address: str)
 
 def _sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
     """The layers' all-reduce: ``x`` summed element-wise over the ranks, in place."""
-    x = x.contiguous()  # collectives read and write one flat block of memory (a no-op if it is)
+    x = x.contiguous()  # collectives need one flat block of memory (x itself if it is one)
     check_not_aborted()
     dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x
