@@ -18,9 +18,7 @@ from transformers.utils import logging as hf_logging
 
 from minisgl.models import load_model
 from minisgl.utils.hf import example_checkpoint
-from minisgl.utils.torch_utils import (
-    configure_cpu_threads, count_parameters, resolve_device, resolve_dtype,
-)
+from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device, resolve_dtype
 
 
 def top5(logits: torch.Tensor, tokenizer) -> list[str]:
@@ -50,7 +48,8 @@ def main() -> None:
     start = time.perf_counter()
     model = load_model(args.model, device=device, dtype=dtype)
     load_seconds = time.perf_counter() - start
-    print(f"minisgl {type(model).__name__}: {count_parameters(model):,} parameters, "
+    num_params = sum(p.numel() for p in model.parameters())  # a tied tensor counts once
+    print(f"minisgl {type(model).__name__}: {num_params:,} parameters, "
           f"loaded in {load_seconds:.2f} s")
     print(f"  qkv_proj of layer 0: {tuple(model.model.layers[0].self_attn.qkv_proj.weight.shape)}"
           f"  (q, k, v of the checkpoint stacked)")

@@ -83,7 +83,7 @@ def show_stop_string(tokenizer) -> None:
     print(f"  finish_reason {last.finish_reason!r} after {len(replies)} tokens, usage "
           f"{last.usage.prompt_tokens}+{last.usage.completion_tokens}; to the scheduler: {aborts}")
     print(f"  the {len(ids) - len(replies)} later tokens are dropped; states kept: "
-          f"{manager.num_live} (a tombstone, until the scheduler's last word)")
+          f"{len(manager.states)} (a tombstone, until the scheduler's last word)")
 
 
 def wait_idle(scheduler: SharedCounters, detokenizer: SharedCounters) -> None:
@@ -137,8 +137,8 @@ def run_pipeline(model: str, device: str, tokenizer) -> None:
             start_process(run_scheduler, "scheduler",
                           args=(config, scheduler_in, detokenizer_in, ready, scheduler_stats)),
             start_process(run_detokenizer, "detokenizer",
-                          args=(model, detokenizer_in, frontend_in, ready, detokenizer_stats,
-                                scheduler_in)),
+                          args=(model, detokenizer_in, frontend_in, scheduler_in, ready,
+                                detokenizer_stats)),
             start_process(run_tokenizer, "tokenizer-0",
                           args=(model, tokenizer_in, scheduler_in, ready)),
         ]

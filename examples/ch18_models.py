@@ -26,7 +26,6 @@ from transformers.utils import logging as hf_logging
 from minisgl.core import SamplingParams
 from minisgl.llm import LLM
 from minisgl.models.config import ModelConfig
-from minisgl.utils.torch_utils import count_parameters
 
 ROOT = Path(__file__).resolve().parent.parent
 # The server harness is a tool of this repository, not part of the engine.
@@ -67,8 +66,9 @@ def run_family(arch: str, device: str) -> bool:
         llm = LLM(ckpt, device=device)
         model = llm.engine.model
         config = model.config
+        num_params = sum(p.numel() for p in model.parameters())  # a tied tensor counts once
         print(f"\n{arch}: {config.architectures[0]} -> {type(model).__name__}, "
-              f"{count_parameters(model):,} parameters, tied head: {config.tie_word_embeddings}")
+              f"{num_params:,} parameters, tied head: {config.tie_word_embeddings}")
         if config.is_moe:
             sparse = [i for i, layer in enumerate(model.model.layers) if hasattr(layer.mlp, "experts")]
             print(f"  {config.num_experts} experts, {config.num_experts_per_tok} per token; "

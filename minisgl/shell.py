@@ -198,8 +198,11 @@ def _settle(future: asyncio.Future[str], line: str | None, exc: BaseException | 
         future.set_result(line)  # type: ignore[arg-type]
 
 
-def run_shell(frontend_factory: Callable[[], RequestRouter], params: SamplingParams) -> None:
-    """Run the shell on a new event loop until the user leaves."""
+def run_shell(frontend_factory: Callable[[], RequestRouter], model_dir: str | Path,
+              max_tokens: int) -> None:
+    """Chat with the model in ``model_dir`` on a new event loop until the user leaves, sampling
+    as its generation defaults say (:func:`sampling_params_for`); what ``--shell`` runs."""
+    params = sampling_params_for(model_dir, max_tokens)
 
     async def main() -> None:
         frontend = frontend_factory()  # its async queues belong to this loop

@@ -229,7 +229,7 @@ def test_a_stop_string_ends_the_text_and_stops_the_scheduler(tokenizer: Any) -> 
     assert tokenizer.decode(ids[:stopped_at]).endswith("\nEND")
     assert last.usage == TokenUsage(prompt_tokens=4, completion_tokens=stopped_at)
     assert aborts == [AbortRequest(5)], "the scheduler must be told to stop generating"
-    assert manager.num_live == 1, "a tombstone drops the tokens still in flight"
+    assert len(manager.states) == 1, "a tombstone drops the tokens still in flight"
 
 
 def test_the_tombstone_goes_with_the_schedulers_last_word(tokenizer: Any) -> None:
@@ -243,7 +243,7 @@ def test_the_tombstone_goes_with_the_schedulers_last_word(tokenizer: Any) -> Non
                if last_word == "finished" else AbortRequest(1))
         late, aborts = manager.process([end])
         assert late == [] and aborts == [], "nothing is sent after the stop string"
-        assert manager.num_live == 0, f"the tombstone must go once the request is {last_word}"
+        assert len(manager.states) == 0, f"the tombstone must go once the request is {last_word}"
 
 
 def test_eos_is_not_text_and_length_decodes_every_token(tokenizer: Any) -> None:
@@ -260,13 +260,13 @@ def test_eos_is_not_text_and_length_decodes_every_token(tokenizer: Any) -> None:
         assert len(replies) == len(tokens), "one reply per token"
         assert "".join(r.delta for r in replies) == expected
         assert (replies[-1].finish_reason, replies[-1].usage) == (reason, usage)
-        assert aborts == [] and manager.num_live == 0
+        assert aborts == [] and len(manager.states) == 0
 
 
 def test_an_abort_frees_the_request_state(tokenizer: Any) -> None:
     manager = DetokenizeManager(tokenizer)
     manager.process([first_token_message(uid, 100 + uid) for uid in range(3)])
-    assert manager.num_live == 3
+    assert len(manager.states) == 3
     manager.process([AbortRequest(1), AbortRequest(99)])  # 99: never seen, nothing to do
     assert sorted(manager.states) == [0, 2]
 
@@ -468,8 +468,8 @@ def pipeline(tiny_model_dir: Path) -> Iterator[Pipeline]:
             start_process(run_scheduler, "ch14-scheduler",
                           args=(config, scheduler_in, detokenizer_in, ready, scheduler_stats)),
             start_process(run_detokenizer, "ch14-detokenizer",
-                          args=(model, detokenizer_in, frontend_in, ready, detokenizer_stats,
-                                scheduler_in)),
+                          args=(model, detokenizer_in, frontend_in, scheduler_in, ready,
+                                detokenizer_stats)),
             start_process(run_tokenizer, "ch14-tokenizer",
                           args=(model, tokenizer_in, scheduler_in, ready)),
         ]
@@ -528,8 +528,7 @@ def test_an_abort_frees_every_piece_of_state(pipeline: Pipeline) -> None:
     assert pipeline.scheduler_stats["running"] == 1
     pipeline.send.put(AbortRequest(uid))  # as the API server does, through the tokenizer
     pipeline.wait_for(pipeline.idle, "state left after an abort")
-    while not pipeline.receive.empty():  # tokens that were on their way when it was aborted
-        reply = pipeline.receive.get()
+    for reply in pipeline.receive.drain():  # tokens that were on their way when it was aborted
         assert reply.uid == uid and not reply.finished
     generated = pipeline.scheduler_stats["generation_tokens"]
     time.sleep(0.2)

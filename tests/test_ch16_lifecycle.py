@@ -790,7 +790,7 @@ def test_the_detokenizer_turns_an_error_abort_into_the_last_reply(hf_tokenizer: 
                                   AbortRequest(3, error=error),  # never ran: gets it too
                                   AbortRequest(2)])  # a plain abort: nobody to tell
     assert replies == [UserReply.failure(1, error), UserReply.failure(3, error)]
-    assert manager.num_live == 0
+    assert len(manager.states) == 0
 
 
 def test_a_detokenizer_failure_ends_one_request_and_spares_the_others(
@@ -894,8 +894,8 @@ def pipeline(tiny_model_dir: Path) -> Iterator[Pipeline]:
             start_process(scheduler_with_a_fault, "ch16-scheduler",
                           args=(config, scheduler_in, detokenizer_in, ready, scheduler_stats)),
             start_process(detokenizer_with_a_fault, "ch16-detokenizer",
-                          args=(model, detokenizer_in, frontend_in, ready, detokenizer_stats,
-                                scheduler_in)),
+                          args=(model, detokenizer_in, frontend_in, scheduler_in, ready,
+                                detokenizer_stats)),
             start_process(run_tokenizer, "ch16-tokenizer",
                           args=(model, tokenizer_in, scheduler_in, ready)),
         ]

@@ -105,8 +105,6 @@ def init_tp_group(rank: int, size: int, device: torch.device, init_address: str)
     watch_peers(pids, rank)  # from now on a rank that exits aborts the group
     set_tp_info(rank, size)
     set_all_reduce(_sum_over_ranks)
-    global _device
-    _device = device
     # One collective now: a broken group fails here, at start-up, and NCCL sets up its
     # communicator before any CUDA graph could try to capture that.
     if min_over_ranks(rank) != 0:
@@ -118,32 +116,28 @@ def init_tp_group(rank: int, size: int, device: torch.device, init_address: str)
 
 def _sum_over_ranks(x: torch.Tensor) -> torch.Tensor:
     """The layers' all-reduce: ``x`` summed element-wise over the ranks, in place."""
-    if not x.is_contiguous():  # collectives read and write one flat block of memory
-        x = x.contiguous()
+    x = x.contiguous()  # collectives need one flat block of memory (x itself if it is one)
     check_not_aborted()
     dist.all_reduce(x, op=dist.ReduceOp.SUM)
     return x
 
 
-_device: torch.device | None = None  # this rank's device while it belongs to a group
-
-
 def destroy_tp_group() -> None:
     """Leave the group; this process is a single rank again (``TPInfo(0, 1)``, no hook)."""
-    global _device
     stop_watching()
     if dist.is_initialized():
         dist.destroy_process_group()
     set_all_reduce(None)
     set_tp_info(0, 1)
-    _device = None
 
 
 def min_over_ranks(value: int) -> int:
     """The smallest ``value`` any rank passed (every rank must call it)."""
     if get_tp_info().size == 1:
         return value
-    t = torch.tensor([value], dtype=torch.int64, device=_device)
+    # NCCL reduces on this rank's GPU (init_tp_group made it the current one), gloo on the CPU
+    device = "cuda" if dist.get_backend() == "nccl" else "cpu"
+    t = torch.tensor([value], dtype=torch.int64, device=device)
     check_not_aborted()
     dist.all_reduce(t, op=dist.ReduceOp.MIN)
     return int(t.item())

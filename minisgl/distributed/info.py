@@ -30,9 +30,8 @@ class TPInfo:
         if self.size < 1:
             raise ValueError(f"tensor-parallel size must be >= 1, got {self.size}")
         if not 0 <= self.rank < self.size:
-            raise ValueError(
-                f"tensor-parallel rank must be in [0, {self.size}), got rank={self.rank}"
-            )
+            raise ValueError(f"tensor-parallel rank must be in [0, {self.size}), "
+                             f"got rank={self.rank}")
 
     @property
     def is_primary(self) -> bool:
@@ -82,7 +81,6 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
         return _all_reduce_fn(x)
     if _tp_info.size == 1:
         return x
-    raise RuntimeError(
-        f"all_reduce called with tensor-parallel size {_tp_info.size} but no implementation is "
-        "registered; call minisgl.distributed.set_all_reduce(fn) after setting up the process group"
-    )
+    raise RuntimeError(f"all_reduce called with tensor-parallel size {_tp_info.size} but no "
+                       "implementation is registered; call minisgl.distributed.set_all_reduce(fn) "
+                       "after setting up the process group")

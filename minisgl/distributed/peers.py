@@ -148,16 +148,13 @@ def _connect(address: str, rank: int, size: int, deadline: float,
     if where.scheme != "tcp" or where.hostname is None or where.port is None:
         raise ValueError(f"a rendezvous address is tcp://HOST:PORT, got {address!r}")
     timeout = timedelta(seconds=max(1.0, deadline - time.monotonic()))
-    if rank == 0:
-        return dist.TCPStore(where.hostname, where.port, size, True, timeout=timeout,
-                             wait_for_workers=False)
-    while True:
+    while rank != 0:  # the other ranks knock until rank 0 answers
         try:
             socket.create_connection((where.hostname, where.port), STORE_KNOCK_S).close()
             break
         except OSError:  # rank 0 not listening yet
             waiting()
-    return dist.TCPStore(where.hostname, where.port, size, False, timeout=timeout,
+    return dist.TCPStore(where.hostname, where.port, size, rank == 0, timeout=timeout,
                          wait_for_workers=False)
 
 
@@ -212,9 +209,8 @@ def _running(target: Watched) -> bool:
 def _how_it_ended(name: str, target: Watched) -> str:
     """``rank 1 (pid 42) was killed by SIGKILL``; for a sibling, whose exit code we cannot
     read, only that it exited."""
-    if not isinstance(target, BaseProcess):
-        return f"{name} (pid {target}) {describe_exit(None)}"
-    return f"{name} (pid {target.pid}) {describe_exit(target.exitcode)}"
+    pid, code = (target.pid, target.exitcode) if isinstance(target, BaseProcess) else (target, None)
+    return f"{name} (pid {pid}) {describe_exit(code)}"
 
 
 def stop_watching() -> None:

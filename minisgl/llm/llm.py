@@ -24,6 +24,7 @@ from minisgl.distributed.peers import watching_started_ranks
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.scheduler.tp import TPLaunch, check_tp, run_tp_follower, start_leader
+from minisgl.tokenizer.tokenize import load_tokenizer
 from minisgl.utils.checks import is_int
 from minisgl.utils.heap import frozen_heap
 from minisgl.utils.hf import resolve_model_path
@@ -69,9 +70,7 @@ class LLM:
         check_tp(path, tp)
         self._followers: list[BaseProcess] = []
         self.scheduler = Scheduler(config) if tp == 1 else self._start_tp(config, tp)
-        from transformers import AutoTokenizer  # here: importing transformers is slow
-
-        self.tokenizer = AutoTokenizer.from_pretrained(path)
+        self.tokenizer = load_tokenizer(path)
         self._uids = itertools.count()  # uids stay unique across generate() calls
 
     def _start_tp(self, config: SchedulerConfig, tp: int) -> Scheduler:
@@ -95,8 +94,14 @@ class LLM:
             # Rank 0's error (not a worker's report, not Ctrl-C) is often only the echo of
             # another rank's (a collective whose peer died): that rank's own report, if there
             # is one, says what went wrong.
-            echo = isinstance(exc, Exception) and not isinstance(exc, WorkerFailed)
-            failed = _rank_failure(ready, self._followers) if echo else None
+            failed = None
+            if isinstance(exc, Exception) and not isinstance(exc, WorkerFailed):
+                try:  # a failed or exited rank reports within a moment
+                    wait_ready(ready, self._followers, timeout_s=RANK_REPORT_WAIT_S)
+                except WorkerFailed as report:
+                    failed = report
+                except RuntimeError:  # none failed or exited within the wait
+                    pass
             stop_processes(self._followers)
             if scheduler is not None:
                 scheduler.close()
@@ -165,8 +170,7 @@ class LLM:
                     # tokens: idle, yet some requests finished.
                     assert result.phase is not None or result.finished, \
                         "requests pending, yet the scheduler had no work"
-                    for req in result.finished:
-                        pending.discard(req.uid)
+                    pending.difference_update(req.uid for req in result.finished)
                     bar.update(len(result.finished))
         finally:  # an error or Ctrl-C: drop what is left, so that no page stays taken
             for uid in pending:
@@ -174,9 +178,8 @@ class LLM:
 
     def _completion(self, req: Req) -> Completion:
         assert req.finish_reason is not None, req
-        text_ids = req.output_ids
-        if req.finish_reason == "stop":  # an EOS or stop token is a signal, not text
-            text_ids = text_ids[:-1]
+        # an EOS or stop token is a signal, not text
+        text_ids = req.output_ids[:-1] if req.finish_reason == "stop" else req.output_ids
         return {"text": self.tokenizer.decode(text_ids), "token_ids": list(req.output_ids),
                 "finish_reason": req.finish_reason}
 
@@ -194,18 +197,6 @@ class LLM:
 
     def __repr__(self) -> str:
         return f"LLM({self.scheduler.engine!r})"
-
-
-def _rank_failure(ready: Any, followers: list[BaseProcess]) -> WorkerFailed | None:
-    """The start-up error of a rank that failed or exited, if one did (rank 0 waits up to
-    ``RANK_REPORT_WAIT_S`` seconds for it); None if every rank still runs."""
-    try:
-        wait_ready(ready, followers, timeout_s=RANK_REPORT_WAIT_S)
-    except WorkerFailed as failed:
-        return failed
-    except RuntimeError:  # none failed or exited within the wait
-        pass
-    return None
 
 
 def _as_list(prompts: Sequence[Prompt]) -> list[Prompt]:

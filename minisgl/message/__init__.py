@@ -20,14 +20,8 @@ from dataclasses import dataclass
 from typing import Any, Literal
 
 from minisgl.core import FinishReason, SamplingParams
-from minisgl.message.utils import (
-    Message,
-    SerializationError,
-    dumps,
-    loads,
-    register_wire_type,
-    registered_types,
-)
+from minisgl.message.utils import (Message, SerializationError, dumps, loads, register_wire_type,
+                                   registered_types)
 
 __all__ = [
     "AbortRequest", "BackendMessage", "DetokenizeRequest", "DetokenizerMessage",

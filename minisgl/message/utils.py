@@ -34,7 +34,6 @@ class SerializationError(ValueError):
 # The registry: tag -> class. It only grows at import time (a class statement or a module's
 # register_wire_type call), so every process that imports ``minisgl.message`` holds the same map.
 _WIRE_TYPES: dict[str, type] = {}
-_REQUIRED = object()  # the "default" of a field that has none
 
 
 def register_wire_type(cls: C) -> C:
@@ -63,14 +62,13 @@ def registered_types() -> Mapping[str, type]:
 
 @functools.cache  # once per class
 def _wire_fields(cls: type) -> tuple[tuple[str, Any], ...]:
-    """The (name, default) pairs of ``cls``'s fields, in order; _REQUIRED where none."""
+    """The (name, default) pairs of ``cls``'s fields, in order; ``MISSING`` where none."""
     if not dataclasses.is_dataclass(cls):
         raise SerializationError(f"{cls.__module__}.{cls.__qualname__} is registered as a "
                                  f"wire type but is not a dataclass")
     # A default_factory default is a fresh object each time: always send the field. A derived
     # (init=False) field is computed again by the receiver's constructor.
-    return tuple((f.name, _REQUIRED if f.default is dataclasses.MISSING else f.default)
-                 for f in dataclasses.fields(cls) if f.init)
+    return tuple((f.name, f.default) for f in dataclasses.fields(cls) if f.init)
 
 
 def to_wire(obj: Any) -> dict[str, Any]:
@@ -93,7 +91,7 @@ def to_wire(obj: Any) -> dict[str, Any]:
     for name, default in _wire_fields(cls):
         value = getattr(obj, name)
         # Same type as well as equal: False == 0, but a bool must not come back as an int.
-        if default is not _REQUIRED and type(value) is type(default) and value == default:
+        if default is not dataclasses.MISSING and type(value) is type(default) and value == default:
             continue  # the receiver's constructor puts the default back
         wire[name] = value
     return wire

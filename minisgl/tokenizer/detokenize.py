@@ -15,15 +15,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from minisgl.message import (
-    AbortRequest,
-    DetokenizeRequest,
-    DetokenizerMessage,
-    RequestError,
-    TokenUsage,
-    UserReply,
-    server_error,
-)
+from minisgl.message import (AbortRequest, DetokenizeRequest, DetokenizerMessage, RequestError,
+                             TokenUsage, UserReply, server_error)
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
@@ -151,11 +144,6 @@ class DetokenizeManager:
         self.decode: Decode = tokenizer.decode
         self.states: dict[int, RequestText] = {}
 
-    @property
-    def num_live(self) -> int:
-        """Requests whose state is kept (the ``live_states`` counter)."""
-        return len(self.states)
-
     def detokenize(self, message: DetokenizeRequest) -> UserReply | None:
         """The reply for one token of a request, or None when the token is to be dropped.
 
@@ -227,16 +215,13 @@ class DetokenizeManager:
         for message in messages:
             if isinstance(message, AbortRequest):  # the scheduler's last word on a request
                 reply = self.abort(message.uid, message.error)
-                if reply is not None:
-                    replies.append(reply)
-                continue
-            try:
-                reply = self.detokenize(message)
-            except Exception as exc:  # noqa: BLE001 - fail it, serve the others
-                reply = self.fail(message, exc)
-            if reply is None:
-                continue
-            replies.append(reply)
-            if reply.finished and not message.finished:
-                aborts.append(AbortRequest(message.uid))
+            else:
+                try:
+                    reply = self.detokenize(message)
+                except Exception as exc:  # noqa: BLE001 - fail it, serve the others
+                    reply = self.fail(message, exc)
+                if reply is not None and reply.finished and not message.finished:
+                    aborts.append(AbortRequest(message.uid))
+            if reply is not None:
+                replies.append(reply)
         return replies, aborts

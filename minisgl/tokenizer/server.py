@@ -13,17 +13,9 @@ from __future__ import annotations
 
 import multiprocessing
 
-from minisgl.message import (
-    AbortRequest,
-    BackendMessage,
-    DetokenizerMessage,
-    FrontendMessage,
-    RequestError,
-    TokenizeRequest,
-    TokenizerMessage,
-    UserRequest,
-    server_error,
-)
+from minisgl.message import (AbortRequest, BackendMessage, DetokenizerMessage, FrontendMessage,
+                             RequestError, TokenizeRequest, TokenizerMessage, UserRequest,
+                             server_error)
 from minisgl.tokenizer.detokenize import DetokenizeManager
 from minisgl.tokenizer.tokenize import TokenizeManager, load_tokenizer
 from minisgl.utils.logger import get_logger
@@ -85,10 +77,9 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
                            for m in messages])
 
 
-def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
+def run_detokenizer(model_path: str, inbox: str, frontend_addr: str, scheduler_addr: str,
                     ready: multiprocessing.Queue | None = None,
-                    stats: SharedCounters | None = None,
-                    scheduler_addr: str | None = None) -> None:
+                    stats: SharedCounters | None = None) -> None:
     """The detokenizer process: tokens in from the scheduler, text out to the API server.
 
     Args:
@@ -97,10 +88,9 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
             :class:`~minisgl.message.DetokenizeRequest` and :class:`AbortRequest` messages.
         frontend_addr: the API server's inbox, for the :class:`~minisgl.message.UserReply`
             messages.
+        scheduler_addr: the scheduler's inbox, to stop a request that a stop string ended.
         ready: a queue from :func:`~minisgl.utils.processes.new_ready_queue`, or None.
         stats: counters from :func:`detokenizer_counters` to publish, or None.
-        scheduler_addr: the scheduler's inbox, to stop a request that a stop string ended;
-            None leaves such requests running to their end (their extra tokens are dropped).
     """
     configure_cpu_threads("helper")
     with worker_process("detokenizer") as signals:
@@ -108,13 +98,11 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str,
             manager = DetokenizeManager(load_tokenizer(model_path))
             receive = ZmqPullQueue(inbox, DetokenizerMessage, bind=True)
             send = ZmqPushQueue(frontend_addr, FrontendMessage, bind=False)
-            abort = (None if scheduler_addr is None
-                     else ZmqPushQueue(scheduler_addr, BackendMessage, bind=False))
+            abort = ZmqPushQueue(scheduler_addr, BackendMessage, bind=False)
         while not signals.requested:
             # signals.receive sleeps until a message (or a signal) comes
             replies, aborts = manager.process(signals.receive(receive))
             send.put_many(replies)
-            if abort is not None:
-                abort.put_many(aborts)
+            abort.put_many(aborts)
             if stats is not None:
-                stats.update(live_states=manager.num_live)
+                stats.update(live_states=len(manager.states))

@@ -85,16 +85,20 @@ def _wait_for_lingering_frames_at_exit(context: zmq.Context) -> None:
     atexit.register(context.destroy)
 
 
-class _Queue:
-    """What both ends and both flavours share: the socket, the type it carries, closing."""
+class _Queue(Generic[T]):
+    """What both ends and both flavours share: the socket, the type it carries, closing.
 
-    _socket: zmq.Socket
+    A subclass names its socket ``_kind`` and, for asyncio, its ``_context`` class.
+    """
 
-    def __init__(self, context: zmq.Context, kind: int, address: str,
-                 message_type: type, bind: bool) -> None:
+    _kind: int
+    _context: type[zmq.Context] = zmq.Context
+
+    def __init__(self, address: str, message_type: type[T], *, bind: bool) -> None:
         self.address = address
         self.message_type = message_type
-        self._socket = _open_socket(context, kind, address, bind)
+        self._socket = _open_socket(self._context.instance(), self._kind, address, bind)
+        self._ready: deque[T] = deque()  # a pull end: the rest of a frame that held several
 
     def _frame(self, messages: list[Any]) -> bytes:
         self._checked(messages)
@@ -136,7 +140,7 @@ class _Queue:
         return f"{type(self).__name__}[{self.message_type.__name__}]({self.address})"
 
 
-class ZmqPushQueue(_Queue, Generic[T]):
+class ZmqPushQueue(_Queue[T]):
     """The sending end of a queue of ``message_type`` messages.
 
     Args:
@@ -146,8 +150,7 @@ class ZmqPushQueue(_Queue, Generic[T]):
             long-lived receiver, so senders can come and go.
     """
 
-    def __init__(self, address: str, message_type: type[T], *, bind: bool) -> None:
-        super().__init__(zmq.Context.instance(), zmq.PUSH, address, message_type, bind)
+    _kind = zmq.PUSH
 
     def put(self, message: T) -> None:
         """Send one message. Returns once ZMQ has queued it; the receiver gets it later.
@@ -165,16 +168,14 @@ class ZmqPushQueue(_Queue, Generic[T]):
             self._socket.send(self._frame(batch), copy=False)
 
 
-class ZmqPullQueue(_Queue, Generic[T]):
+class ZmqPullQueue(_Queue[T]):
     """The receiving end of a queue of ``message_type`` messages (blocking).
 
     Messages come out one at a time and in the order they were sent by each sender, whether
     they travelled alone or in a ``put_many`` frame.
     """
 
-    def __init__(self, address: str, message_type: type[T], *, bind: bool) -> None:
-        super().__init__(zmq.Context.instance(), zmq.PULL, address, message_type, bind)
-        self._ready: deque[T] = deque()  # the rest of a frame that held several messages
+    _kind = zmq.PULL
 
     def get(self, timeout_s: float | None = None) -> T:
         """The next message; waits up to ``timeout_s`` seconds (None: for ever).
@@ -196,37 +197,26 @@ class ZmqPullQueue(_Queue, Generic[T]):
         self._ready.clear()
         return messages
 
-    def empty(self) -> bool:
-        """True when :meth:`get` would have to wait."""
-        return not self._ready and not self._socket.poll(0)
 
-
-class ZmqAsyncPushQueue(_Queue, Generic[T]):
+class ZmqAsyncPushQueue(_Queue[T]):
     """:class:`ZmqPushQueue` for an asyncio event loop: ``await queue.put(message)``."""
 
-    def __init__(self, address: str, message_type: type[T], *, bind: bool) -> None:
-        super().__init__(zmq.asyncio.Context.instance(), zmq.PUSH, address, message_type, bind)
+    _kind = zmq.PUSH
+    _context = zmq.asyncio.Context
 
     async def put(self, message: T) -> None:
         """Send one message; yields to the event loop only if ZMQ's buffer is full."""
         await self._socket.send(self._frame([message]), copy=False)
 
-    async def put_many(self, messages: Iterable[T]) -> None:
-        """Send several messages in one frame."""
-        batch = list(messages)
-        if batch:
-            await self._socket.send(self._frame(batch), copy=False)
 
-
-class ZmqAsyncPullQueue(_Queue, Generic[T]):
+class ZmqAsyncPullQueue(_Queue[T]):
     """:class:`ZmqPullQueue` for an asyncio event loop: ``message = await queue.get()``.
 
     While it waits, the event loop runs other coroutines. Use one queue from one event loop.
     """
 
-    def __init__(self, address: str, message_type: type[T], *, bind: bool) -> None:
-        super().__init__(zmq.asyncio.Context.instance(), zmq.PULL, address, message_type, bind)
-        self._ready: deque[T] = deque()
+    _kind = zmq.PULL
+    _context = zmq.asyncio.Context
 
     async def get(self, timeout_s: float | None = None) -> T:
         """The next message; waits up to ``timeout_s`` seconds (None: for ever).

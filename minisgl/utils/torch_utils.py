@@ -26,11 +26,8 @@ from minisgl.utils.logger import get_logger
 logger = get_logger(__name__)
 
 DEVICE_CHOICES = ("auto", "cpu", "cuda")
-DTYPE_CHOICES: dict[str, torch.dtype] = {
-    "float32": torch.float32,
-    "bfloat16": torch.bfloat16,
-    "float16": torch.float16,
-}
+DTYPE_CHOICES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                          "float16": torch.float16}
 # Spellings that configs and users also write for the same three dtypes.
 _DTYPE_ALIASES = {"fp32": "float32", "float": "float32", "bf16": "bfloat16", "fp16": "float16",
                   "half": "float16"}
@@ -110,11 +107,6 @@ def host_to_device(host: torch.Tensor, device: torch.device) -> torch.Tensor:
     if device.type != "cuda":
         return host
     return host.pin_memory().to(device, non_blocking=True)
-
-
-def count_parameters(module: torch.nn.Module) -> int:
-    """Number of scalars in ``module``'s parameters, each shared tensor counted once."""
-    return sum(p.numel() for p in module.parameters())
 
 
 ThreadRole = Literal["model", "helper"]
