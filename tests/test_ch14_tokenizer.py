@@ -312,8 +312,7 @@ def test_scheduler_io_sends_one_message_per_token(tiny_model_dir: Path) -> None:
 def test_shared_counters_are_named_and_checked() -> None:
     counters = SharedCounters(["running", "generation_tokens"])
     counters.update(running=3)
-    counters.add(generation_tokens=5)
-    counters.add(generation_tokens=2)
+    counters.update(generation_tokens=7)
     assert counters.snapshot() == {"running": 3, "generation_tokens": 7}
     assert counters["generation_tokens"] == 7
     with pytest.raises(KeyError, match="no counter named 'waiting'; the counters are running"):

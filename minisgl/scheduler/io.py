@@ -61,6 +61,7 @@ class SchedulerIO:
         self.scheduler = scheduler
         self.stats = stats
         self.live: dict[int, Req] = {}
+        self.prompt_tokens = self.generation_tokens = 0  # served since start-up
         self._failed_steps = 0  # steps in a row that raised
 
     def receive(self, messages: list[BackendMessage]) -> list[DetokenizerMessage]:
@@ -132,9 +133,8 @@ class SchedulerIO:
         except Exception as exc:  # noqa: BLE001 - fail the requests, not the process
             return self._fail(live, exc)
         self._failed_steps = 0
-        if self.stats is not None and messages:  # one shared-memory update per step
-            self.stats.add(generation_tokens=len(messages),  # one message per token
-                           prompt_tokens=sum(m.prompt_tokens for m in messages))
+        self.generation_tokens += len(messages)  # one message per token
+        self.prompt_tokens += sum(m.prompt_tokens for m in messages)
         self._publish()
         return messages
 
@@ -174,8 +174,9 @@ class SchedulerIO:
         return [AbortRequest(uid, error=error) for uid in uids]
 
     def _publish(self) -> None:
-        if self.stats is not None:
-            self.stats.update(**self.scheduler.gauges())
+        if self.stats is not None:  # one shared-memory write per step
+            self.stats.update(**self.scheduler.gauges(), prompt_tokens=self.prompt_tokens,
+                              generation_tokens=self.generation_tokens)
 
 
 def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,

@@ -290,7 +290,8 @@ class Scheduler:
                                         flight.host_tokens.tolist(), strict=True):
             if not complete or req.table_row is None:  # a cut chunk, or aborted since launch
                 continue
-            if req.finish_reason is not None:  # a zombie: its real last token came from the batch before
+            # A zombie: its real last token came from the batch before.
+            if req.finish_reason is not None:
                 req.in_flight -= 1
                 self._release(req)
                 continue
@@ -317,8 +318,8 @@ class Scheduler:
         """The state ``/metrics`` shows, under counter names that start with ``prefix``; pages
         the prefix cache could evict count as free."""
         in_use = self.cache.pages_in_use - self.cache.prefix_cache.num_evictable_pages
-        return {f"{prefix}running": self.num_running, f"{prefix}waiting": self.num_waiting,
-                f"{prefix}kv_pages_in_use": in_use}
+        return {f"{prefix}running": len(self.running),
+                f"{prefix}waiting": len(self.prefill.waiting), f"{prefix}kv_pages_in_use": in_use}
 
     def check_integrity(self) -> None:
         """Check that no page, row or uid is lost or counted twice, and that every request's

@@ -36,12 +36,6 @@ class SharedCounters:
             for name, value in values.items():
                 self._values[self._slot(name)] = value
 
-    def add(self, **deltas: int) -> None:
-        """Add to the named counters (totals: tokens served so far)."""
-        with self._values.get_lock():
-            for name, delta in deltas.items():
-                self._values[self._slot(name)] += delta
-
     def __getitem__(self, name: str) -> int:
         return self._values[self._slot(name)]
 
