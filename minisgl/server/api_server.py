@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from minisgl.core import SamplingParams
 from minisgl.message import UserReply
-from minisgl.server.access_log import AccessLog, AccessRecord, observed
+from minisgl.server.access_log import AccessLog, AccessRecord
 from minisgl.server.frontend import RequestRouter
 from minisgl.server.lifecycle import ClientDisconnected, wait_or_disconnect
 from minisgl.server.metrics import metrics_text
@@ -125,7 +125,7 @@ async def answer(request: Request, body: ChatCompletionRequest | CompletionReque
     request.state.access = record = AccessRecord(uids, meta.id)
     if body.stream:
         streams = await first_replies_then_rest(request, frontend, uids, prompt_param)
-        merged = merge_replies([observed(replies, record) for replies in streams])
+        merged = merge_replies(streams, record)
         return SSEResponse(stream_completion(merged, meta, len(uids), body.include_usage, chat))
     answers = await whole_answers(request, frontend, uids, prompt_param)
     for _, last in answers:
@@ -206,9 +206,10 @@ async def _prepend(first: UserReply, rest: AsyncIterator[UserReply]) -> AsyncIte
                 yield reply
 
 
-async def merge_replies(streams: Sequence[AsyncIterator[UserReply]]
+async def merge_replies(streams: Sequence[AsyncIterator[UserReply]], record: AccessRecord
                         ) -> AsyncIterator[tuple[int, UserReply]]:
-    """The replies of several requests as they come, each with its stream's index.
+    """The replies of several requests as they come, each with its stream's index; each last
+    reply is noted in ``record``, for the access log.
 
     One task per stream moves its replies into a queue of one place, so a slow reader still
     leaves the replies in the frontend's buffers, where the slow-reader policy sees them.
@@ -221,6 +222,8 @@ async def merge_replies(streams: Sequence[AsyncIterator[UserReply]]
         try:
             async with aclosing(replies):
                 async for reply in replies:
+                    if reply.finished:
+                        record.add(reply)
                     await queue.put((index, reply))
             await queue.put((index, None))
         except Exception as exc:  # handed to the reader, which raises it
