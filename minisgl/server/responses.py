@@ -66,7 +66,6 @@ def completion_body(meta: ResponseMeta, answers: Sequence[tuple[str, UserReply]]
 
 
 SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
-CHAT_CHUNK = "chat.completion.chunk"
 
 
 def sse_event(payload: Mapping[str, Any]) -> bytes:
@@ -96,7 +95,7 @@ async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta:
     (OpenAI's error object, which the ``openai`` client raises as an exception), then
     ``[DONE]``. Closing this generator closes ``replies``, which aborts the other requests.
     """
-    kind = CHAT_CHUNK if chat else "text_completion"
+    kind = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}  # OpenAI: null on all but the last
     usages: list[TokenUsage | None] = []
 
