@@ -44,7 +44,7 @@ from minisgl.message import AbortRequest, TokenizeRequest, TokenUsage, UserReply
 from minisgl.server.api_server import create_app
 from minisgl.server.args import ServerArgs, parse_args
 from minisgl.server.frontend import RequestRouter
-from minisgl.server.responses import SSE_DONE, ResponseMeta, sse_event, stream_chat
+from minisgl.server.responses import SSE_DONE, ResponseMeta, sse_event
 from minisgl.shell import Shell, sampling_params_for
 from server_process import ServerProcess, parse_metrics, still_running  # tools/, see conftest.py
 

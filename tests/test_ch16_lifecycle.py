@@ -385,7 +385,7 @@ def test_the_policy_decides_on_the_clock_it_is_given() -> None:
         for later in (0, 31, 62):
             frontend.check(now + later)
             await asyncio.sleep(0)  # the abort's send runs as a task
-            buffer = frontend.buffers.get(uid)
+            buffer = frontend._pending.get(uid)  # the router's own state
             states.append(None if buffer is None else
                           (buffer.failed, [r.error.code for r in buffer.replies if r.error]))
         slow = frontend.stats.slow_readers
@@ -491,8 +491,8 @@ def test_a_worker_failure_is_a_500_or_an_error_event_mid_stream(
     (b'{"prompt": "x", "top_p": 1.5}', 400, "top_p must be a number in (0, 1]", "top_p"),
     (b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens must be an integer >= 1",
      "max_tokens"),
-    (b'{"prompt": "x", "seed": 1180591620717411303424}', 400, "seed must be None or",
-     "seed"),
+    (b'{"prompt": "x", "seed": 1180591620717411303424}', 400,
+     "Input should be less than or equal to 9007199254740991", "seed"),
     (b'{"prompt": "x", "top_k": 1180591620717411303424}', 400,
      "Input should be less than or equal to", "top_k"),
     (b'{"prompt": [1, 1180591620717411303424]}', 400, "less than or equal to", "prompt.1"),

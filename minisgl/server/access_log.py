@@ -8,8 +8,6 @@ the :class:`AccessLog` middleware writes the line. Chapter 16 tells the story.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
-from contextlib import aclosing
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -46,16 +44,6 @@ class AccessRecord:
                 f"completion_tokens={self.completion_tokens if done else '-'} "
                 f"finish={','.join(self.finish_reasons) or '-'} id={self.response_id or '-'} "
                 f"{seconds:.3f}s")
-
-
-async def observed(replies: AsyncIterator[UserReply],
-                   record: AccessRecord) -> AsyncIterator[UserReply]:
-    """``replies`` unchanged; each last reply is noted for the access log."""
-    async with aclosing(replies):
-        async for reply in replies:
-            if reply.finished:
-                record.add(reply)
-            yield reply
 
 
 class AccessLog:

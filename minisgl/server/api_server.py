@@ -32,7 +32,7 @@ from starlette.requests import ClientDisconnect
 
 from minisgl.core import SamplingParams
 from minisgl.message import UserReply
-from minisgl.server.access_log import AccessLog, AccessRecord, observed
+from minisgl.server.access_log import AccessLog, AccessRecord
 from minisgl.server.frontend import RequestRouter
 from minisgl.server.lifecycle import ClientDisconnected, wait_or_disconnect
 from minisgl.server.metrics import metrics_text
@@ -45,13 +45,7 @@ from minisgl.server.protocol import (
     CompletionRequest,
     validation_error,
 )
-from minisgl.server.responses import (
-    ResponseMeta,
-    chat_body,
-    completion_body,
-    stream_chat,
-    stream_completion,
-)
+from minisgl.server.responses import ResponseMeta, completion_body, stream_completion
 from minisgl.server.streaming import SSEResponse
 from minisgl.utils.logger import get_logger
 
@@ -60,16 +54,6 @@ logger = get_logger(__name__)
 
 # =========================================================================== routes
 router = APIRouter()
-
-
-def _respond(request: Request, prefix: str,
-             uids: list[int]) -> tuple[ResponseMeta, AccessRecord]:
-    """The response's id (random, as OpenAI's are: unique across restarts), time and model, and
-    the access log's record of its requests; the log line pairs the id with the uids."""
-    meta = ResponseMeta(f"{prefix}-{uuid.uuid4().hex}", int(time.time()),
-                        request.app.state.model_name)
-    request.state.access = record = AccessRecord(uids, meta.id)
-    return meta, record
 
 
 def check_model(request: Request, model: str | None) -> None:
@@ -115,13 +99,7 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
                            code="context_length_exceeded")
     uid = await frontend.submit(params, messages=[m.as_dict() for m in body.messages],
                                 strict_max_tokens=max_tokens is not None)
-    meta, record = _respond(request, "chatcmpl", [uid])
-    if body.stream:
-        [replies] = await first_replies_then_rest(request, frontend, [uid], "messages")
-        return SSEResponse(stream_chat(observed(replies, record), meta, body.include_usage))
-    [(text, last)] = await whole_answers(request, frontend, [uid], "messages")
-    record.add(last)
-    return chat_body(meta, text, last)
+    return await answer(request, body, [uid], "chatcmpl")
 
 
 @router.post("/v1/completions", responses=GENERATION_RESPONSES)
@@ -131,15 +109,28 @@ async def completions(body: CompletionRequest, request: Request):
     frontend: RequestRouter = request.app.state.frontend
     params = checked_params(request, body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
     uids = await submit_prompts(frontend, body.prompts(), params, body.max_tokens is not None)
-    meta, record = _respond(request, "cmpl", uids)
+    return await answer(request, body, uids, "cmpl")
+
+
+async def answer(request: Request, body: ChatCompletionRequest | CompletionRequest,
+                 uids: list[int], id_prefix: str) -> Response | dict[str, Any]:
+    """Answer requests ``uids`` (one per prompt; a chat turn has one): as a stream, or as one
+    body once all are complete. The response's id is random, as OpenAI's are (unique across
+    restarts); the access log's line pairs it with the uids."""
+    frontend: RequestRouter = request.app.state.frontend
+    chat = isinstance(body, ChatCompletionRequest)
+    prompt_param = "messages" if chat else "prompt"
+    meta = ResponseMeta(f"{id_prefix}-{uuid.uuid4().hex}", int(time.time()),
+                        request.app.state.model_name)
+    request.state.access = record = AccessRecord(uids, meta.id)
     if body.stream:
-        streams = await first_replies_then_rest(request, frontend, uids, "prompt")
-        merged = merge_replies([observed(replies, record) for replies in streams])
-        return SSEResponse(stream_completion(merged, meta, len(uids), body.include_usage))
-    answers = await whole_answers(request, frontend, uids, "prompt")
+        streams = await first_replies_then_rest(request, frontend, uids, prompt_param)
+        merged = merge_replies(streams, record)
+        return SSEResponse(stream_completion(merged, meta, len(uids), body.include_usage, chat))
+    answers = await whole_answers(request, frontend, uids, prompt_param)
     for _, last in answers:
         record.add(last)
-    return completion_body(meta, answers)
+    return completion_body(meta, answers, chat)
 
 
 async def submit_prompts(frontend: RequestRouter, prompts: Sequence[str | list[int]],
@@ -215,9 +206,10 @@ async def _prepend(first: UserReply, rest: AsyncIterator[UserReply]) -> AsyncIte
                 yield reply
 
 
-async def merge_replies(streams: Sequence[AsyncIterator[UserReply]]
+async def merge_replies(streams: Sequence[AsyncIterator[UserReply]], record: AccessRecord
                         ) -> AsyncIterator[tuple[int, UserReply]]:
-    """The replies of several requests as they come, each with its stream's index.
+    """The replies of several requests as they come, each with its stream's index; each last
+    reply is noted in ``record``, for the access log.
 
     One task per stream moves its replies into a queue of one place, so a slow reader still
     leaves the replies in the frontend's buffers, where the slow-reader policy sees them.
@@ -230,6 +222,8 @@ async def merge_replies(streams: Sequence[AsyncIterator[UserReply]]
         try:
             async with aclosing(replies):
                 async for reply in replies:
+                    if reply.finished:
+                        record.add(reply)
                     await queue.put((index, reply))
             await queue.put((index, None))
         except Exception as exc:  # handed to the reader, which raises it

@@ -15,10 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Any, Protocol
 
 from minisgl.core import SamplingParams
@@ -138,11 +137,6 @@ class RequestRouter:
     def num_buffered(self) -> int:
         """Replies received and not taken by their readers yet, over all requests."""
         return sum(len(buffer.replies) for buffer in self._pending.values())
-
-    @property
-    def buffers(self) -> Mapping[int, ReplyBuffer]:
-        """Every waiting request's buffer, by uid (a read-only view)."""
-        return MappingProxyType(self._pending)
 
     def start(self) -> None:
         """Start the listener and the watchdog (once); call from inside the event loop."""

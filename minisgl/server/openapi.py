@@ -49,11 +49,10 @@ def openapi_schema(app: FastAPI, model_name: str, max_token_id: int | None,
     for name in ("CompletionRequest", "ChatCompletionRequest"):
         properties = components.get(name, {}).get("properties", {})
         if max_tokens is not None:
-            for field_name in ("max_tokens", "max_completion_tokens"):
-                if field_name in properties:
-                    properties[field_name]["maximum"] = max_tokens
-        if max_token_id is not None and "prompt" in properties:
-            properties["prompt"].update(prompt_schema(max_token_id))
-        if max_token_id is not None and "stop_token_ids" in properties:
+            for field_name in {"max_tokens", "max_completion_tokens"} & properties.keys():
+                properties[field_name]["maximum"] = max_tokens
+        if max_token_id is not None:  # every body has stop_token_ids; a completion, a prompt
             properties["stop_token_ids"]["anyOf"][0]["items"]["maximum"] = max_token_id
+            if "prompt" in properties:
+                properties["prompt"].update(prompt_schema(max_token_id))
     return schema

@@ -120,8 +120,8 @@ def _whole_number(value: Any) -> Any:
     return value
 
 
-JsonInt = Annotated[int, BeforeValidator(_whole_number)]
 TokenId = Annotated[int, Field(ge=0, le=MAX_JSON_INT), BeforeValidator(_whole_number)]
+Seed = Annotated[int, Field(ge=0, le=MAX_JSON_INT), BeforeValidator(_whole_number)]
 Int64 = Annotated[int, Field(ge=-MAX_JSON_INT, le=MAX_JSON_INT), BeforeValidator(_whole_number)]
 # Strict types. Lax pydantic would take "12" for 12 and "yes" for true; OpenAI's API
 # refuses a value of the wrong JSON type, and so does this one (HTTP 400 naming the field).
@@ -209,7 +209,7 @@ class _GenerationBody(BaseModel):
     top_p: float | None = _documented(exclusiveMinimum=0, maximum=1)
     top_k: Int64 | None = _documented(minimum=-1)  # an extension (vLLM, SGLang); -1, 0: off
     min_p: float | None = _documented(minimum=0, maximum=1)  # an extension
-    seed: JsonInt | None = _documented(minimum=0, maximum=MAX_JSON_INT)
+    seed: Seed | None = None
     stop: str | list[str] | None = Field(None, json_schema_extra={
         "anyOf": [{"type": "string", "minLength": 1},
                   {"type": "array", "items": {"type": "string", "minLength": 1}},
@@ -242,9 +242,6 @@ class _GenerationBody(BaseModel):
     def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
         """The engine's :class:`SamplingParams`; a value it rejects becomes HTTP 400."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
-        if self.seed is not None and not 0 <= self.seed <= MAX_JSON_INT:
-            raise APIError(400, f"seed must be None or an integer in [0, {MAX_JSON_INT}] (the "
-                                f"largest a JSON number holds exactly), got {self.seed}", "seed")
         values: dict[str, Any] = {
             "temperature": DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
             "top_p": 1.0 if self.top_p is None else self.top_p,

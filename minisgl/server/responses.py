@@ -45,13 +45,6 @@ def choice(index: int, finish_reason: str | None, **content: Any) -> dict[str, A
     return {"index": index, **content, "logprobs": None, "finish_reason": finish_reason}
 
 
-def chat_body(meta: ResponseMeta, text: str, last: UserReply) -> dict[str, Any]:
-    """A whole (non-streamed) chat completion."""
-    message = {"role": "assistant", "content": text}
-    return meta.body("chat.completion", [choice(0, last.finish_reason, message=message)],
-                     usage=usage_dict(last.usage))
-
-
 def total_usage(usages: Sequence[TokenUsage | None]) -> TokenUsage | None:
     """The usage of several requests answered as one (a list of prompts): their sum."""
     if any(usage is None for usage in usages):
@@ -60,16 +53,19 @@ def total_usage(usages: Sequence[TokenUsage | None]) -> TokenUsage | None:
                       sum(u.completion_tokens for u in usages))  # type: ignore[union-attr]
 
 
-def completion_body(meta: ResponseMeta,
-                    answers: Sequence[tuple[str, UserReply]]) -> dict[str, Any]:
-    """A whole (non-streamed) text completion: a choice per prompt, in the prompts' order."""
-    choices = [choice(i, last.finish_reason, text=text) for i, (text, last) in enumerate(answers)]
-    return meta.body("text_completion", choices,
+def completion_body(meta: ResponseMeta, answers: Sequence[tuple[str, UserReply]],
+                    chat: bool = False) -> dict[str, Any]:
+    """A whole (non-streamed) completion: a choice per prompt, in the prompts' order (a chat
+    completion has one, whose text is the assistant's ``message``)."""
+    choices = [choice(i, last.finish_reason,
+                      **({"message": {"role": "assistant", "content": text}} if chat
+                         else {"text": text}))
+               for i, (text, last) in enumerate(answers)]
+    return meta.body("chat.completion" if chat else "text_completion", choices,
                      usage=usage_dict(total_usage([last.usage for _, last in answers])))
 
 
 SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
-CHAT_CHUNK = "chat.completion.chunk"
 
 
 def sse_event(payload: Mapping[str, Any]) -> bytes:
@@ -87,53 +83,38 @@ def chunk(meta: ResponseMeta, kind: str, extra: Mapping[str, Any], index: int = 
     return sse_event(meta.body(kind, [choice(index, finish_reason, **content)], **extra))
 
 
-async def stream_chat(replies: AsyncIterator[UserReply], meta: ResponseMeta,
-                      include_usage: bool = False) -> AsyncIterator[bytes]:
-    """A chat completion as SSE: the role first, a chunk per piece of text, a chunk with the
-    finish reason, the usage (if asked), then ``[DONE]``.
-
-    A request that fails mid-stream ends with an error event (OpenAI's error
-    object, which the ``openai`` client raises as an exception), then ``[DONE]``. Closing this
-    generator closes ``replies``, which frees the request's state at once.
-    """
-    extra = {"usage": None} if include_usage else {}  # OpenAI: null on all but the last
-    async with aclosing(replies):
-        yield chunk(meta, CHAT_CHUNK, extra, delta={"role": "assistant", "content": ""})
-        async for reply in replies:
-            if reply.delta:  # empty while a multi-byte character is incomplete
-                yield chunk(meta, CHAT_CHUNK, extra, delta={"content": reply.delta})
-            if reply.error is not None:
-                yield sse_event(APIError.of(reply.error, "messages").body())
-            elif reply.finished:
-                yield chunk(meta, CHAT_CHUNK, extra, 0, reply.finish_reason, delta={})
-                if include_usage:
-                    yield sse_event(meta.body(CHAT_CHUNK, [], usage=usage_dict(reply.usage)))
-        yield SSE_DONE
-
-
 async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta: ResponseMeta,
-                            num_choices: int = 1,
-                            include_usage: bool = False) -> AsyncIterator[bytes]:
-    """A text completion as SSE: a chunk per piece of text, one with the finish reason per
-    choice, the usage of all (if asked), then ``[DONE]``; an error event instead if a request
-    fails (which ends the stream: closing ``replies`` aborts the others).
+                            num_choices: int = 1, include_usage: bool = False,
+                            chat: bool = False) -> AsyncIterator[bytes]:
+    """A completion as SSE: a chunk per piece of text, one with the finish reason per choice,
+    the usage of all (if asked), then ``[DONE]``. A chat completion's text comes as ``delta``
+    messages, after a first chunk that names the assistant's role.
 
     ``replies`` are ``(choice index, reply)`` pairs, the replies of ``num_choices`` requests
-    (one per prompt) as they come.
+    (one per prompt) as they come. A request that fails ends the stream with an error event
+    (OpenAI's error object, which the ``openai`` client raises as an exception), then
+    ``[DONE]``. Closing this generator closes ``replies``, which aborts the other requests.
     """
-    extra = {"usage": None} if include_usage else {}
+    kind = "chat.completion.chunk" if chat else "text_completion"
+    extra = {"usage": None} if include_usage else {}  # OpenAI: null on all but the last
     usages: list[TokenUsage | None] = []
+
+    def piece(index: int, text: str, finish_reason: str | None = None) -> bytes:
+        content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
+        return chunk(meta, kind, extra, index, finish_reason, **content)
+
     async with aclosing(replies):
+        if chat:
+            yield chunk(meta, kind, extra, delta={"role": "assistant", "content": ""})
         async for index, reply in replies:
-            if reply.delta:
-                yield chunk(meta, "text_completion", extra, index, text=reply.delta)
+            if reply.delta:  # empty while a multi-byte character is incomplete
+                yield piece(index, reply.delta)
             if reply.error is not None:
-                yield sse_event(APIError.of(reply.error).body())
+                yield sse_event(APIError.of(reply.error, "messages" if chat else "prompt").body())
                 break
             if reply.finished:
-                yield chunk(meta, "text_completion", extra, index, reply.finish_reason, text="")
+                yield piece(index, "", reply.finish_reason)
                 usages.append(reply.usage)
                 if include_usage and len(usages) == num_choices:
-                    yield sse_event(meta.body("text_completion", [],
-                                              usage=usage_dict(total_usage(usages))))
+                    yield sse_event(meta.body(kind, [], usage=usage_dict(total_usage(usages))))
         yield SSE_DONE
