@@ -110,14 +110,15 @@ class PageTable:
         """The page ids ``row`` holds, in token order (a view into the table)."""
         return self.page_ids[row, : self.num_pages(row)]
 
-    def pages_needed(self, row: int, num_tokens: int) -> int:
-        """How many more pages ``row`` needs so that it can map ``num_tokens`` tokens."""
+    def pages_needed(self, row: int | None, num_tokens: int) -> int:
+        """How many more pages ``row`` needs so that it can map ``num_tokens`` tokens (``None``:
+        a request without a row yet, which holds no page)."""
         if num_tokens > self.max_tokens_per_req:
             raise ValueError(f"{num_tokens} tokens exceed the {self.max_tokens_per_req} that one "
                              f"request can hold ({self.max_pages_per_req} pages of "
                              f"{self.page_size} tokens)")
-        pages_for_tokens = -(-num_tokens // self.page_size)  # ceiling division
-        return max(0, pages_for_tokens - self._held[self._checked(row)])
+        held = 0 if row is None else self._held[self._checked(row)]
+        return max(0, -(-num_tokens // self.page_size) - held)  # ceiling division, minus held
 
     def append_pages(self, row: int, pages: Sequence[int] | torch.Tensor) -> None:
         """Add ``pages`` (fresh from the allocator) after the pages ``row`` already holds.
