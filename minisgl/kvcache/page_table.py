@@ -182,7 +182,3 @@ class PageTable:
             raise ValueError(f"row {row} is not a row in use (rows are 0..{self.max_reqs - 1}, "
                              "handed out by alloc_row)")
         return row
-
-    def __repr__(self) -> str:
-        return (f"PageTable(max_reqs={self.max_reqs}, max_pages_per_req={self.max_pages_per_req}, "
-                f"page_size={self.page_size}, free_rows={self.num_free_rows})")

@@ -166,8 +166,3 @@ class RequestPages:
     def pages_held(self, req: Req) -> int:
         """Pages ``req``'s row maps (0 without a row)."""
         return 0 if req.table_row is None else self.table.num_pages(req.table_row)
-
-    def __repr__(self) -> str:
-        return (f"RequestPages({self.num_free}/{self.num_pages} pages free, "
-                f"{self.num_free_rows}/{self.table.max_reqs} rows free, "
-                f"page_size={self.page_size})")
