@@ -102,10 +102,6 @@ class PageTable:
         """Pages ``row`` holds."""
         return self._held[self._checked(row)]
 
-    def capacity(self, row: int) -> int:
-        """Tokens ``row`` can map with the pages it holds (the last page may be part empty)."""
-        return self.num_pages(row) * self.page_size
-
     def row_pages(self, row: int) -> np.ndarray:
         """The page ids ``row`` holds, in token order (a view into the table)."""
         return self.page_ids[row, : self.num_pages(row)]
@@ -152,9 +148,6 @@ class PageTable:
         slots are where a forward pass stores the new tokens' K/V; with ``starts`` at 0, the
         slots attention reads the whole sequence back from.
         """
-        if not len(rows) == len(starts) == len(ends):
-            raise ValueError(f"rows, starts and ends must have one entry per request, got "
-                             f"{len(rows)}, {len(starts)} and {len(ends)}")
         size, held = self.page_size, self._held
         for row, start, end in zip(rows, starts, ends):
             if not 0 <= start <= end <= held[self._checked(row)] * size:
