@@ -162,8 +162,9 @@ def test_rotary_frequencies_equal_transformers_rope_init_functions(name: str) ->
     inv_freq, attention_factor = ROPE_INIT_FUNCTIONS[scaling["rope_type"]](hf_config(scaling))
     ours = get_rope(HEAD_DIM, HEAD_DIM, MAX_POSITION, THETA, scaling)
     # Row 1 of the table is position 1: cos/sin of inv_freq itself, times the attention factor.
-    assert max_err(ours.cos_cache[1], inv_freq.cos() * attention_factor) <= ATOL
-    assert max_err(ours.sin_cache[1], inv_freq.sin() * attention_factor) <= ATOL
+    cos, sin = ours.cos_sin_cache[1].chunk(2)
+    assert max_err(cos, inv_freq.cos() * attention_factor) <= ATOL
+    assert max_err(sin, inv_freq.sin() * attention_factor) <= ATOL
 
 
 def test_rotary_accepts_flat_and_per_head_layouts() -> None:
@@ -206,11 +207,11 @@ def test_the_rope_table_holds_cos_then_sin_per_position_as_flashinfer_reads_it()
     assert rope.cos_sin_cache.dtype == torch.float32 and rope.cos_sin_cache.is_contiguous()
     assert max_err(row, torch.cat([(7 * inv_freq).cos(), (7 * inv_freq).sin()])
                    * attention_factor) <= ATOL
-    assert torch.equal(rope.cos_cache, rope.cos_sin_cache[:, : HEAD_DIM // 2])
     assert "cos_sin_cache" not in rope.state_dict(), "the table is rebuilt, never loaded"
     partial = get_rope(HEAD_DIM, HEAD_DIM // 2, MAX_POSITION, THETA)
     assert partial.cos_sin_cache.shape == (MAX_POSITION, HEAD_DIM // 2)
-    assert torch.equal(partial.sin_cache[3], (3 * default_inv_freq(HEAD_DIM // 2, THETA)).sin())
+    sin = partial.cos_sin_cache[3, HEAD_DIM // 4 :]  # the second half of the row
+    assert torch.equal(sin, (3 * default_inv_freq(HEAD_DIM // 2, THETA)).sin())
 
 
 def test_get_rope_rejects_an_unknown_type_naming_the_supported_ones() -> None:
@@ -224,7 +225,7 @@ def test_get_rope_reads_the_old_type_key_and_ignores_rope_theta() -> None:
     old = get_rope(HEAD_DIM, HEAD_DIM, 64, THETA, {"type": "linear", "factor": 2.0})
     new = get_rope(HEAD_DIM, HEAD_DIM, 64, THETA,
                    {"rope_type": "linear", "factor": 2.0, "rope_theta": THETA})
-    assert torch.equal(old.cos_cache, new.cos_cache)
+    assert torch.equal(old.cos_sin_cache, new.cos_sin_cache)
 
 
 # ---------------------------------------------------------------- activation and MLP

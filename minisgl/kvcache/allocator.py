@@ -92,6 +92,3 @@ class PageAllocator:
             self._is_free[page] = 1
             self._free_stack.append(page)
 
-    def __repr__(self) -> str:
-        return f"PageAllocator(num_pages={self.num_pages}, num_free={self.num_free})"
-

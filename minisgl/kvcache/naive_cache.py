@@ -49,6 +49,3 @@ class NaivePrefixCache(BasePrefixCache):
         # A handle from another cache would mean pages this one knows nothing about.
         if handle.num_tokens != 0:
             raise ValueError(f"the naive prefix cache only hands out empty handles, got {handle}")
-
-    def __repr__(self) -> str:
-        return f"NaivePrefixCache(page_size={self.page_size})"

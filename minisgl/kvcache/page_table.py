@@ -102,22 +102,19 @@ class PageTable:
         """Pages ``row`` holds."""
         return self._held[self._checked(row)]
 
-    def capacity(self, row: int) -> int:
-        """Tokens ``row`` can map with the pages it holds (the last page may be part empty)."""
-        return self.num_pages(row) * self.page_size
-
     def row_pages(self, row: int) -> np.ndarray:
         """The page ids ``row`` holds, in token order (a view into the table)."""
         return self.page_ids[row, : self.num_pages(row)]
 
-    def pages_needed(self, row: int, num_tokens: int) -> int:
-        """How many more pages ``row`` needs so that it can map ``num_tokens`` tokens."""
+    def pages_needed(self, row: int | None, num_tokens: int) -> int:
+        """How many more pages ``row`` needs so that it can map ``num_tokens`` tokens (``None``:
+        a request without a row yet, which holds no page)."""
         if num_tokens > self.max_tokens_per_req:
             raise ValueError(f"{num_tokens} tokens exceed the {self.max_tokens_per_req} that one "
                              f"request can hold ({self.max_pages_per_req} pages of "
                              f"{self.page_size} tokens)")
-        pages_for_tokens = -(-num_tokens // self.page_size)  # ceiling division
-        return max(0, pages_for_tokens - self._held[self._checked(row)])
+        held = 0 if row is None else self._held[self._checked(row)]
+        return max(0, -(-num_tokens // self.page_size) - held)  # ceiling division, minus held
 
     def append_pages(self, row: int, pages: Sequence[int] | torch.Tensor) -> None:
         """Add ``pages`` (fresh from the allocator) after the pages ``row`` already holds.
@@ -151,9 +148,6 @@ class PageTable:
         slots are where a forward pass stores the new tokens' K/V; with ``starts`` at 0, the
         slots attention reads the whole sequence back from.
         """
-        if not len(rows) == len(starts) == len(ends):
-            raise ValueError(f"rows, starts and ends must have one entry per request, got "
-                             f"{len(rows)}, {len(starts)} and {len(ends)}")
         size, held = self.page_size, self._held
         for row, start, end in zip(rows, starts, ends):
             if not 0 <= start <= end <= held[self._checked(row)] * size:
@@ -181,7 +175,3 @@ class PageTable:
             raise ValueError(f"row {row} is not a row in use (rows are 0..{self.max_reqs - 1}, "
                              "handed out by alloc_row)")
         return row
-
-    def __repr__(self) -> str:
-        return (f"PageTable(max_reqs={self.max_reqs}, max_pages_per_req={self.max_pages_per_req}, "
-                f"page_size={self.page_size}, free_rows={self.num_free_rows})")

@@ -346,10 +346,6 @@ class RadixCache(BasePrefixCache):
         draw(self.root, "")
         return "\n".join(lines)
 
-    def __repr__(self) -> str:
-        return (f"RadixCache(page_size={self.page_size}, cached={self.num_cached_pages}, "
-                f"locked={self.num_locked_pages}, evictable={self.num_evictable_pages})")
-
 
 def _pages_in_common(edge: Tokens, tokens: Tokens, page_size: int) -> int:
     """Whole pages at the start of ``edge`` and ``tokens`` that agree token for token."""

@@ -40,16 +40,13 @@ class RequestPages:
         self.max_seq_len = max_seq_len
         self.page_size = page_size
         self._allocator = PageAllocator(num_pages)
-        self.table = PageTable(max_reqs, self._pages_for(max_seq_len), page_size=page_size,
-                               device=device)
+        max_pages = -(-max_seq_len // page_size)  # ceiling division: a part-filled page counts
+        self.table = PageTable(max_reqs, max_pages, page_size=page_size, device=device)
 
     def pages_needed(self, req: Req) -> int:
         """Pages :meth:`reserve` would take for ``req`` now (0 once its row maps all its
         tokens: what a forward pass checks)."""
-        row = req.table_row
-        if row is None:
-            return self._pages_for(req.num_tokens)
-        return self.table.pages_needed(row, req.num_tokens)
+        return self.table.pages_needed(req.table_row, req.num_tokens)
 
     def reserve(self, *reqs: Req) -> int:
         """Make the next forward pass of every request in ``reqs`` possible (one request, or a
@@ -73,9 +70,7 @@ class RequestPages:
             if num_tokens > self.max_seq_len:
                 raise ValueError(f"request {req.uid} has {num_tokens} tokens; the longest "
                                  f"sequence this cache holds is max_seq_len={self.max_seq_len}")
-            row = req.table_row
-            needs.append(self._pages_for(num_tokens) if row is None
-                         else self.table.pages_needed(row, num_tokens))
+            needs.append(self.table.pages_needed(req.table_row, num_tokens))
         total = sum(needs)
         free = self._allocator.num_free
         if total > free:  # before taking a row: nothing to undo
@@ -171,11 +166,3 @@ class RequestPages:
     def pages_held(self, req: Req) -> int:
         """Pages ``req``'s row maps (0 without a row)."""
         return 0 if req.table_row is None else self.table.num_pages(req.table_row)
-
-    def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.page_size)  # ceiling division: a part-filled page counts
-
-    def __repr__(self) -> str:
-        return (f"RequestPages({self.num_free}/{self.num_pages} pages free, "
-                f"{self.num_free_rows}/{self.table.max_reqs} rows free, "
-                f"page_size={self.page_size})")

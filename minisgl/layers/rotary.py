@@ -55,16 +55,6 @@ class RotaryEmbedding(nn.Module):
         cos_sin = torch.cat((angles.cos(), angles.sin()), dim=-1) * attention_scaling
         self.register_buffer("cos_sin_cache", cos_sin, persistent=False)
 
-    @property
-    def cos_cache(self) -> torch.Tensor:
-        """``cos`` of every angle, [max_position, rotary_dim/2] (a view of the table)."""
-        return self.cos_sin_cache[:, : self.rotary_dim // 2]
-
-    @property
-    def sin_cache(self) -> torch.Tensor:
-        """``sin`` of every angle, [max_position, rotary_dim/2] (a view of the table)."""
-        return self.cos_sin_cache[:, self.rotary_dim // 2 :]
-
     def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate ``x`` [T, H, head_dim] by the per-token angles in ``cos``/``sin`` [T, 1, d/2]."""
         rot, passthrough = x[..., : self.rotary_dim], x[..., self.rotary_dim :]
@@ -89,8 +79,8 @@ class RotaryEmbedding(nn.Module):
         """
         if fast.paths.rope_inplace(positions, q, k, self.cos_sin_cache, self.head_dim):
             return q, k
-        cos = self.cos_cache[positions].unsqueeze(1)  # [T, 1, rotary_dim/2], shared by heads
-        sin = self.sin_cache[positions].unsqueeze(1)
+        # [T, 1, rotary_dim/2] each, shared by the heads: one lookup of the table per token
+        cos, sin = self.cos_sin_cache[positions].unsqueeze(1).chunk(2, dim=-1)
         q_rot = self._rotate(q.view(q.shape[0], -1, self.head_dim), cos, sin)
         k_rot = self._rotate(k.view(k.shape[0], -1, self.head_dim), cos, sin)
         return q_rot.view(q.shape), k_rot.view(k.shape)
@@ -163,7 +153,6 @@ _SCALINGS: dict[str, Callable[[int, float, Mapping[str, Any]], Scaled]] = {
     "llama3": _llama3_scaling,
     "yarn": _yarn_scaling,
 }
-SUPPORTED_ROPE_TYPES = ("default", *_SCALINGS)
 
 
 def get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
@@ -190,6 +179,6 @@ def get_rope(head_dim: int, rotary_dim: int, max_position: int, base: float,
         inv_freq = default_inv_freq(rotary_dim, base)
         inv_freq = inv_freq / factor * (1 - kept) + inv_freq * kept
     else:
-        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: "
-                         f"{', '.join(SUPPORTED_ROPE_TYPES)}")
+        raise ValueError(f"unsupported rope_type {rope_type!r}; supported: default, "
+                         f"{', '.join(_SCALINGS)}")
     return RotaryEmbedding(head_dim, rotary_dim, max_position, inv_freq, attention_scaling)

@@ -12,8 +12,7 @@
 
 from __future__ import annotations
 
-from .layer import MOE_IMPLS, MoEExperts, SparseMoeBlock, moe_function, use_moe_impl
+from .layer import MoEExperts, SparseMoeBlock, use_moe_impl
 from .router import Routing, route_topk
 
-__all__ = ["MOE_IMPLS", "MoEExperts", "Routing", "SparseMoeBlock", "moe_function",
-           "route_topk", "use_moe_impl"]
+__all__ = ["MoEExperts", "Routing", "SparseMoeBlock", "route_topk", "use_moe_impl"]

@@ -30,12 +30,9 @@ def route_topk(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Ro
     The softmax runs in float32 whatever the logits' dtype: in bfloat16 two close experts
     would round to the same probability and the choice between them would depend on rounding.
     Ties go to the lower expert index (a stable sort keeps equal values in index order), so
-    routing is the same on every device.
+    routing is the same on every device. ``top_k`` is between 1 and the number of experts:
+    ``ModelConfig`` checks ``num_experts_per_tok``, where it enters.
     """
-    num_experts = router_logits.shape[-1]
-    if not 0 < top_k <= num_experts:
-        raise ValueError(f"top_k must be in [1, {num_experts}] (the number of experts), "
-                         f"got {top_k}")
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     sorted_probs, order = probs.sort(dim=-1, descending=True, stable=True)
     weights, expert_ids = sorted_probs[:, :top_k], order[:, :top_k]

@@ -30,12 +30,10 @@ def check_int(name: str, value: object, *, at_least: int | None = None,
     if is_int(value) and (at_least is None or value >= at_least) \
             and (at_most is None or value <= at_most):
         return int(value)
-    if at_least is not None and at_most is not None:
+    if at_most is not None:  # a range: at_most comes with at_least
         allowed = f"an integer in [{at_least}, {at_most}]"
     elif at_least is not None:
         allowed = f"an integer >= {at_least}"
-    elif at_most is not None:
-        allowed = f"an integer <= {at_most}"
     else:
         allowed = "an integer"
     raise error(f"{name} must be {allowed}, got {value!r}")
