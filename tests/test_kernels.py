@@ -143,7 +143,7 @@ def test_pieces_cover_each_request_in_order_and_full_pages(page_size: int) -> No
     num_pages = -(-tokens // page_size)
     last = tokens - (num_pages - 1) * page_size
     piece = piece_length(num_pages, 4 * len(tokens))
-    pages, piece_last, owners, piece_indptr = cut_into_pieces(num_pages, last, piece, page_size)
+    pages, piece_last, owners, piece_indptr = cut_into_pieces(num_pages, last, page_size, 4 * len(tokens))
     assert pages.max() <= piece and pages.min() >= 1
     for req in range(len(tokens)):
         mine = slice(piece_indptr[req], piece_indptr[req + 1])

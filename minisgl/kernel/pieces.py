@@ -60,9 +60,9 @@ def piece_length(num_pages: np.ndarray, max_pieces: int) -> int:
     return low
 
 
-def cut_into_pieces(num_pages: np.ndarray, last_page_lens: np.ndarray, piece: int,
-                    page_size: int) -> Pieces:
-    """Cut each request's pages into runs of at most ``piece`` pages, in order.
+def cut_into_pieces(num_pages: np.ndarray, last_page_lens: np.ndarray, page_size: int,
+                    max_pieces: int) -> Pieces:
+    """Cut each request's pages into runs of at most :func:`piece_length` pages, in order.
 
     A piece is a slice of its request's pages, so the kernel's page ids stay the requests' own,
     concatenated; only the boundaries between them change.
@@ -70,18 +70,19 @@ def cut_into_pieces(num_pages: np.ndarray, last_page_lens: np.ndarray, piece: in
     Args:
         num_pages: ``[B]`` pages per request, each at least 1.
         last_page_lens: ``[B]`` tokens in each request's last page.
-        piece: the longest piece, in pages.
         page_size: tokens per page (every page but a request's last is full).
+        max_pieces: the most pieces in all.
 
     Returns:
         ``(piece_pages, piece_last_lens, owners, piece_indptr)``: pages and last-page length of
         each piece (``[P]``), the request each piece belongs to (``[P]``), and request ``i``'s
         pieces as ``piece_indptr[i] .. piece_indptr[i + 1] - 1`` (``[B + 1]``).
 
-    >>> pages, last, owners, indptr = cut_into_pieces(np.array([5, 2]), np.array([3, 1]), 2, 4)
+    >>> pages, last, owners, indptr = cut_into_pieces(np.array([5, 2]), np.array([3, 1]), 4, 4)
     >>> pages.tolist(), last.tolist(), owners.tolist(), indptr.tolist()
     ([2, 2, 1, 2], [4, 4, 3, 1], [0, 0, 0, 1], [0, 3, 4])
     """
+    piece = piece_length(num_pages, max_pieces)
     counts = -(-num_pages // piece)
     piece_indptr = np.zeros(len(num_pages) + 1, dtype=np.int64)
     np.cumsum(counts, out=piece_indptr[1:])
