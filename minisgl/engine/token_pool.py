@@ -52,8 +52,7 @@ class TokenPool:
                 dst += range(row + start, row + prompt_end)
                 prompt += req.prompt_ids[start:prompt_end]
         k = len(dst)
-        lists = torch.tensor(dst + prompt + src, dtype=torch.int64)
-        lists = host_to_device(lists, self.ids.device)
+        lists = host_to_device(torch.tensor(dst + prompt + src, dtype=torch.int64), self.ids.device)
         if k:
             self._flat[lists[:k]] = lists[k:2 * k]
         return self._flat[lists[2 * k:]]

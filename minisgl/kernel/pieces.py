@@ -8,8 +8,8 @@ kernel), each piece a request of its own that reads its query from a row of its 
 layers' ``QueryRows``, filled by the qk prologue). Softmax over a request's keys is then one
 exact merge of its pieces' outputs, weighted by ``2 ** (lse - max lse)`` (FlashInfer writes
 base-2 log-sum-exps). It replaces the plain one-entry-per-request decode of
-:class:`~minisgl.attention.fi.FlashInferBackend`; :func:`merge_pieces_reference` is the merge in
-PyTorch. :func:`num_decode_pieces` decides, :func:`cut_into_pieces` describes the pieces (numpy,
+:class:`~minisgl.attention.fi.FlashInferBackend` (the tests hold the merge in PyTorch).
+:func:`num_decode_pieces` decides, :func:`cut_into_pieces` describes the pieces (numpy,
 on the host, once per step), :func:`merge_pieces` merges on the device, once per layer.
 """
 
@@ -143,16 +143,3 @@ def merge_pieces(out: torch.Tensor, lse: torch.Tensor, piece_indptr: torch.Tenso
                                                 num_warps=1)
     return merged
 
-
-def merge_pieces_reference(out: torch.Tensor, lse: torch.Tensor,
-                           piece_indptr: torch.Tensor) -> torch.Tensor:
-    """:func:`merge_pieces` in PyTorch: a softmax over each request's pieces' log-sum-exps."""
-    num_reqs = piece_indptr.shape[0] - 1
-    merged = torch.empty(num_reqs, *out.shape[1:], dtype=out.dtype, device=out.device)
-    for req, (first, end) in enumerate(zip(piece_indptr[:-1].tolist(),
-                                           piece_indptr[1:].tolist())):
-        lse_req = lse[first:end].float()  # [pieces, H]
-        weights = torch.exp2(lse_req - lse_req.max(dim=0).values)
-        weights = weights / weights.sum(dim=0)
-        merged[req] = (weights[..., None] * out[first:end].float()).sum(dim=0).to(out.dtype)
-    return merged
