@@ -61,7 +61,6 @@ from minisgl.kernel.pieces import (
     PIECES_MIN_BATCH,
     cut_into_pieces,
     merge_pieces,
-    merge_pieces_reference,
     num_decode_pieces,
     piece_length,
 )
@@ -143,7 +142,7 @@ def test_pieces_cover_each_request_in_order_and_full_pages(page_size: int) -> No
     num_pages = -(-tokens // page_size)
     last = tokens - (num_pages - 1) * page_size
     piece = piece_length(num_pages, 4 * len(tokens))
-    pages, piece_last, owners, piece_indptr = cut_into_pieces(num_pages, last, piece, page_size)
+    pages, piece_last, owners, piece_indptr = cut_into_pieces(num_pages, last, page_size, 4 * len(tokens))
     assert pages.max() <= piece and pages.min() >= 1
     for req in range(len(tokens)):
         mine = slice(piece_indptr[req], piece_indptr[req + 1])
@@ -188,6 +187,21 @@ def merge_inputs(lens: list[int], piece: int, spare: int, seed: int = 0
     lse = torch.cat([torch.stack(lses), torch.full((spare, heads), 50.0)])
     reference = torch.stack([attend(q[r], keys[r], values[r])[0] for r in range(len(lens))])
     return out, lse, piece_indptr, reference
+
+
+def merge_pieces_reference(out: torch.Tensor, lse: torch.Tensor,
+                           piece_indptr: torch.Tensor) -> torch.Tensor:
+    """``merge_pieces`` in PyTorch, the kernel's reference: a softmax over each request's
+    pieces' log-sum-exps."""
+    num_reqs = piece_indptr.shape[0] - 1
+    merged = torch.empty(num_reqs, *out.shape[1:], dtype=out.dtype, device=out.device)
+    for req, (first, end) in enumerate(zip(piece_indptr[:-1].tolist(),
+                                           piece_indptr[1:].tolist())):
+        lse_req = lse[first:end].float()  # [pieces, H]
+        weights = torch.exp2(lse_req - lse_req.max(dim=0).values)
+        weights = weights / weights.sum(dim=0)
+        merged[req] = (weights[..., None] * out[first:end].float()).sum(dim=0).to(out.dtype)
+    return merged
 
 
 def test_the_merge_reference_equals_attention_over_whole_requests() -> None:

@@ -71,15 +71,11 @@ def create_attention_backend(name: str, kv_pool: MHAKVPool, page_table: PageTabl
     ``num_qo_heads`` is the number of query heads on this device (this rank's share under
     tensor parallelism); the KV head count and head size are read from the pool.
     """
-    chosen = resolve_attention_backend(name, kv_pool.device, kv_pool.dtype, kv_pool.head_dim)
-    if chosen == "flashinfer":
-        from minisgl.attention.fi import FlashInferBackend  # imports flashinfer itself
+    if resolve_attention_backend(name, kv_pool.device, kv_pool.dtype, kv_pool.head_dim) == "torch":
+        return TorchNativeBackend(kv_pool, page_table, num_qo_heads)
+    from minisgl.attention.fi import FlashInferBackend  # imports flashinfer itself
 
-        backend: BaseAttnBackend = FlashInferBackend(kv_pool, page_table, num_qo_heads)
-    else:
-        backend = TorchNativeBackend(kv_pool, page_table, num_qo_heads)
-    logger.debug("attention backend: %r", backend)
-    return backend
+    return FlashInferBackend(kv_pool, page_table, num_qo_heads)
 
 
 __all__ = [

@@ -129,8 +129,7 @@ class FlashInferBackend(BaseAttnBackend):
                  workspace_bytes: int = WORKSPACE_BYTES) -> None:
         super().__init__(kv_pool, page_table, num_qo_heads)
         check_flashinfer_supports(self.device, kv_pool.dtype, self.head_dim)
-        flashinfer = import_flashinfer()
-        self._flashinfer = flashinfer
+        self._flashinfer = flashinfer = import_flashinfer()
         # Zeros: FlashInfer requires the workspace to start zeroed.
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         # "fa2" rather than "auto", which would pick the FA3 kernels on Hopper GPUs: FA2 runs on
@@ -207,16 +206,11 @@ class FlashInferBackend(BaseAttnBackend):
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
         assert isinstance(meta, FIMetadata)
         kv_pages = self.kv_pool.kv_pages(layer_id)  # the layer's pool page by page: no copy
-        if meta.query_rows is not None:
-            return self._attend_in_pieces(q, kv_pages, meta.wrapper, meta.query_rows)
-        return meta.wrapper.run(q.contiguous(), kv_pages)
-
-    def _attend_in_pieces(self, q: torch.Tensor, kv_pages: torch.Tensor, wrapper: Any,
-                          pieces: QueryRows) -> torch.Tensor:
-        """``q`` holds a row per piece (``meta.query_rows``); the merge weighs the pieces'
-        outputs by their log-sum-exp into each request's output."""
-        out, lse = wrapper.run(q, kv_pages, return_lse=True)
-        return fast.paths.merge_pieces(out, lse, pieces.indptr)
+        if meta.query_rows is None:
+            return meta.wrapper.run(q.contiguous(), kv_pages)
+        # A row per piece: the merge weighs the pieces' outputs by their log-sum-exp.
+        out, lse = meta.wrapper.run(q, kv_pages, return_lse=True)
+        return fast.paths.merge_pieces(out, lse, meta.query_rows.indptr)
 
     def enable_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
         """Give each decode batch size to be captured a wrapper over fixed arrays.

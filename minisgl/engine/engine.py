@@ -215,7 +215,8 @@ class Engine:
                                                  self.device)
         self.attn_backend.enable_cuda_graphs(sizes)
         return GraphRunner(sizes, self.device, run=self._run_graph_inputs,
-                           prepare=lambda bs: self._load_graph_inputs(None, bs))
+                           prepare=lambda bs: self._load_graph_inputs(
+                               None, bs, self.graph_inputs.input_ids[:0]))
 
     # ----------------------------------------------------------------------- one forward step
     @torch.no_grad()
@@ -246,23 +247,24 @@ class Engine:
                 raise ValueError(f"request {req.uid} has no pages for its {req.num_tokens} "
                                  "tokens: call engine.pages.reserve(req) before running it")
         input_ids = self.token_pool.input_ids(batch)
-        if use_graph and self.graph_runner.size_for(batch) is not None:
-            return self.replay(batch, input_ids)
+        if use_graph and (bs := self.graph_runner.size_for(batch)) is not None:
+            return self.replay(batch, input_ids, bs=bs)
         meta = self.attn_backend.prepare(batch)
         with use_attention_backend(self.attn_backend):
             return self.model.forward(input_ids, meta.positions, meta.last_indices)
 
-    def replay(self, batch: Batch, input_ids: torch.Tensor, launched: bool = False
-               ) -> torch.Tensor:
+    def replay(self, batch: Batch, input_ids: torch.Tensor, launched: bool = False,
+               bs: int | None = None) -> torch.Tensor:
         """The logits of a decode batch, from the CUDA graph captured for its padded size.
 
         The batch is padded and written into the fixed memory (ids here; positions, slots and
         page arrays by the backend's ``prepare``); nothing is allocated on the device. The
         result is a view of the fixed logits: the next replay overwrites it. ``launched=True``
         runs the same padded batch, memory and plan with the kernels launched one by one
-        instead of from the graph (tests show the two are equal bit for bit).
+        instead of from the graph (tests show the two are equal bit for bit). ``bs``: the
+        captured size, when the caller has looked it up already.
         """
-        bs = self.graph_runner.size_for(batch)
+        bs = bs or self.graph_runner.size_for(batch)
         if bs is None:
             raise ValueError(f"no captured graph serves a {batch.phase} batch of {batch.size} "
                              f"(captured decode sizes: {self.graph_runner.batch_sizes or 'none'})")
@@ -273,15 +275,13 @@ class Engine:
             self.graph_runner.graphs[bs].replay()
         return self.graph_inputs.logits[: batch.size]
 
-    def _load_graph_inputs(self, batch: Batch | None, bs: int,
-                           input_ids: torch.Tensor | None = None) -> None:
-        """Write ``batch`` (None: no requests), padded to ``bs``, into the fixed memory the
-        graph of ``bs`` reads."""
+    def _load_graph_inputs(self, batch: Batch | None, bs: int, input_ids: torch.Tensor) -> None:
+        """Write ``batch`` (None: no requests) and its ``input_ids``, padded to ``bs``, into the
+        fixed memory the graph of ``bs`` reads."""
         self.attn_backend.prepare(pad_batch(batch, bs, self.pad_row),
                                   out=self.graph_inputs.fields)
-        real = 0 if input_ids is None else input_ids.shape[0]
-        if input_ids is not None:
-            self.graph_inputs.input_ids[:real].copy_(input_ids)
+        real = input_ids.shape[0]
+        self.graph_inputs.input_ids[:real].copy_(input_ids)
         self.graph_inputs.input_ids[real:bs].zero_()  # padding reads token 0
 
     def _run_graph_inputs(self, bs: int) -> None:

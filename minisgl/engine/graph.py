@@ -45,9 +45,7 @@ def default_capture_sizes(max_batch_size: int) -> list[int]:
 
 def capture_batch_sizes(config: EngineConfig) -> list[int]:
     """The sizes an engine captures: the explicit list of the config, or the default list."""
-    if config.cuda_graph_batch_sizes is not None:
-        return list(config.cuda_graph_batch_sizes)
-    return default_capture_sizes(config.graph_max_bs)
+    return list(config.cuda_graph_batch_sizes or default_capture_sizes(config.graph_max_bs))
 
 
 def padded_batch_size(batch_size: int, capture_sizes: Sequence[int]) -> int | None:

@@ -81,13 +81,9 @@ class GenerationResult:
 def finish_reason(token_id: int, num_generated: int, params: SamplingParams,
                   eos_token_ids: Sequence[int]) -> FinishReason | None:
     """Why generation ends after ``token_id`` was appended, or None to keep going."""
-    if token_id in params.stop_token_ids:
+    if token_id in params.stop_token_ids or (not params.ignore_eos and token_id in eos_token_ids):
         return "stop"
-    if not params.ignore_eos and token_id in eos_token_ids:
-        return "stop"
-    if num_generated >= params.max_tokens:
-        return "length"
-    return None
+    return "length" if num_generated >= params.max_tokens else None
 
 
 @torch.inference_mode()

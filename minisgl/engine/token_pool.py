@@ -52,8 +52,7 @@ class TokenPool:
                 dst += range(row + start, row + prompt_end)
                 prompt += req.prompt_ids[start:prompt_end]
         k = len(dst)
-        lists = torch.tensor(dst + prompt + src, dtype=torch.int64)
-        lists = host_to_device(lists, self.ids.device)
+        lists = host_to_device(torch.tensor(dst + prompt + src, dtype=torch.int64), self.ids.device)
         if k:
             self._flat[lists[:k]] = lists[k:2 * k]
         return self._flat[lists[2 * k:]]
@@ -65,14 +64,10 @@ class TokenPool:
         has left (a prompt cut by chunked prefill) sampled nothing meaningful: its token is
         skipped.
         """
-        dst: list[int] = []
-        picks: list[int] = []
-        for i, (req, complete) in enumerate(zip(batch.reqs, batch.completes)):
-            if complete:
-                dst.append(req.table_row * self.row_len + req.num_tokens)
-                picks.append(i)
-        if not dst:
+        picks = [i for i, complete in enumerate(batch.completes) if complete]
+        if not picks:
             return
+        dst = [batch.reqs[i].table_row * self.row_len + batch.reqs[i].num_tokens for i in picks]
         lists = host_to_device(torch.tensor(dst + picks, dtype=torch.int64), self.ids.device)
         # On the pool's device already, unless a caller sampled from logits it moved to the host.
         tokens = tokens.to(self.ids.device, non_blocking=True)

@@ -10,9 +10,6 @@ imports without a GPU or Triton; a kernel runs only where its ``can_*`` check sa
 
 from __future__ import annotations
 
-import numpy as np
-import torch
-
 from minisgl.kernel import flashinfer_ops, gemv, moe, pieces, qk_prologue
 from minisgl.kernel.trials import op_status, use_fused
 
@@ -31,12 +28,8 @@ class Kernels:
     can_moe = staticmethod(moe.fused_available)
     moe = staticmethod(moe.moe_fused)
     decode_pieces = staticmethod(pieces.num_decode_pieces)
+    cut_into_pieces = staticmethod(pieces.cut_into_pieces)
     merge_pieces = staticmethod(pieces.merge_pieces)
-
-    def cut_into_pieces(self, num_pages: np.ndarray, last_page_lens: np.ndarray,
-                        page_size: int, num_pieces: int) -> pieces.Pieces:
-        piece = pieces.piece_length(num_pages, num_pieces)
-        return pieces.cut_into_pieces(num_pages, last_page_lens, piece, page_size)
 
 
 KERNELS = Kernels()

@@ -105,9 +105,7 @@ def can_rope(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor,
     and moves features in vectors of ``max(16 bytes, head_dim / 32)``, so a partial rotation
     (``rotary_dim < head_dim``) must cover whole vectors in each half.
     """
-    if not available(q) or not same_place(q, k) or q.shape[0] == 0:
-        return False
-    if head_dim not in ROPE_HEAD_DIMS:
+    if head_dim not in ROPE_HEAD_DIMS or not available(q) or not same_place(q, k) or not q.shape[0]:
         return False
     vector = max(ALIGN_BYTES // q.element_size(), head_dim // 32)
     if cos_sin_cache.dim() != 2 or (cos_sin_cache.shape[1] // 2) % vector != 0:
@@ -153,9 +151,7 @@ def can_silu_and_mul(x: torch.Tensor) -> bool:
     """Whether :func:`silu_and_mul` can take ``x`` [..., 2 * d]: contiguous, whole vectors in d."""
     if not available(x) or x.numel() == 0 or not x.is_contiguous():
         return False
-    if x.data_ptr() % ALIGN_BYTES != 0:
-        return False
-    if (x.shape[-1] // 2) % (ALIGN_BYTES // x.element_size()) != 0:
+    if x.data_ptr() % ALIGN_BYTES or (x.shape[-1] // 2) % (ALIGN_BYTES // x.element_size()):
         return False
     return ready("silu_and_mul", x, _trial_silu_and_mul)
 

@@ -72,9 +72,8 @@ def can_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
 def can_mm_float32(x: torch.Tensor, out_dtype: torch.dtype | None) -> bool:
     """Whether cuBLAS can write ``x @ W.T`` in float32 from 16-bit operands on this GPU
     (``torch.mm``'s ``out_dtype``, which older versions of torch lack)."""
-    if not (on_gpu_16bit(x) and x.dim() == 2):
-        return False
-    return out_dtype == torch.float32 and ready("mm_float32", x, _trial_mm_float32)
+    return (out_dtype == torch.float32 and on_gpu_16bit(x) and x.dim() == 2
+            and ready("mm_float32", x, _trial_mm_float32))
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
@@ -84,7 +83,7 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     if can_gemv(x, weight):
         y = gemv(x, weight, out_dtype)
         return y if out is None else out.copy_(y)
-    if out_dtype not in (None, x.dtype) and can_mm_float32(x, out_dtype):
+    if can_mm_float32(x, out_dtype):  # float32 out of 16-bit operands
         return torch.mm(x, weight.t(), out_dtype=out_dtype, out=out)
     return None
 

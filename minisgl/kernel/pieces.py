@@ -8,8 +8,8 @@ kernel), each piece a request of its own that reads its query from a row of its 
 layers' ``QueryRows``, filled by the qk prologue). Softmax over a request's keys is then one
 exact merge of its pieces' outputs, weighted by ``2 ** (lse - max lse)`` (FlashInfer writes
 base-2 log-sum-exps). It replaces the plain one-entry-per-request decode of
-:class:`~minisgl.attention.fi.FlashInferBackend`; :func:`merge_pieces_reference` is the merge in
-PyTorch. :func:`num_decode_pieces` decides, :func:`cut_into_pieces` describes the pieces (numpy,
+:class:`~minisgl.attention.fi.FlashInferBackend` (the tests hold the merge in PyTorch).
+:func:`num_decode_pieces` decides, :func:`cut_into_pieces` describes the pieces (numpy,
 on the host, once per step), :func:`merge_pieces` merges on the device, once per layer.
 """
 
@@ -60,9 +60,9 @@ def piece_length(num_pages: np.ndarray, max_pieces: int) -> int:
     return low
 
 
-def cut_into_pieces(num_pages: np.ndarray, last_page_lens: np.ndarray, piece: int,
-                    page_size: int) -> Pieces:
-    """Cut each request's pages into runs of at most ``piece`` pages, in order.
+def cut_into_pieces(num_pages: np.ndarray, last_page_lens: np.ndarray, page_size: int,
+                    max_pieces: int) -> Pieces:
+    """Cut each request's pages into runs of at most :func:`piece_length` pages, in order.
 
     A piece is a slice of its request's pages, so the kernel's page ids stay the requests' own,
     concatenated; only the boundaries between them change.
@@ -70,18 +70,19 @@ def cut_into_pieces(num_pages: np.ndarray, last_page_lens: np.ndarray, piece: in
     Args:
         num_pages: ``[B]`` pages per request, each at least 1.
         last_page_lens: ``[B]`` tokens in each request's last page.
-        piece: the longest piece, in pages.
         page_size: tokens per page (every page but a request's last is full).
+        max_pieces: the most pieces in all.
 
     Returns:
         ``(piece_pages, piece_last_lens, owners, piece_indptr)``: pages and last-page length of
         each piece (``[P]``), the request each piece belongs to (``[P]``), and request ``i``'s
         pieces as ``piece_indptr[i] .. piece_indptr[i + 1] - 1`` (``[B + 1]``).
 
-    >>> pages, last, owners, indptr = cut_into_pieces(np.array([5, 2]), np.array([3, 1]), 2, 4)
+    >>> pages, last, owners, indptr = cut_into_pieces(np.array([5, 2]), np.array([3, 1]), 4, 4)
     >>> pages.tolist(), last.tolist(), owners.tolist(), indptr.tolist()
     ([2, 2, 1, 2], [4, 4, 3, 1], [0, 0, 0, 1], [0, 3, 4])
     """
+    piece = piece_length(num_pages, max_pieces)
     counts = -(-num_pages // piece)
     piece_indptr = np.zeros(len(num_pages) + 1, dtype=np.int64)
     np.cumsum(counts, out=piece_indptr[1:])
@@ -142,16 +143,3 @@ def merge_pieces(out: torch.Tensor, lse: torch.Tensor, piece_indptr: torch.Tenso
                                                 num_warps=1)
     return merged
 
-
-def merge_pieces_reference(out: torch.Tensor, lse: torch.Tensor,
-                           piece_indptr: torch.Tensor) -> torch.Tensor:
-    """:func:`merge_pieces` in PyTorch: a softmax over each request's pieces' log-sum-exps."""
-    num_reqs = piece_indptr.shape[0] - 1
-    merged = torch.empty(num_reqs, *out.shape[1:], dtype=out.dtype, device=out.device)
-    for req, (first, end) in enumerate(zip(piece_indptr[:-1].tolist(),
-                                           piece_indptr[1:].tolist())):
-        lse_req = lse[first:end].float()  # [pieces, H]
-        weights = torch.exp2(lse_req - lse_req.max(dim=0).values)
-        weights = weights / weights.sum(dim=0)
-        merged[req] = (weights[..., None] * out[first:end].float()).sum(dim=0).to(out.dtype)
-    return merged

@@ -173,9 +173,8 @@ def qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, num_qo_heads: int,
     if kv_dst is not None and can_store_into(kv_dst[0], kv_dst[1], head_dim):
         return launch(qkv, positions, num_qo_heads, num_kv_heads, head_dim, cos_sin_cache,
                       q_weight, k_weight, eps, *kv_dst), None, None
-    shape = (qkv.shape[0], num_kv_heads, head_dim)
-    k = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
-    v = torch.empty(shape, dtype=qkv.dtype, device=qkv.device)
+    k, v = torch.empty(2, qkv.shape[0], num_kv_heads, head_dim, dtype=qkv.dtype,
+                       device=qkv.device).unbind(0)
     q = launch(qkv, positions, num_qo_heads, num_kv_heads, head_dim, cos_sin_cache, q_weight,
                k_weight, eps, k, v, None)
     return q, k, v

@@ -58,9 +58,8 @@ def op_status(op: str) -> str:
 
 def aligned(t: torch.Tensor) -> bool:
     """Last dimension contiguous, and every row/head starting on a 16-byte boundary."""
-    if t.stride(-1) != 1 or t.data_ptr() % ALIGN_BYTES != 0:
-        return False
-    return all(s * t.element_size() % ALIGN_BYTES == 0 for s in t.stride()[:-1])
+    return (t.stride(-1) == 1 and t.data_ptr() % ALIGN_BYTES == 0
+            and all(s * t.element_size() % ALIGN_BYTES == 0 for s in t.stride()[:-1]))
 
 
 def same_place(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -54,7 +54,6 @@ class HostTokens:
             return tokens, None
         buffer, ready = self._buffers[self._launches % 2]
         self._launches += 1
-        host = buffer[: tokens.shape[0]]
-        host.copy_(tokens, non_blocking=True)
+        host = buffer[: tokens.shape[0]].copy_(tokens, non_blocking=True)
         ready.record()
         return host, ready

@@ -70,9 +70,7 @@ class PrefillBudget:
         Rows and pages are hard limits: break them and a running request would one day find
         no page to write to. Tokens only shape the batch: its first request may go over.
         """
-        if self.rows < 1 or pages > self.pages:
-            return False
-        return is_first or new_tokens <= self.tokens
+        return self.rows > 0 and pages <= self.pages and (is_first or new_tokens <= self.tokens)
 
     def take(self, new_tokens: int, pages: int) -> None:
         """Account for a request just admitted."""
