@@ -78,7 +78,7 @@ def stop_token_for(scheduler: Scheduler, arrival: Arrival) -> int:
 def show_step(step: int, result: StepResult, arrived: list[int], promised: int) -> None:
     """One line: the batch that ran, the pages after it, the queue, who finished."""
     came = f"+{','.join(map(str, arrived))}" if arrived else ""
-    if result.idle:
+    if result.phase is None:  # nothing waited or ran
         print(f"{step:>4} {came:<7} idle")
         return
     done = " ".join(f"{r.uid}:{r.finish_reason}" for r in result.finished)

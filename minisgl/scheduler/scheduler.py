@@ -66,11 +66,6 @@ class StepResult:
     new_lens: tuple[int, ...] = ()
     read: tuple[Req, ...] = ()
 
-    @property
-    def idle(self) -> bool:
-        """True when the step ran nothing (no request was waiting or running)."""
-        return self.phase is None
-
 
 class Scheduler:
     """Forms batches from requests that come and go, and runs them on an engine.
