@@ -66,23 +66,18 @@ def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...
     """
     if not name:
         raise ValueError("a process needs a name: its log lines show it")
-    _refuse_while_importing(name)
+    # A spawned child imports its parent's main module again: a script without the main guard
+    # would start its workers a second time, from the child. End the child with a code of its
+    # own, which the parent reports with a hint (no report queue exists this early).
+    if getattr(multiprocessing.current_process(), "_inheriting", False):  # spawn's bootstrap
+        logger.error("not starting %s: this process is still importing its parent's main "
+                     "module; %s", name, GUARD_HINT)
+        raise SystemExit(EXIT_STARTED_WHILE_IMPORTING)
     process = SPAWN.Process(target=_run_in_own_process_group, name=name, args=(target, *args),
                              kwargs=dict(kwargs or {}), daemon=True)
     process.start()
     logger.debug("started process %s (pid %d)", name, process.pid)
     return process
-
-
-def _refuse_while_importing(name: str) -> None:
-    """A spawned child imports its parent's main module again; a script without the
-    ``if __name__ == "__main__":`` guard then starts its workers a second time, from inside the
-    child, and Python refuses. End the child here with a code of its own, which tells the
-    parent why (no report queue exists yet this early); the parent fails at once, with a hint."""
-    if getattr(multiprocessing.current_process(), "_inheriting", False):  # spawn's bootstrap
-        logger.error("not starting %s: this process is still importing its parent's main "
-                     "module; %s", name, GUARD_HINT)
-        raise SystemExit(EXIT_STARTED_WHILE_IMPORTING)
 
 
 def _run_in_own_process_group(target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
