@@ -15,6 +15,7 @@ import asyncio
 import atexit
 import functools
 import os
+import re
 import shutil
 import tempfile
 import uuid
@@ -40,6 +41,9 @@ def ipc_address(name: str, directory: str | os.PathLike[str] | None = None) -> s
     process makes on first use and removes when it exits. A random suffix keeps two servers on
     one machine apart.
     """
+    if not re.fullmatch(r"[A-Za-z0-9_.-]+", name):
+        raise ValueError(f"ipc_address name must be letters, digits, '_', '.' or '-', "
+                         f"got {name!r}")
     base = os.fspath(directory) if directory is not None else _private_ipc_dir()
     path = os.path.join(base, f"{name}-{uuid.uuid4().hex[:8]}")
     if len(path.encode()) > _MAX_IPC_PATH:
