@@ -154,9 +154,7 @@ def rendezvous(rank: int, size: int, address: str, timeout_s: float
 
 def watch_peers(pids: dict[int, int], rank: int) -> None:
     """Watch every other rank's process; the first that exits aborts the group."""
-    global _watch
-    if _watch is not None:
-        _watch.stop()
+    global _watch  # None here: init_tp_group refuses a process that is in a group already
     # A rank we started ourselves is watched as a child: its exit code shows.
     children = {child.pid: child for child in multiprocessing.active_children()}
     _watch = ProcessWatch({f"rank {r}": children.get(pid, pid) for r, pid in pids.items()
