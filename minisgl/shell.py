@@ -198,15 +198,12 @@ def run_shell(frontend_factory: Callable[[], RequestRouter], model_dir: str | Pa
         shell = Shell(frontend, params)
         loop = asyncio.get_running_loop()
         # Ctrl-C is the shell's to interpret (the workers, in process groups of
-        # their own, do not receive it).
-        handled = threading.current_thread() is threading.main_thread()
-        if handled:
-            loop.add_signal_handler(signal.SIGINT, shell.interrupt)
+        # their own, do not receive it); --shell runs in the main thread, where handlers live.
+        loop.add_signal_handler(signal.SIGINT, shell.interrupt)
         try:
             await shell.run(read_stdin_line)
         finally:
-            if handled:
-                loop.remove_signal_handler(signal.SIGINT)
+            loop.remove_signal_handler(signal.SIGINT)
             await frontend.close()
 
     asyncio.run(main())

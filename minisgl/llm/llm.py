@@ -32,8 +32,6 @@ from minisgl.utils.processes import (WorkerFailed, new_ready_queue, start_proces
                                      wait_ready)
 from minisgl.utils.torch_utils import configure_cpu_threads
 
-# How long LLM(tp=N) waits for its other ranks to load the model and report ready.
-TP_STARTUP_TIMEOUT_S = 600.0
 # How long a failed start waits for the other ranks' own reports before it gives its own.
 RANK_REPORT_WAIT_S = 2.0
 # A progress bar is worth its lines on stderr only for batches that take a while.
@@ -89,7 +87,7 @@ class LLM:
                     args=(config, launch, rank, ready)))
             with watching_started_ranks(self._followers):
                 scheduler = start_leader(config, launch)  # once every rank joined
-                wait_ready(ready, self._followers, timeout_s=TP_STARTUP_TIMEOUT_S)
+                wait_ready(ready, self._followers)  # as long as a large model takes to load
         except BaseException as exc:
             # Rank 0's error (not a worker's report, not Ctrl-C) is often only the echo of
             # another rank's (a collective whose peer died): that rank's own report, if there

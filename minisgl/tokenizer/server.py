@@ -79,7 +79,7 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
 
 def run_detokenizer(model_path: str, inbox: str, frontend_addr: str, scheduler_addr: str,
                     ready: multiprocessing.Queue,
-                    stats: SharedCounters | None = None) -> None:
+                    stats: SharedCounters) -> None:
     """The detokenizer process: tokens in from the scheduler, text out to the API server.
 
     Args:
@@ -90,7 +90,7 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str, scheduler_a
             messages.
         scheduler_addr: the scheduler's inbox, to stop a request that a stop string ended.
         ready: a queue from :func:`~minisgl.utils.processes.new_ready_queue`.
-        stats: counters from :func:`detokenizer_counters` to publish, or None.
+        stats: counters from :func:`detokenizer_counters` to publish.
     """
     configure_cpu_threads("helper")
     with worker_process("detokenizer") as signals:
@@ -104,5 +104,4 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str, scheduler_a
             replies, aborts = manager.process(signals.receive(receive))
             send.put_many(replies)
             abort.put_many(aborts)
-            if stats is not None:
-                stats.update(live_states=len(manager.states))
+            stats.update(live_states=len(manager.states))
