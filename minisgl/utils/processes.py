@@ -14,7 +14,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -151,8 +150,7 @@ def reporting_readiness(ready: multiprocessing.Queue, name: str) -> Iterator[Non
     except ShutdownRequested:
         raise
     except BaseException as exc:
-        text = "".join(traceback.format_exception(exc))
-        ready.put((FAILED, os.getpid(), name, text))
+        ready.put((FAILED, os.getpid(), name, "".join(traceback.format_exception(exc))))
         raise
     ready.put((READY, os.getpid(), name, ""))
     logger.info("%s is ready", name)
@@ -224,9 +222,8 @@ class ShutdownSignals:
         self.signum: int | None = None  # the first signal received
         self._interruptible = False
         self._parent = os.getppid()
-        if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, self._on_signal)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a worker's main runs in its main thread
+            signal.signal(sig, self._on_signal)
 
     @property
     def requested(self) -> bool:
@@ -305,7 +302,6 @@ def stop_processes(processes: Iterable[BaseProcess], timeout_s: float = 5.0) -> 
     reap each with :func:`stop_process` (which kills what does not exit in time)."""
     processes = list(processes)
     for process in processes:
-        if process.is_alive():
-            process.terminate()
+        process.terminate()  # nothing happens to one that has exited
     for process in processes:
         stop_process(process, timeout_s)
