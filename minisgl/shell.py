@@ -17,11 +17,12 @@ prompt leaves. A request that fails prints its error instead of a reply.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import signal
 import sys
 import threading
 from collections.abc import Awaitable, Callable
-from contextlib import aclosing, suppress
+from contextlib import aclosing
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
@@ -172,30 +173,17 @@ async def read_stdin_line(prompt: str) -> str:
     still waits, and a line typed during the shutdown finds no loop to hand it to. Nobody
     waits for that line any more, so it is dropped.
     """
-    loop = asyncio.get_running_loop()
-    future: asyncio.Future[str] = loop.create_future()
+    line: concurrent.futures.Future[str] = concurrent.futures.Future()
+    line.set_running_or_notify_cancel()  # a read under way cannot be cancelled, only abandoned
 
     def read() -> None:
-        line: str | None = None
-        error: BaseException | None = None
         try:
-            line = input(prompt)
+            line.set_result(input(prompt))
         except (EOFError, OSError, ValueError) as exc:  # Ctrl-D above all; a closed or
-            error = exc  # undecodable stdin too: handed to the loop as they are
-        with suppress(RuntimeError):  # the loop is closed: the shell has left
-            loop.call_soon_threadsafe(_settle, future, line, error)
+            line.set_exception(exc)  # undecodable stdin too: handed to the loop as they are
 
     threading.Thread(target=read, name="shell-input", daemon=True).start()
-    return await future
-
-
-def _settle(future: asyncio.Future[str], line: str | None, exc: BaseException | None) -> None:
-    if future.done():  # cancelled meanwhile (Ctrl-C)
-        return
-    if exc is not None:
-        future.set_exception(exc)
-    else:
-        future.set_result(line)  # type: ignore[arg-type]
+    return await asyncio.wrap_future(line)
 
 
 def run_shell(frontend_factory: Callable[[], RequestRouter], model_dir: str | Path,
@@ -210,15 +198,12 @@ def run_shell(frontend_factory: Callable[[], RequestRouter], model_dir: str | Pa
         shell = Shell(frontend, params)
         loop = asyncio.get_running_loop()
         # Ctrl-C is the shell's to interpret (the workers, in process groups of
-        # their own, do not receive it).
-        handled = threading.current_thread() is threading.main_thread()
-        if handled:
-            loop.add_signal_handler(signal.SIGINT, shell.interrupt)
+        # their own, do not receive it); --shell runs in the main thread, where handlers live.
+        loop.add_signal_handler(signal.SIGINT, shell.interrupt)
         try:
             await shell.run(read_stdin_line)
         finally:
-            if handled:
-                loop.remove_signal_handler(signal.SIGINT)
+            loop.remove_signal_handler(signal.SIGINT)
             await frontend.close()
 
     asyncio.run(main())

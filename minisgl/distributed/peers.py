@@ -21,7 +21,7 @@ import os
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from multiprocessing.process import BaseProcess
@@ -118,6 +118,9 @@ def rendezvous(rank: int, size: int, address: str, timeout_s: float
         RuntimeError: this rank's parent exited while waiting.
         TimeoutError: not every rank arrived within ``timeout_s`` seconds.
     """
+    where = urlsplit(address)
+    if where.scheme != "tcp" or where.hostname is None or where.port is None:
+        raise ValueError(f"a rendezvous address is tcp://HOST:PORT, got {address!r}")
     deadline = time.monotonic() + timeout_s
     parent = os.getppid()
     keys = [f"minisgl/pid/{r}" for r in range(size)]
@@ -133,36 +136,25 @@ def rendezvous(rank: int, size: int, address: str, timeout_s: float
                                f"{timeout_s:.0f} s")
         time.sleep(POLL_S)  # a signal's handler runs here
 
-    store = _connect(address, rank, size, deadline, waiting)
+    # Rank 0 opens the store; the others first knock on its port, in short attempts, until it
+    # answers (torch's own client would log an error for each attempt), then connect.
+    while rank != 0:
+        try:
+            socket.create_connection((where.hostname, where.port), STORE_KNOCK_S).close()
+            break
+        except OSError:  # rank 0 not listening yet
+            waiting()
+    store = dist.TCPStore(where.hostname, where.port, size, rank == 0,
+                          timeout=timedelta(seconds=timeout_s), wait_for_workers=False)
     store.set(f"minisgl/pid/{rank}", str(os.getpid()))
     while not store.check(keys):
         waiting()
     return store, {r: int(store.get(key)) for r, key in enumerate(keys)}
 
 
-def _connect(address: str, rank: int, size: int, deadline: float,
-             waiting: Callable[[], None]) -> dist.Store:
-    """Rank 0 opens the store; the others first knock on its port, in short attempts, until
-    it answers (torch's own client would log an error for each attempt), then connect."""
-    where = urlsplit(address)
-    if where.scheme != "tcp" or where.hostname is None or where.port is None:
-        raise ValueError(f"a rendezvous address is tcp://HOST:PORT, got {address!r}")
-    timeout = timedelta(seconds=max(1.0, deadline - time.monotonic()))
-    while rank != 0:  # the other ranks knock until rank 0 answers
-        try:
-            socket.create_connection((where.hostname, where.port), STORE_KNOCK_S).close()
-            break
-        except OSError:  # rank 0 not listening yet
-            waiting()
-    return dist.TCPStore(where.hostname, where.port, size, rank == 0, timeout=timeout,
-                         wait_for_workers=False)
-
-
 def watch_peers(pids: dict[int, int], rank: int) -> None:
     """Watch every other rank's process; the first that exits aborts the group."""
-    global _watch
-    if _watch is not None:
-        _watch.stop()
+    global _watch  # None here: init_tp_group refuses a process that is in a group already
     # A rank we started ourselves is watched as a child: its exit code shows.
     children = {child.pid: child for child in multiprocessing.active_children()}
     _watch = ProcessWatch({f"rank {r}": children.get(pid, pid) for r, pid in pids.items()

@@ -32,8 +32,6 @@ from minisgl.utils.processes import (WorkerFailed, new_ready_queue, start_proces
                                      wait_ready)
 from minisgl.utils.torch_utils import configure_cpu_threads
 
-# How long LLM(tp=N) waits for its other ranks to load the model and report ready.
-TP_STARTUP_TIMEOUT_S = 600.0
 # How long a failed start waits for the other ranks' own reports before it gives its own.
 RANK_REPORT_WAIT_S = 2.0
 # A progress bar is worth its lines on stderr only for batches that take a while.
@@ -85,28 +83,27 @@ class LLM:
         try:
             for rank in range(1, tp):
                 self._followers.append(start_process(
-                    run_tp_follower, f"minisgl-scheduler-rank{rank}", args=(config, launch, rank),
-                    kwargs={"ready": ready}, own_process_group=True))
+                    run_tp_follower, f"minisgl-scheduler-rank{rank}",
+                    args=(config, launch, rank, ready)))
             with watching_started_ranks(self._followers):
                 scheduler = start_leader(config, launch)  # once every rank joined
-                wait_ready(ready, self._followers, timeout_s=TP_STARTUP_TIMEOUT_S)
+                wait_ready(ready, self._followers)  # as long as a large model takes to load
         except BaseException as exc:
             # Rank 0's error (not a worker's report, not Ctrl-C) is often only the echo of
             # another rank's (a collective whose peer died): that rank's own report, if there
             # is one, says what went wrong.
-            failed = None
-            if isinstance(exc, Exception) and not isinstance(exc, WorkerFailed):
-                try:  # a failed or exited rank reports within a moment
+            try:
+                if isinstance(exc, Exception) and not isinstance(exc, WorkerFailed):
+                    # a failed or exited rank reports within a moment
                     wait_ready(ready, self._followers, timeout_s=RANK_REPORT_WAIT_S)
-                except WorkerFailed as report:
-                    failed = report
-                except RuntimeError:  # none failed or exited within the wait
-                    pass
-            stop_processes(self._followers)
-            if scheduler is not None:
-                scheduler.close()
-            if failed is not None:
-                raise failed from exc
+            except WorkerFailed as report:
+                raise report from exc
+            except RuntimeError:  # none failed or exited within the wait
+                pass
+            finally:
+                stop_processes(self._followers)
+                if scheduler is not None:
+                    scheduler.close()
             raise
         return scheduler
 

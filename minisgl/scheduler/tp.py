@@ -20,7 +20,7 @@ from minisgl.core import Req
 from minisgl.distributed.group import (check_tp_size, destroy_tp_group, device_for_rank,
                                        free_loopback_address, init_tp_group)
 from minisgl.distributed.peers import failure_reason, group_aborted
-from minisgl.message import AbortRequest, BackendMessage, Message, UserRequest
+from minisgl.message import AbortRequest, Message, UserRequest
 from minisgl.models.config import ModelConfig
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.scheduler import Scheduler
@@ -38,7 +38,7 @@ class FollowerMessage(Message, family=True):
 class RankInput(FollowerMessage):
     """A request rank 0 accepted, or an abort it applied: the follower does the same."""
 
-    message: BackendMessage
+    message: UserRequest | AbortRequest
 
 
 @dataclass(frozen=True)
@@ -139,7 +139,7 @@ def start_leader(config: SchedulerConfig, launch: TPLaunch) -> Scheduler:
 
 
 def run_tp_follower(config: SchedulerConfig, launch: TPLaunch, rank: int,
-                    ready: multiprocessing.Queue | None = None,
+                    ready: multiprocessing.Queue,
                     stats: SharedCounters | None = None) -> None:
     """Rank ``rank`` (> 0): repeat rank 0's inputs and steps until SIGTERM or SIGINT (or until
     the parent dies).
@@ -148,7 +148,7 @@ def run_tp_follower(config: SchedulerConfig, launch: TPLaunch, rank: int,
         config: the same settings rank 0 has.
         launch: the group's addresses.
         rank: this rank, in ``[1, launch.size)``.
-        ready: the launcher's readiness queue, or None.
+        ready: the launcher's readiness queue.
         stats: counters named by :func:`follower_counters` for this rank, or None.
     """
     configure_cpu_threads("model", processes=launch.size)  # the ranks share the cores
@@ -185,14 +185,12 @@ def follow_step(scheduler: Scheduler, message: RankStep, rank: int) -> None:
                          f"{failure_reason(exc)}") from exc
 
 
-def apply_input(scheduler: Scheduler, message: BackendMessage) -> None:
+def apply_input(scheduler: Scheduler, message: UserRequest | AbortRequest) -> None:
     """Do what rank 0 did with ``message``: it accepted the request, or applied the abort."""
     if isinstance(message, UserRequest):
         scheduler.add(Req(message.uid, message.input_ids, message.sampling_params))
-    elif isinstance(message, AbortRequest):
-        scheduler.abort(message.uid)
     else:
-        raise TypeError(f"a follower rank cannot apply a {type(message).__name__}")
+        scheduler.abort(message.uid)
 
 
 def follower_counters(rank: int) -> SharedCounters:

@@ -33,7 +33,8 @@ from minisgl.server.lifecycle import SHUTTING_DOWN
 from minisgl.utils.hf import ModelPathError, default_model, load_hf_config, resolve_model_path
 from minisgl.utils.logger import configure_logging, get_logger
 from minisgl.utils.counters import SharedCounters
-from minisgl.utils.processes import new_ready_queue, start_process, stop_processes, wait_ready
+from minisgl.utils.processes import (describe_exit, new_ready_queue, start_process, stop_processes,
+                                     wait_ready)
 from minisgl.utils.queues import ipc_address
 from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device
 
@@ -86,8 +87,7 @@ class Workers:
         """None while every worker runs; else which one stopped (``/health``)."""
         for name, process in self.processes.items():
             if not process.is_alive():
-                return f"the {name} process (pid {process.pid}) exited with code " \
-                       f"{process.exitcode}"
+                return f"the {name} process (pid {process.pid}) {describe_exit(process.exitcode)}"
         return None
 
     def stop(self) -> None:
@@ -119,10 +119,8 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
 
     def start(label: str, target: Callable[..., None], *task_args: object,
               **kwargs: object) -> None:
-        # A group of its own, so that a terminal's Ctrl-C reaches the launcher only.
         workers.processes[label] = start_process(target, f"minisgl-{label}", args=task_args,
-                                                 kwargs=kwargs | {"ready": ready},
-                                                 own_process_group=True)
+                                                 kwargs=kwargs | {"ready": ready})
 
     try:
         start("scheduler", run_scheduler, config, scheduler_addr, detokenizer_addr,
@@ -136,8 +134,7 @@ def start_workers(args: ServerArgs, config: SchedulerConfig) -> Workers:
         for k, inbox in enumerate(workers.tokenizer_addrs):
             start(f"tokenizer-{k}", run_tokenizer, model_path, inbox, scheduler_addr,
                   name=f"tokenizer-{k}")
-        wait_ready(ready, list(workers.processes.values()), list(workers.processes),
-                   args.startup_timeout_s)
+        wait_ready(ready, list(workers.processes.values()), args.startup_timeout_s)
         logger.info("workers: %s", ", ".join(f"{name} (pid {process.pid})"
                                              for name, process in workers.processes.items()))
     except BaseException:  # a failed worker, a timeout, Ctrl-C while loading: none may linger
@@ -160,7 +157,7 @@ def launch(args: ServerArgs, shell: ShellRunner | None = None) -> int:
         configure_logging()
     listener = None if args.shell else bind_port(args.host, args.port)
     if args.model is None:  # the book's default model, found or built here, never downloaded
-        args = dataclasses.replace(args, model=_shown_path(default_model()))
+        args = dataclasses.replace(args, model=str(default_model()))
     workers: Workers | None = None
     with _signal_handler(_raise_terminated, signal.SIGTERM):
         try:
@@ -208,13 +205,6 @@ def main(argv: Sequence[str] | None = None, shell: ShellRunner | None = None) ->
     except (ModelPathError, OSError, RuntimeError, ValueError) as exc:  # start-up failures
         logger.error("%s", exc)
         return 1
-
-
-def _shown_path(path: Path) -> str:
-    """``path`` relative to the working directory when it lies inside it (``models/x``, as a
-    user would type it), else absolute."""
-    cwd = Path.cwd()
-    return str(path.relative_to(cwd) if path.is_relative_to(cwd) else path)
 
 
 # --------------------------------------------------------------------------- HTTP

@@ -52,7 +52,7 @@ def tokenize_or_fail(manager: TokenizeManager,
 
 
 def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
-                  ready: multiprocessing.Queue | None = None,
+                  ready: multiprocessing.Queue,
                   name: str = "tokenizer-0") -> None:
     """A tokenizer process: prompts in from the API server, token ids out to the scheduler.
 
@@ -61,7 +61,7 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
         inbox: the address this process binds, where the API server sends
             :class:`TokenizeRequest` and :class:`AbortRequest` messages.
         scheduler_addr: the scheduler's inbox.
-        ready: a queue from :func:`~minisgl.utils.processes.new_ready_queue`, or None.
+        ready: a queue from :func:`~minisgl.utils.processes.new_ready_queue`.
         name: this tokenizer's name in readiness reports and errors.
     """
     configure_cpu_threads("helper")  # the cores are the scheduler's
@@ -78,8 +78,8 @@ def run_tokenizer(model_path: str, inbox: str, scheduler_addr: str,
 
 
 def run_detokenizer(model_path: str, inbox: str, frontend_addr: str, scheduler_addr: str,
-                    ready: multiprocessing.Queue | None = None,
-                    stats: SharedCounters | None = None) -> None:
+                    ready: multiprocessing.Queue,
+                    stats: SharedCounters) -> None:
     """The detokenizer process: tokens in from the scheduler, text out to the API server.
 
     Args:
@@ -89,8 +89,8 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str, scheduler_a
         frontend_addr: the API server's inbox, for the :class:`~minisgl.message.UserReply`
             messages.
         scheduler_addr: the scheduler's inbox, to stop a request that a stop string ended.
-        ready: a queue from :func:`~minisgl.utils.processes.new_ready_queue`, or None.
-        stats: counters from :func:`detokenizer_counters` to publish, or None.
+        ready: a queue from :func:`~minisgl.utils.processes.new_ready_queue`.
+        stats: counters from :func:`detokenizer_counters` to publish.
     """
     configure_cpu_threads("helper")
     with worker_process("detokenizer") as signals:
@@ -104,5 +104,4 @@ def run_detokenizer(model_path: str, inbox: str, frontend_addr: str, scheduler_a
             replies, aborts = manager.process(signals.receive(receive))
             send.put_many(replies)
             abort.put_many(aborts)
-            if stats is not None:
-                stats.update(live_states=len(manager.states))
+            stats.update(live_states=len(manager.states))

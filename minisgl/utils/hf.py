@@ -133,20 +133,22 @@ def default_model(root: Path = REPO_ROOT) -> Path:
 
     ``models/tiny-shakespeare`` (the book's trained tiny model) when the repository has it,
     else ``models/tiny-qwen3``, written by ``tools/make_tiny_model.py``'s builder if it is not
-    there yet. Never the network: a first run on a fresh clone works offline.
+    there yet. Never the network: a first run on a fresh clone works offline. The path is
+    relative to the working directory when it lies inside it (``models/x``, as a user would
+    type it), else absolute.
     """
-    trained = root / MODELS_DIR / TRAINED_MODEL
-    if (trained / "config.json").is_file():
-        logger.info("no --model given: serving %s, the book's trained tiny model", trained)
-        return trained
-    tiny = root / MODELS_DIR / TINY_MODEL
-    why = f"no --model given and no {MODELS_DIR}/{TRAINED_MODEL}"
-    if (tiny / "config.json").is_file():
-        logger.info("%s: serving %s (random weights)", why, tiny)
+    path = root / MODELS_DIR / TRAINED_MODEL
+    if (path / "config.json").is_file():
+        logger.info("no --model given: serving %s, the book's trained tiny model", path)
     else:
-        logger.info("%s: building %s (random weights, seconds) and serving it", why, tiny)
-        build_tiny_model(tiny, root)
-    return tiny
+        path = root / MODELS_DIR / TINY_MODEL
+        why = f"no --model given and no {MODELS_DIR}/{TRAINED_MODEL}"
+        if (path / "config.json").is_file():
+            logger.info("%s: serving %s (random weights)", why, path)
+        else:
+            logger.info("%s: building %s (random weights, seconds) and serving it", why, path)
+            build_tiny_model(path, root)
+    return path.relative_to(Path.cwd()) if path.is_relative_to(Path.cwd()) else path
 
 
 def build_tiny_model(out: Path, root: Path = REPO_ROOT) -> Path:

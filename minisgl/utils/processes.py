@@ -14,7 +14,6 @@ from __future__ import annotations
 import multiprocessing
 import os
 import signal
-import threading
 import time
 import traceback
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
@@ -50,8 +49,7 @@ GUARD_HINT = ('put the code that starts the engine under `if __name__ == "__main
 
 
 def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...] = (),
-                  kwargs: Mapping[str, Any] | None = None,
-                  own_process_group: bool = False) -> BaseProcess:
+                  kwargs: Mapping[str, Any] | None = None) -> BaseProcess:
     """Start ``target(*args, **kwargs)`` in a new process called ``name``, with spawn.
 
     ``target`` must be importable by name (a module-level function), and ``args``/``kwargs``
@@ -59,33 +57,26 @@ def start_process(target: Callable[..., Any], name: str, *, args: tuple[Any, ...
     lines show. It is a daemon: it is terminated when its parent exits normally, so
     a crashed launcher leaves fewer orphans behind.
 
-    ``own_process_group`` puts the process in a process group of its own. Ctrl-C
-    in a terminal sends SIGINT to every process of the foreground group: the parent and,
-    without this, every worker, which would all stop at once, whatever the parent meant to do
-    about it (the shell stops one answer, the server finishes its requests first). The parent
-    then decides alone when its workers stop (it sends them SIGTERM).
+    It runs in a process group of its own. Ctrl-C in a terminal sends SIGINT to every process
+    of the foreground group: the parent and, without this, every worker, which would all stop
+    at once, whatever the parent meant to do about it (the shell stops one answer, the server
+    finishes its requests first). The parent decides alone when its workers stop (it sends
+    them SIGTERM).
     """
     if not name:
         raise ValueError("a process needs a name: its log lines show it")
-    _refuse_while_importing(name)
-    if own_process_group:
-        args, target = (target, *args), _run_in_own_process_group
-    process = SPAWN.Process(target=target, name=name, args=args, kwargs=dict(kwargs or {}),
-                             daemon=True)
-    process.start()
-    logger.debug("started process %s (pid %d)", name, process.pid)
-    return process
-
-
-def _refuse_while_importing(name: str) -> None:
-    """A spawned child imports its parent's main module again; a script without the
-    ``if __name__ == "__main__":`` guard then starts its workers a second time, from inside the
-    child, and Python refuses. End the child here with a code of its own, which tells the
-    parent why (no report queue exists yet this early); the parent fails at once, with a hint."""
+    # A spawned child imports its parent's main module again: a script without the main guard
+    # would start its workers a second time, from the child. End the child with a code of its
+    # own, which the parent reports with a hint (no report queue exists this early).
     if getattr(multiprocessing.current_process(), "_inheriting", False):  # spawn's bootstrap
         logger.error("not starting %s: this process is still importing its parent's main "
                      "module; %s", name, GUARD_HINT)
         raise SystemExit(EXIT_STARTED_WHILE_IMPORTING)
+    process = SPAWN.Process(target=_run_in_own_process_group, name=name, args=(target, *args),
+                             kwargs=dict(kwargs or {}), daemon=True)
+    process.start()
+    logger.debug("started process %s (pid %d)", name, process.pid)
+    return process
 
 
 def _run_in_own_process_group(target: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
@@ -145,13 +136,13 @@ def new_ready_queue() -> multiprocessing.Queue:
 
 
 @contextmanager
-def reporting_readiness(ready: multiprocessing.Queue | None, name: str) -> Iterator[None]:
+def reporting_readiness(ready: multiprocessing.Queue, name: str) -> Iterator[None]:
     """Wrap a worker's start-up: report ``ready`` when the block ends, or the error it raised.
 
     Either report goes on ``ready`` once, tagged with this process's id (which the parent
     knows) and ``name`` (for people). The error's traceback travels as text, so the parent can
     show where the worker failed; the error is then raised again and ends the worker.
-    ``ready=None`` reports nothing. A shutdown signal during start-up is not an error: it is
+    A shutdown signal during start-up is not an error: it is
     passed on without a report.
     """
     try:
@@ -159,23 +150,19 @@ def reporting_readiness(ready: multiprocessing.Queue | None, name: str) -> Itera
     except ShutdownRequested:
         raise
     except BaseException as exc:
-        if ready is not None:
-            text = "".join(traceback.format_exception(exc))
-            ready.put((FAILED, os.getpid(), name, text))
+        ready.put((FAILED, os.getpid(), name, "".join(traceback.format_exception(exc))))
         raise
-    if ready is not None:
-        ready.put((READY, os.getpid(), name, ""))
+    ready.put((READY, os.getpid(), name, ""))
     logger.info("%s is ready", name)
 
 
 def wait_ready(queue: multiprocessing.Queue, processes: Sequence[BaseProcess],
-               names: Sequence[str] | None = None, timeout_s: float = 600.0) -> None:
+               timeout_s: float = 600.0) -> None:
     """Wait until every process in ``processes`` has reported that it is ready.
 
     Args:
         queue: the queue from :func:`new_ready_queue` the processes were given.
-        processes: the workers, started already.
-        names: what to call each process in an error (default: its process name).
+        processes: the workers, started already (an error names one by its process name).
         timeout_s: the most seconds to wait in all (loading a large model takes a while).
 
     Raises:
@@ -184,29 +171,27 @@ def wait_ready(queue: multiprocessing.Queue, processes: Sequence[BaseProcess],
         RuntimeError: the time ran out. Either way the other workers are left
             running: stopping them is the caller's decision (usually :func:`stop_processes`).
     """
-    names = [p.name for p in processes] if names is None else list(names)
-    waiting = {p.pid: (p, name) for p, name in zip(processes, names, strict=True)}
+    waiting = {p.pid: p for p in processes}
     deadline = time.monotonic() + timeout_s
     while waiting:
         try:
             status, pid, reported, text = queue.get(timeout=0.1)
         except Empty:
             # Nobody spoke: has a worker died without a word (killed, or out of memory)?
-            dead = [(p, name) for p, name in waiting.values() if not p.is_alive()]
+            dead = [p for p in waiting.values() if not p.is_alive()]
             if dead and queue.empty():
-                process, name = dead[0]
-                raise WorkerFailed(f"worker {name} (pid {process.pid}) did not get ready: it "
-                                   f"{describe_exit(process.exitcode)}")
+                raise WorkerFailed(f"worker {dead[0].name} (pid {dead[0].pid}) did not get ready: "
+                                   f"it {describe_exit(dead[0].exitcode)}")
             if time.monotonic() > deadline:
-                late = ", ".join(name for _, name in waiting.values())
+                late = ", ".join(p.name for p in waiting.values())
                 raise RuntimeError(f"worker(s) {late} not ready after {timeout_s:.0f} s")
             continue
-        _, name = waiting.pop(pid, (None, reported))
+        name = waiting.pop(pid).name if pid in waiting else reported
         if status == FAILED:
             error = text.strip().splitlines()[-1]  # the traceback's last line, shown first
             raise WorkerFailed(f"worker {name} (pid {pid}) failed to start: {error}\n"
                                f"{text.rstrip()}")
-        logger.debug("worker %s (pid %d) is ready", name, pid)
+        logger.debug("worker %s (pid %d) is ready", reported, pid)  # the name it gave itself
 
 
 class WorkerFailed(RuntimeError):
@@ -237,9 +222,8 @@ class ShutdownSignals:
         self.signum: int | None = None  # the first signal received
         self._interruptible = False
         self._parent = os.getppid()
-        if threading.current_thread() is threading.main_thread():  # Python's rule for handlers
-            for sig in (signal.SIGTERM, signal.SIGINT):
-                signal.signal(sig, self._on_signal)
+        for sig in (signal.SIGTERM, signal.SIGINT):  # a worker's main runs in its main thread
+            signal.signal(sig, self._on_signal)
 
     @property
     def requested(self) -> bool:
@@ -318,7 +302,6 @@ def stop_processes(processes: Iterable[BaseProcess], timeout_s: float = 5.0) -> 
     reap each with :func:`stop_process` (which kills what does not exit in time)."""
     processes = list(processes)
     for process in processes:
-        if process.is_alive():
-            process.terminate()
+        process.terminate()  # nothing happens to one that has exited
     for process in processes:
         stop_process(process, timeout_s)

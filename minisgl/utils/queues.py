@@ -59,22 +59,6 @@ def _private_ipc_dir() -> str:
     return path
 
 
-def _open_socket(context: zmq.Context, kind: int, address: str, bind: bool) -> zmq.Socket:
-    if not isinstance(address, str) or not address.startswith(_SCHEMES):
-        raise ValueError(f"a queue address must start with one of {_SCHEMES}, got {address!r}")
-    socket = context.socket(kind)
-    # Linger 0: closing a socket (or the interpreter exiting) never waits for a peer that may
-    # be dead already. A sender that must flush says so in close().
-    socket.setsockopt(zmq.LINGER, 0)
-    try:
-        socket.bind(address) if bind else socket.connect(address)
-    except zmq.ZMQError as exc:
-        socket.close()
-        verb = "bind" if bind else "connect"
-        raise OSError(f"cannot {verb} a queue to {address}: {exc}") from exc
-    return socket
-
-
 @functools.cache  # once per context
 def _wait_for_lingering_frames_at_exit(context: zmq.Context) -> None:
     """Make this process's exit destroy ``context``: a closed socket's frames are delivered
@@ -95,9 +79,20 @@ class _Queue(Generic[T]):
     _context: type[zmq.Context] = zmq.Context
 
     def __init__(self, address: str, message_type: type[T], *, bind: bool) -> None:
+        if not isinstance(address, str) or not address.startswith(_SCHEMES):
+            raise ValueError(f"a queue address must start with one of {_SCHEMES}, got {address!r}")
         self.address = address
         self.message_type = message_type
-        self._socket = _open_socket(self._context.instance(), self._kind, address, bind)
+        self._socket = self._context.instance().socket(self._kind)
+        # Linger 0: closing a socket (or the interpreter exiting) never waits for a peer that
+        # may be dead already. A sender that must flush says so in close().
+        self._socket.setsockopt(zmq.LINGER, 0)
+        try:
+            self._socket.bind(address) if bind else self._socket.connect(address)
+        except zmq.ZMQError as exc:
+            self._socket.close()
+            verb = "bind" if bind else "connect"
+            raise OSError(f"cannot {verb} a queue to {address}: {exc}") from exc
         self._ready: deque[T] = deque()  # a pull end: the rest of a frame that held several
 
     def _frame(self, messages: list[Any]) -> bytes:
