@@ -180,7 +180,7 @@ class SchedulerIO:
 
 
 def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
-                  ready: multiprocessing.Queue | None = None,
+                  ready: multiprocessing.Queue,
                   stats: SharedCounters | None = None, tp: TPLaunch | None = None) -> None:
     """The scheduler process: serve requests from ``inbox`` until SIGTERM or SIGINT (or until
     its parent dies: ``signals.requested`` is checked after every step).
@@ -190,8 +190,7 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
         inbox: the address this process binds, where the tokenizers send
             :class:`UserRequest` and :class:`AbortRequest` messages.
         detokenizer_addr: the detokenizer's inbox, where the tokens go.
-        ready: a queue from :func:`~minisgl.utils.processes.new_ready_queue` to report start-up on,
-            or None.
+        ready: a queue from :func:`~minisgl.utils.processes.new_ready_queue` to report start-up on.
         stats: counters named :data:`SCHEDULER_COUNTERS` to publish, or None.
         tp: the tensor-parallel group this process leads as rank 0, or None.
     """

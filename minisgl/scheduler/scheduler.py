@@ -350,8 +350,3 @@ class Scheduler:
         """Release what outlives the process's memory: a leader's followers leave the group."""
         if self.followers is not None:
             self.followers.close()
-
-    def __repr__(self) -> str:
-        return (f"Scheduler({self.num_waiting} waiting, {self.num_running} running, "
-                f"{self.cache.pages_in_use}/{self.cache.num_pages} pages in use, "
-                f"prefix cache {self.config.prefix_cache}, overlap {self.overlap})")
