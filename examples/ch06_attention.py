@@ -19,12 +19,12 @@ import torch
 
 from minisgl.attention import create_attention_backend, layout_of, total_lens
 from minisgl.attention.fi import page_arrays
-from minisgl.attention.utils import indptr_of, pages_for
+from minisgl.attention.utils import indptr_of
 from minisgl.kvcache import MHAKVPool
 from minisgl.layers.attention import DenseCausalAttention, use_attention_backend
 from minisgl.models import load_model
 from minisgl.models.config import ModelConfig
-from minisgl.kvcache.page_table import PageTable
+from minisgl.kvcache.page_table import PageTable, pages_for
 from minisgl.utils.hf import example_checkpoint
 from minisgl.utils.torch_utils import configure_cpu_threads, resolve_device, resolve_dtype
 

@@ -28,15 +28,12 @@ from minisgl.attention import (
 from minisgl.attention.base import BaseAttnBackend
 from minisgl.attention.base import pad_batch
 from minisgl.attention.fi import import_flashinfer, page_arrays
-from minisgl.attention.utils import (
-    indptr_of,
-    pages_for,
-)
+from minisgl.attention.utils import indptr_of
 from minisgl.kvcache import MHAKVPool
 from minisgl.layers import fast
 from minisgl.layers.attention import DenseCausalAttention, use_attention_backend
 from minisgl.models import load_model
-from minisgl.kvcache.page_table import PageTable
+from minisgl.kvcache.page_table import PageTable, pages_for
 
 PAGE_SIZES = [1, 16]
 HQ, HKV, HEAD_DIM = 4, 2, 64  # the tiny model's shape: FlashInfer's kernels are compiled once

@@ -28,7 +28,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from minisgl.attention.utils import pages_for
+from minisgl.kvcache.page_table import pages_for
 from minisgl.core import Req, SamplingParams
 from minisgl.llm import LLM
 from minisgl.scheduler.cache import PREFIX_CACHES

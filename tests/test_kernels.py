@@ -219,7 +219,7 @@ def test_replay_arrays_in_pieces_cover_each_request_once_in_order(
     no request merges."""
     from minisgl.attention import layout_of
     from minisgl.attention.fi import piece_arrays
-    from minisgl.attention.utils import pages_for
+    from minisgl.kvcache.page_table import pages_for
     from minisgl.kernel import KERNELS
     from minisgl.layers import fast
 

@@ -25,9 +25,9 @@ import numpy as np
 import torch
 
 from minisgl.attention.base import AttnMetadata, BaseAttnBackend, BatchLayout
-from minisgl.attention.utils import indptr_tensor, pages_for
+from minisgl.attention.utils import indptr_tensor
 from minisgl.kvcache.mha_pool import MHAKVPool
-from minisgl.kvcache.page_table import PageTable
+from minisgl.kvcache.page_table import PageTable, pages_for
 from minisgl.layers import fast
 from minisgl.layers.fast import QueryRows
 from minisgl.utils.logger import get_logger

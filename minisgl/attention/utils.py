@@ -11,12 +11,10 @@ these few functions.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TypeVar
 
 import numpy as np
 import torch
 
-Count = TypeVar("Count", int, np.ndarray)  # one request's count, or one per request
 
 
 def indptr_of(lengths: Sequence[int]) -> list[int]:
@@ -37,8 +35,3 @@ def indptr_tensor(lengths: Sequence[int] | np.ndarray) -> torch.Tensor:
     indptr = np.zeros(len(lengths) + 1, dtype=np.int32)
     np.cumsum(lengths, out=indptr[1:])
     return torch.from_numpy(indptr)
-
-
-def pages_for(num_tokens: Count, page_size: int) -> Count:
-    """Pages that ``num_tokens`` tokens occupy (the last one may be partly filled)."""
-    return -(-num_tokens // page_size)  # ceiling division

@@ -19,7 +19,6 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.attention import create_attention_backend, pad_batch, resolve_attention_backend
-from minisgl.attention.utils import pages_for
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
 from minisgl.distributed.group import broadcast_from_rank0, device_for_rank, min_over_ranks
@@ -29,6 +28,7 @@ from minisgl.engine.graph import (GraphInputs, GraphRunner, capture_batch_sizes,
 from minisgl.engine.sample import make_generator, sample_batch
 from minisgl.engine.token_pool import TokenPool
 from minisgl.kvcache import MHAKVPool, RequestPages
+from minisgl.kvcache.page_table import pages_for
 from minisgl.layers.attention import use_attention_backend
 from minisgl.layers.base import local_kv_heads
 from minisgl.models import load_model

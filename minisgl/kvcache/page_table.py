@@ -11,6 +11,7 @@ Chapter 5 tells the story.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import TypeVar
 
 import numpy as np
 import torch
@@ -18,9 +19,16 @@ import torch
 from minisgl.utils.checks import check_int
 from minisgl.utils.torch_utils import host_to_device
 
+Count = TypeVar("Count", int, np.ndarray)  # one request's count, or one per request
+
 # An unused entry. It makes printed tables readable; it is never used as an index, because every
 # accessor below checks positions against the row's page count first.
 NO_PAGE = -1
+
+
+def pages_for(num_tokens: Count, page_size: int) -> Count:
+    """Pages that ``num_tokens`` tokens occupy (the last one may be partly filled)."""
+    return -(-num_tokens // page_size)  # ceiling division
 
 
 def slots_of(page_ids: np.ndarray, rows: np.ndarray, positions: np.ndarray,
@@ -114,7 +122,7 @@ class PageTable:
                              f"request can hold ({self.max_pages_per_req} pages of "
                              f"{self.page_size} tokens)")
         held = 0 if row is None else self._held[self._checked(row)]
-        return max(0, -(-num_tokens // self.page_size) - held)  # ceiling division, minus held
+        return max(0, pages_for(num_tokens, self.page_size) - held)
 
     def append_pages(self, row: int, pages: Sequence[int] | torch.Tensor) -> None:
         """Add ``pages`` (fresh from the allocator) after the pages ``row`` already holds.

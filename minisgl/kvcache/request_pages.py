@@ -15,7 +15,7 @@ import torch
 
 from minisgl.core import Req
 from minisgl.kvcache.allocator import OutOfPagesError, PageAllocator
-from minisgl.kvcache.page_table import PageTable
+from minisgl.kvcache.page_table import PageTable, pages_for
 from minisgl.utils.checks import check_int
 
 
@@ -40,8 +40,8 @@ class RequestPages:
         self.max_seq_len = max_seq_len
         self.page_size = page_size
         self._allocator = PageAllocator(num_pages)
-        max_pages = -(-max_seq_len // page_size)  # ceiling division: a part-filled page counts
-        self.table = PageTable(max_reqs, max_pages, page_size=page_size, device=device)
+        self.table = PageTable(max_reqs, pages_for(max_seq_len, page_size), page_size=page_size,
+                               device=device)
 
     def pages_needed(self, req: Req) -> int:
         """Pages :meth:`reserve` would take for ``req`` now (0 once its row maps all its

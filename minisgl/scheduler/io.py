@@ -124,25 +124,28 @@ class SchedulerIO:
 
         The step's ``read`` names those requests: with overlap, the tokens are those of the
         batch launched the step before. A token still on the device is in ``in_flight``, not
-        in ``output_ids``, so the token read is the last of ``output_ids``.
+        in ``output_ids``, so the token read is the last of ``output_ids``. The counters are
+        published after every step, failed or not: one shared-memory write.
         """
         live = list(self.live)
         try:
             read = self.scheduler.step().read
             messages = [self._new_token(req) for req in read if self.live.get(req.uid) is req]
+            self._failed_steps = 0
+            self.generation_tokens += len(messages)  # one message per token
+            self.prompt_tokens += sum(m.prompt_tokens for m in messages)
         except Exception as exc:  # noqa: BLE001 - fail the requests, not the process
-            return self._fail(live, exc)
-        self._failed_steps = 0
-        self.generation_tokens += len(messages)  # one message per token
-        self.prompt_tokens += sum(m.prompt_tokens for m in messages)
-        self._publish()
+            messages = self._fail(live, exc)
+        if self.stats is not None:
+            self.stats.update(**self.scheduler.gauges(), prompt_tokens=self.prompt_tokens,
+                              generation_tokens=self.generation_tokens)
         return messages
 
     def _new_token(self, req: Req) -> DetokenizeRequest:
         """The message for ``req``'s newest token: its first carries the stop strings and the
         prompt's length, its last the finish reason and usage."""
         num_prompt, num_output = len(req.prompt_ids), len(req.output_ids)
-        first, last = num_output == 1, req.is_finished
+        first, last = num_output == 1, req.finish_reason is not None
         if last:
             del self.live[req.uid]
         return DetokenizeRequest(req.uid, req.output_ids[-1], finish_reason=req.finish_reason,
@@ -170,13 +173,7 @@ class SchedulerIO:
             except Exception:  # keep freeing the others
                 logger.exception("request %d could not be aborted", uid)
             self.live.pop(uid, None)
-        self._publish()
         return [AbortRequest(uid, error=error) for uid in uids]
-
-    def _publish(self) -> None:
-        if self.stats is not None:  # one shared-memory write per step
-            self.stats.update(**self.scheduler.gauges(), prompt_tokens=self.prompt_tokens,
-                              generation_tokens=self.generation_tokens)
 
 
 def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
@@ -208,7 +205,7 @@ def run_scheduler(config: SchedulerConfig, inbox: str, detokenizer_addr: str,
                 while not signals.requested:
                     # idle: sleep until a message (or a signal) comes; busy: take what has arrived
                     messages = receive.drain() if scheduler.has_work else signals.receive(receive)
-                    out = io.receive(messages)
+                    out = io.receive(messages) if messages else []
                     if scheduler.has_work:
                         out += io.step()
                     send.put_many(out)  # one frame per step

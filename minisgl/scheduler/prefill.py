@@ -23,7 +23,7 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention.utils import pages_for
+from minisgl.kvcache.page_table import pages_for
 from minisgl.core import Batch, Req
 from minisgl.scheduler.cache import CacheManager
 
