@@ -35,6 +35,7 @@ from test_ch02_layers import (
 )
 from test_ch06_attention import (
     DECODE_CASE,
+    HKV,
     HQ,
     PAGE_SIZES,
     assert_bf16_close,
@@ -689,6 +690,30 @@ def test_batches_cut_into_pieces_replay_and_equal_the_uncut_batch(
     assert error <= tolerance, f"{num_reqs} requests in pieces: {error:.3f} > {tolerance:.3f}"
     for req in reqs:
         engine.pages.release(req)
+
+
+@pytest.mark.gpu
+def test_tensor_core_decode_is_never_cut_into_pieces_and_its_largest_graph_plans() -> None:
+    """A GQA group of 8 (Qwen3-30B-A3B's) decodes on tensor cores, each request whole: eagerly,
+    and in a captured batch of 256, whose plan fits FlashInfer's workspace (cut into 1,024
+    pieces, the tensor-core plan asked for more scratch than the workspace holds)."""
+    from minisgl.attention.base import pad_batch
+
+    heads = 8 * HKV
+    s = make_scenario(LARGE_DECODE_CASE, 16, is_decode=True, dtype=torch.bfloat16,
+                      device="cuda", num_qo_heads=heads)
+    backend = flashinfer_backend(s, num_qo_heads=heads)
+    assert backend.use_tensor_cores and fast.paths.decode_pieces(256) > 0
+    run_backend(backend, s)  # within bf16 of dense attention
+    assert backend.metadata.query_rows is None
+    used = set(s.table.page_ids[s.table.page_ids >= 0].tolist())
+    pad_row = s.table.alloc_row()
+    s.table.append_pages(pad_row, [next(p for p in range(s.pool.num_pages) if p not in used)])
+    backend.enable_cuda_graphs([256])
+    fields = torch.zeros(3 * 256, dtype=torch.int64, device="cuda")
+    meta = backend.prepare(pad_batch(s.layout, 256, pad_row), out=fields)
+    torch.cuda.synchronize()
+    assert meta.query_rows is None
 
 
 MOE_BF16_REL_TOL = 2e-2  # bf16 inputs and outputs, float32 sums: a few roundings of 2**-8

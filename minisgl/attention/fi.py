@@ -130,6 +130,12 @@ class FlashInferBackend(BaseAttnBackend):
         super().__init__(kv_pool, page_table, num_qo_heads)
         check_flashinfer_supports(self.device, kv_pool.dtype, self.head_dim)
         self._flashinfer = flashinfer = import_flashinfer()
+        # A decode query is one row, too thin for a tensor-core product; with GQA the query
+        # heads sharing a KV head stack into a taller block, which pays off from a group of
+        # about 4 (SGLang's and upstream mini-sglang's threshold). Pieces (chapter 20) are cut
+        # for the CUDA-core kernel only: a captured batch of 1,024 pieces would need more
+        # scratch on tensor cores than the workspace holds.
+        self.use_tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
         # Zeros: FlashInfer requires the workspace to start zeroed.
         self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
         # "fa2" rather than "auto", which would pick the FA3 kernels on Hopper GPUs: FA2 runs on
@@ -148,22 +154,13 @@ class FlashInferBackend(BaseAttnBackend):
         self._plan_copied = torch.cuda.Event()
         self._plan_copied.record()
 
-    @property
-    def use_tensor_cores(self) -> bool:
-        """Decode on tensor cores when each KV head serves at least 4 query heads.
-
-        A decode query is a single row, too thin for a tensor-core matrix product; with GQA
-        the ``group`` query heads that share a KV head stack into a taller block, which pays
-        off from a group of about 4 (the threshold SGLang and upstream mini-sglang use).
-        """
-        return self.num_qo_heads // self.num_kv_heads >= 4
-
     def _plan(self, layout: BatchLayout, fields: dict[str, Any], static: bool) -> FIMetadata:
         if static:  # a CUDA graph's batch: its wrapper plans over fixed arrays
             wrapper, fixed_rows, num_pieces = self._graph_wrappers[layout.size]
         else:
             wrapper = self._decode if layout.is_decode else self._prefill
-            num_pieces = fast.paths.decode_pieces(layout.size) if layout.is_decode else 0
+            cut = layout.is_decode and not self.use_tensor_cores
+            num_pieces = fast.paths.decode_pieces(layout.size) if cut else 0
         arrays = (piece_arrays(self.page_table, layout, num_pieces, spares=static)
                   if num_pieces else page_arrays(self.page_table, layout))
         rows: QueryRows | None = arrays.get("query_rows")
@@ -220,7 +217,8 @@ class FlashInferBackend(BaseAttnBackend):
         ``out``) copies the batch's arrays into them. All sizes share one set: only one graph
         runs at a time.
         """
-        pieces = {bs: fast.paths.decode_pieces(bs) for bs in batch_sizes}
+        pieces = {bs: 0 if self.use_tensor_cores else fast.paths.decode_pieces(bs)
+                  for bs in batch_sizes}
         max_bs = max(batch_sizes)
         max_entries = max(max_bs, *pieces.values())
         indptr = torch.zeros(max_entries + 1, dtype=torch.int32, device=self.device)
