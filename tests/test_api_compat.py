@@ -238,6 +238,37 @@ def test_one_access_log_line_per_request(client: TestClient,
     assert lines[1].startswith("POST /v1/completions 404 uid=- "), lines[1]
 
 
+def test_the_access_log_names_the_parameter_a_400_refused(
+        client: TestClient, caplog: pytest.LogCaptureFixture) -> None:
+    logging.getLogger("minisgl").addHandler(caplog.handler)
+    try:
+        statuses = [client.post("/v1/completions", json={"prompt": "x", **extra}).status_code
+                    for extra in ({"n": 2}, {"max_token": 3}, {"temperature": "hot"}, {})]
+    finally:
+        logging.getLogger("minisgl").removeHandler(caplog.handler)
+    assert statuses == [400, 400, 400, 200]
+    lines = [r.getMessage() for r in caplog.records if r.name == "minisgl.server.api_server"]
+    assert [re.search(r" param=(\S+) ", line) and re.search(r" param=(\S+) ", line)[1]
+            for line in lines] == ["n", "max_token", "temperature", None], lines
+
+
+def test_stream_options_keys_this_server_does_not_know_are_ignored(client: TestClient) -> None:
+    """guidellm streams with vLLM's continuous_usage_stats: the stream is served as usual,
+    usage once, in the last chunk (OpenAI's form)."""
+    with client.stream("POST", "/v1/completions", json={
+            "prompt": "a b c", "stream": True, "stream_options": {
+                "include_usage": True, "continuous_usage_stats": True, "some_new_key": 1}}
+            ) as response:
+        assert response.status_code == 200
+        chunks = CH15.sse_payloads(response)
+    assert all(chunk["usage"] is None for chunk in chunks[:-1])
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    wrong = client.post("/v1/completions", json={
+        "prompt": "a", "stream": True, "stream_options": {"include_usage": "yes"}})
+    assert wrong.status_code == 400
+    assert wrong.json()["error"]["param"] == "stream_options.include_usage"
+
+
 def test_the_schema_documents_400s_and_the_limits(client: TestClient) -> None:
     schema = client.get("/openapi.json").json()
     for path, operations in schema["paths"].items():

@@ -27,6 +27,7 @@ class AccessRecord:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     finish_reasons: list[str] = field(default_factory=list)
+    refused: str | None = None  # the parameter an error response named (a 400's field)
 
     def add(self, reply: UserReply) -> None:
         """Note a request's last reply."""
@@ -37,13 +38,15 @@ class AccessRecord:
 
     def line(self, method: str, path: str, status: int, seconds: float) -> str:
         """``POST /v1/completions 200 uid=3 prompt_tokens=5 completion_tokens=16
-        finish=length id=cmpl-... 0.052s``; the fields a request did not get to are ``-``."""
+        finish=length id=cmpl-... 0.052s``; the fields a request did not get to are ``-``. An
+        error that named a parameter adds it: ``... id=- param=logit_bias 0.001s``."""
         done = bool(self.finish_reasons)
+        refused = f"param={self.refused} " if self.refused else ""
         return (f"{method} {path} {status} uid={','.join(map(str, self.uids)) or '-'} "
                 f"prompt_tokens={self.prompt_tokens if done else '-'} "
                 f"completion_tokens={self.completion_tokens if done else '-'} "
                 f"finish={','.join(self.finish_reasons) or '-'} id={self.response_id or '-'} "
-                f"{seconds:.3f}s")
+                f"{refused}{seconds:.3f}s")
 
 
 class AccessLog:

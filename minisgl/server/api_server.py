@@ -74,10 +74,9 @@ def checked_params(request: Request, body: ChatCompletionRequest | CompletionReq
     body.check_supported()
     params = body.sampling_params(max_tokens, default_max_tokens)
     vocab_size = request.app.state.vocab_size
-    bad = next((t for t in params.stop_token_ids if vocab_size is not None and t >= vocab_size),
-               None)
-    if bad is not None:
-        raise APIError(400, f"stop_token_ids: token id {bad} is outside the vocabulary "
+    bad = [t for t in params.stop_token_ids if vocab_size is not None and t >= vocab_size]
+    if bad:
+        raise APIError(400, f"stop_token_ids: token id {bad[0]} is outside the vocabulary "
                             f"(0..{vocab_size - 1})", "stop_token_ids")
     return params
 
@@ -253,8 +252,7 @@ async def models(request: Request):
     return {"object": "list", "data": [_model_card(request)]}
 
 
-@router.get("/v1/models/{model_id:path}",
-            responses={404: ERROR_RESPONSES[404]})
+@router.get("/v1/models/{model_id:path}", responses={404: ERROR_RESPONSES[404]})
 async def model(model_id: str, request: Request):
     """The model ``model_id``: this server's (by its served name or the path it was started
     with), or HTTP 404 ``model_not_found``."""
@@ -344,12 +342,12 @@ def answer_errors_as_openai(app: FastAPI) -> None:
     (``{"detail": ...}``, status 422 for a bad body) are not what OpenAI clients expect."""
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return refusal(request, exc)
 
     @app.exception_handler(RequestValidationError)
-    async def _bad_body(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return validation_error(exc.errors()).response()
+    async def _bad_body(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return refusal(request, validation_error(exc.errors()))
 
     @app.exception_handler(StarletteHTTPException)
     async def _http_error(request: Request, exc: StarletteHTTPException) -> Response:
@@ -367,6 +365,13 @@ def answer_errors_as_openai(app: FastAPI) -> None:
         logger.error("unexpected error while serving a request", exc_info=exc)
         return APIError(500, f"internal server error: {type(exc).__name__}",
                         kind="server_error").response()
+
+
+def refusal(request: Request, error: APIError) -> JSONResponse:
+    """The response to a request refused with ``error``; the access log names its parameter."""
+    request.state.access = getattr(request.state, "access", None) or AccessRecord()
+    request.state.access.refused = error.param
+    return error.response()
 
 
 def unreadable_body(cause: BaseException | None) -> APIError | None:

@@ -164,7 +164,10 @@ class ChatMessage(BaseModel):
 
 
 class StreamOptions(BaseModel):
-    model_config = STRICT_BODY
+    # Other keys are ignored, not refused: they only shape how usage is reported, and no
+    # stream depends on them (vLLM's continuous_usage_stats, which guidellm sends, asks for
+    # usage on every chunk; here it comes once, on the last, as OpenAI sends it).
+    model_config = ConfigDict(extra="ignore", strict=True)
     include_usage: bool = False
 
 

@@ -32,11 +32,9 @@ class SharedCounters:
 
     def update(self, **values: int) -> None:
         """Set the named counters, all at once."""
-        if not values.keys() <= self._index.keys():
-            self._slot(next(name for name in values if name not in self._index))  # raises
         with self._values.get_lock():
             for name, value in values.items():
-                self._values[self._index[name]] = value
+                self._values[self._slot(name)] = value
 
     def __getitem__(self, name: str) -> int:
         return self._values[self._slot(name)]
