@@ -154,13 +154,16 @@ class FlashInferBackend(BaseAttnBackend):
         self._plan_copied = torch.cuda.Event()
         self._plan_copied.record()
 
+    def _decode_pieces(self, batch_size: int) -> int:
+        """Pieces a decode batch is cut into: on the CUDA-core kernel only (see __init__)."""
+        return 0 if self.use_tensor_cores else fast.paths.decode_pieces(batch_size)
+
     def _plan(self, layout: BatchLayout, fields: dict[str, Any], static: bool) -> FIMetadata:
         if static:  # a CUDA graph's batch: its wrapper plans over fixed arrays
             wrapper, fixed_rows, num_pieces = self._graph_wrappers[layout.size]
         else:
             wrapper = self._decode if layout.is_decode else self._prefill
-            cut = layout.is_decode and not self.use_tensor_cores
-            num_pieces = fast.paths.decode_pieces(layout.size) if cut else 0
+            num_pieces = self._decode_pieces(layout.size) if layout.is_decode else 0
         arrays = (piece_arrays(self.page_table, layout, num_pieces, spares=static)
                   if num_pieces else page_arrays(self.page_table, layout))
         rows: QueryRows | None = arrays.get("query_rows")
@@ -217,8 +220,7 @@ class FlashInferBackend(BaseAttnBackend):
         ``out``) copies the batch's arrays into them. All sizes share one set: only one graph
         runs at a time.
         """
-        pieces = {bs: 0 if self.use_tensor_cores else fast.paths.decode_pieces(bs)
-                  for bs in batch_sizes}
+        pieces = {bs: self._decode_pieces(bs) for bs in batch_sizes}
         max_bs = max(batch_sizes)
         max_entries = max(max_bs, *pieces.values())
         indptr = torch.zeros(max_entries + 1, dtype=torch.int32, device=self.device)

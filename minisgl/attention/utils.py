@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 
-
 def indptr_of(lengths: Sequence[int]) -> list[int]:
     """Offsets of a packed ragged array: ``[0, l0, l0 + l1, ...]`` (``len(lengths) + 1`` items).
 

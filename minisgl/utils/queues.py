@@ -96,20 +96,19 @@ class _Queue(Generic[T]):
         self._ready: deque[T] = deque()  # a pull end: the rest of a frame that held several
 
     def _frame(self, messages: list[Any]) -> bytes:
-        if wrong := [m for m in messages if not isinstance(m, self.message_type)]:
-            raise self._wrong_type(wrong[0])
+        self._checked(messages)
         return self.message_type.dumps(messages[0] if len(messages) == 1 else messages)
 
     def _unframe(self, frame: bytes) -> list[Any]:
         value = self.message_type.loads(frame)
-        messages = value if isinstance(value, list) else [value]
-        if wrong := [m for m in messages if not isinstance(m, self.message_type)]:
-            raise self._wrong_type(wrong[0])
-        return messages
+        return self._checked(value if isinstance(value, list) else [value])
 
-    def _wrong_type(self, message: Any) -> TypeError:
-        return TypeError(f"the queue at {self.address} carries {self.message_type.__name__}; "
-                         f"got a {type(message).__name__}")
+    def _checked(self, messages: list[Any]) -> list[Any]:
+        for message in messages:
+            if not isinstance(message, self.message_type):
+                raise TypeError(f"the queue at {self.address} carries "
+                                f"{self.message_type.__name__}; got a {type(message).__name__}")
+        return messages
 
     def close(self, linger_s: float = 0.0) -> None:
         """Close the socket. Outgoing messages not yet handed to the peer are kept for at most
