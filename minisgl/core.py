@@ -16,7 +16,7 @@ next. The engine (``minisgl.engine.engine``) runs batches and the scheduler
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Literal
 
@@ -60,6 +60,19 @@ class SamplingParams:
             these strings, the answer is the text before it. The engine works on tokens and
             ignores them; the server's detokenizer applies them. A single string is one stop
             string.
+        logit_bias: ``(token id, bias)`` pairs (a dict is accepted) added to the logits, each
+            bias in [-100, 100]: -100 all but bans a token, 100 all but forces it.
+        min_tokens: Until this many tokens are generated, the end-of-sequence and stop tokens
+            cannot be sampled.
+        repetition_penalty: Divides the positive logits, and multiplies the negative ones, of
+            every token already in the prompt or output; ``1.0`` is off.
+        frequency_penalty: Subtracted from a token's logit once per time it appears in the
+            output so far, in [-2, 2].
+        presence_penalty: Subtracted from the logit of every token that appears in the output
+            so far, in [-2, 2].
+
+    The last five adjust the logits before temperature and the filters, in that order
+    (chapter 21); greedy requests take the argmax of the adjusted logits.
     """
 
     temperature: float = 0.0
@@ -71,13 +84,24 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     seed: int | None = None
     stop: tuple[str, ...] = ()  # applied by the server's detokenizer, on text
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    min_tokens: int = 0
+    repetition_penalty: float = 1.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
     # Whether the next token is always the argmax: temperature 0 by definition, and top_k 1 at
     # any temperature (only the most likely token survives the filter). Derived, not given.
     is_greedy: bool = field(init=False, repr=False, compare=False)
+    # Whether any of the chapter 21 adjustments is on. Derived, not given.
+    adjusts_logits: bool = field(init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         self._validate()
+        self._validate_adjustments()
         object.__setattr__(self, "is_greedy", self.temperature == 0.0 or self.top_k == 1)
+        object.__setattr__(self, "adjusts_logits", bool(
+            self.logit_bias or self.min_tokens or self.repetition_penalty != 1.0
+            or self.frequency_penalty or self.presence_penalty))
 
 
     def _validate(self) -> None:
@@ -131,6 +155,29 @@ class SamplingParams:
             if not isinstance(text, str) or not text:
                 _invalid("stop", self.stop, f"a sequence of non-empty strings ({text!r} is not)")
         object.__setattr__(self, "stop", stop)
+
+
+    def _validate_adjustments(self) -> None:
+        """:meth:`_validate` for the logit adjustments (chapter 21)."""
+        given = self.logit_bias
+        pairs = tuple(given.items()) if isinstance(given, Mapping) else tuple(given)
+        for pair in pairs:
+            token, bias = pair if isinstance(pair, tuple) and len(pair) == 2 else (None, None)
+            if not (is_int(token) and token >= 0 and is_number(bias) and -100 <= bias <= 100):
+                _invalid("logit_bias", given, "token id -> bias pairs, each id an integer >= 0 "
+                                              f"and each bias in [-100, 100] ({pair!r} is not)")
+        object.__setattr__(self, "logit_bias",
+                           tuple(sorted((int(t), float(b)) for t, b in pairs)))
+        check_int("min_tokens", self.min_tokens, error=TypeError)
+        if self.min_tokens < 0:  # above max_tokens: no stop token at all, as max_tokens ends it
+            _invalid("min_tokens", self.min_tokens, "an integer >= 0")
+        _check_real("repetition_penalty", self.repetition_penalty)
+        if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
+            _invalid("repetition_penalty", self.repetition_penalty, "a number > 0 (1 is off)")
+        for name in ("frequency_penalty", "presence_penalty"):
+            _check_real(name, getattr(self, name))
+            if not -2.0 <= getattr(self, name) <= 2.0:
+                _invalid(name, getattr(self, name), "a number in [-2, 2] (0 is off)")
 
 
 def _check_real(field: str, value: object) -> None:

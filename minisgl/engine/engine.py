@@ -25,6 +25,7 @@ from minisgl.distributed.group import broadcast_from_rank0, device_for_rank, min
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import (GraphInputs, GraphRunner, capture_batch_sizes,
                                   cuda_graph_disabled_reason)
+from minisgl.engine.adjustments import adjust_logits
 from minisgl.engine.sample import make_generator, sample_batch
 from minisgl.engine.token_pool import TokenPool
 from minisgl.kvcache import MHAKVPool, RequestPages
@@ -306,6 +307,8 @@ class Engine:
             for req in batch.reqs:  # a seeded request's own stream starts at its first sample
                 if req.params.seed is not None and req.generator is None:
                     req.generator = make_generator(req.params.seed, self.device)
+            if any(req.params.adjusts_logits for req in batch.reqs):  # chapter 21
+                logits = adjust_logits(logits, batch, self.token_pool, self.eos_token_ids)
             tokens = sample_batch(logits, [req.params for req in batch.reqs],
                                   [req.generator for req in batch.reqs])
         else:

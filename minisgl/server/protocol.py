@@ -13,6 +13,7 @@ Data and functions of data only, testable without a server; the outbound half is
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Annotated, Any, Literal
@@ -220,11 +221,16 @@ class _GenerationBody(BaseModel):
     stop_token_ids: list[TokenId] | None = None  # an extension
     ignore_eos: bool = False  # an extension: benchmarks use it for outputs of known length
     user: str | None = None
+    # Chapter 21: the logit adjustments. A bias for an id outside the vocabulary is ignored.
+    logit_bias: dict[str, float] | None = Field(None, json_schema_extra={
+        "propertyNames": {"pattern": "^[0-9]+$"},  # token ids, as JSON keys are strings
+        "additionalProperties": {"type": "number", "minimum": -100, "maximum": 100}})
+    presence_penalty: float | None = _documented(minimum=-2, maximum=2)
+    frequency_penalty: float | None = _documented(minimum=-2, maximum=2)
+    repetition_penalty: float | None = _documented(exclusiveMinimum=0)  # an extension
+    min_tokens: Int64 | None = _documented(minimum=0)  # an extension
     # OpenAI's fields that this server accepts at their neutral values only.
     n: Int64 = _neutral(1, shown="1 (one choice per prompt)")
-    presence_penalty: float = _neutral(0.0, shown="0")
-    frequency_penalty: float = _neutral(0.0, shown="0")
-    logit_bias: dict[str, Any] | None = _neutral(None, {}, shown="null or {}")
     service_tier: str | None = _neutral(None, "auto", "default", shown='"auto" or "default"')
     store: bool | None = _neutral(None, False, shown="false")
 
@@ -256,12 +262,26 @@ class _GenerationBody(BaseModel):
             "max_tokens": default_max_tokens if max_tokens is None else max_tokens,
             "stop_token_ids": tuple(self.stop_token_ids or ()),
             "stop": stop,  # after stop_token_ids: an error names the longer one first
+            "logit_bias": _token_biases(self.logit_bias or {}),
+            "min_tokens": self.min_tokens or 0,
+            "repetition_penalty": 1.0 if self.repetition_penalty is None
+            else self.repetition_penalty,
+            "frequency_penalty": self.frequency_penalty or 0.0,
+            "presence_penalty": self.presence_penalty or 0.0,
         }
         try:
             return SamplingParams(**values)
         except (TypeError, ValueError) as exc:  # the engine's own range checks, one place
             param = next((name for name in values if str(exc).startswith(name)), None)
             raise APIError(400, str(exc), param) from None
+
+
+def _token_biases(biases: dict[str, float]) -> list[tuple[int, float]]:
+    """``logit_bias``'s JSON keys (token ids written as strings) as ``(id, bias)`` pairs."""
+    if bad := [key for key in biases if not re.fullmatch(r"[0-9]+", key)]:
+        raise APIError(400, f"logit_bias: keys must be token ids (decimal integers as strings), "
+                            f"got {bad[0]!r}", "logit_bias")
+    return [(int(key), bias) for key, bias in biases.items()]
 
 
 class ChatCompletionRequest(_GenerationBody):

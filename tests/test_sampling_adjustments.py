@@ -1,0 +1,173 @@
+"""The logit adjustments of the sampling API (chapter 21, coming): logit_bias, min_tokens and
+the repetition, frequency and presence penalties.
+
+Against ``transformers`` where it has the same rule (``repetition_penalty``, ``sequence_bias``,
+``min_new_tokens``), greedy, token for token; against a dense greedy loop over the
+``transformers`` model for OpenAI's frequency and presence penalties, which it lacks. With and
+without overlap scheduling (a token in flight is counted) and through a radix-cache hit (a
+cached prompt is still penalized). Repository-level until chapter 21 is written.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from minisgl.core import SamplingParams
+
+from conftest import ROOT
+
+MAX_TOKENS = 24
+PROMPTS = ["ROMEO: O", "JULIET:\nWhat light", "First Citizen:\nBefore we proceed"]
+
+
+@pytest.fixture(scope="module")
+def shakespeare_model_dir() -> Path:
+    """The trained tiny model: its greedy text repeats and ends, so each rule shows."""
+    path = ROOT / "models" / "tiny-shakespeare"
+    assert (path / "model.safetensors").exists(), f"{path} is missing"
+    return path
+
+
+@pytest.fixture(scope="module")
+def hf(shakespeare_model_dir: Path) -> Any:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(shakespeare_model_dir,
+                                                              dtype=torch.float32)
+    tokenizer = transformers.AutoTokenizer.from_pretrained(shakespeare_model_dir)
+    return model.eval(), tokenizer
+
+
+def ours(model_dir: Path, params: SamplingParams, overlap: bool,
+         prompts: list[str] = PROMPTS, repeat: int = 1) -> list[list[int]]:
+    from minisgl.llm import LLM
+
+    llm = LLM(model_dir, device="cpu", dtype="float32", overlap=overlap, prefix_cache="radix")
+    for _ in range(repeat):  # a second round reads every prompt from the radix cache
+        outputs = llm.generate(prompts, params)
+    return [out["token_ids"] for out in outputs]
+
+
+def hf_greedy(hf: Any, prompt: str, **options: Any) -> list[int]:
+    model, tokenizer = hf
+    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    with torch.no_grad():
+        out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, **options)
+    return out[0, ids.shape[1]:].tolist()
+
+
+def test_parameters_are_checked_at_the_edge() -> None:
+    assert SamplingParams(logit_bias={7: 2, 3: -100}).logit_bias == ((3, -100.0), (7, 2.0))
+    assert not SamplingParams().adjusts_logits
+    assert SamplingParams(presence_penalty=0.5).adjusts_logits
+    for bad, field in [({"logit_bias": {1: 101}}, "logit_bias"),
+                       ({"logit_bias": {-1: 0}}, "logit_bias"),
+                       ({"min_tokens": -1}, "min_tokens"),
+                       ({"repetition_penalty": 0.0}, "repetition_penalty"),
+                       ({"frequency_penalty": 2.5}, "frequency_penalty"),
+                       ({"presence_penalty": float("nan")}, "presence_penalty")]:
+        with pytest.raises(ValueError, match=field):
+            SamplingParams(**bad)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_repetition_penalty_and_logit_bias_match_transformers(
+        shakespeare_model_dir: Path, hf: Any, overlap: bool) -> None:
+    the = hf[1].encode(" the")[0]
+    cases = [({"repetition_penalty": 1.5}, {"repetition_penalty": 1.5}),
+             ({"logit_bias": {the: 6.0}}, {"sequence_bias": {(the,): 6.0}})]
+    plain = ours(shakespeare_model_dir, SamplingParams(max_tokens=MAX_TOKENS), overlap)
+    for options, hf_options in cases:
+        got = ours(shakespeare_model_dir, SamplingParams(max_tokens=MAX_TOKENS, **options),
+                   overlap, repeat=2)
+        assert got != plain, f"{options} changed nothing: the test would not see it"
+        for prompt, tokens in zip(PROMPTS, got):
+            assert tokens == hf_greedy(hf, prompt, **hf_options), (options, prompt)
+
+
+def test_min_tokens_bans_the_end_of_sequence_as_min_new_tokens_does(
+        shakespeare_model_dir: Path, hf: Any) -> None:
+    plain = ours(shakespeare_model_dir, SamplingParams(max_tokens=MAX_TOKENS), False)
+    early = [i for i, tokens in enumerate(plain) if len(tokens) < 12]
+    assert early, "some prompt must end early on its own, or min_tokens is not exercised"
+    got = ours(shakespeare_model_dir, SamplingParams(max_tokens=MAX_TOKENS, min_tokens=12), True)
+    for i, (prompt, tokens) in enumerate(zip(PROMPTS, got)):
+        assert tokens == hf_greedy(hf, prompt, min_new_tokens=12), prompt
+        assert len(tokens) >= 12 or i not in early
+
+
+def dense_penalized_greedy(hf: Any, prompt: str, frequency: float, presence: float) -> list[int]:
+    """OpenAI's rule, step by step over the whole sequence: logits - frequency * count -
+    presence * (count > 0), counts over the tokens generated so far; then the argmax."""
+    model, tokenizer = hf
+    ids = tokenizer(prompt, return_tensors="pt").input_ids[0].tolist()
+    eos = model.generation_config.eos_token_id
+    eos = set(eos if isinstance(eos, list) else [eos])
+    out: list[int] = []
+    for _ in range(MAX_TOKENS):
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + out])).logits[0, -1].float()
+        counts = torch.bincount(torch.tensor(out, dtype=torch.int64),
+                                minlength=logits.shape[0]).float()
+        token = int((logits - frequency * counts - presence * (counts > 0)).argmax())
+        out.append(token)
+        if token in eos:
+            break
+    return out
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_frequency_and_presence_penalties_match_a_dense_reference(
+        shakespeare_model_dir: Path, hf: Any, overlap: bool) -> None:
+    params = SamplingParams(max_tokens=MAX_TOKENS, frequency_penalty=1.2, presence_penalty=0.7)
+    got = ours(shakespeare_model_dir, params, overlap)
+    assert got != ours(shakespeare_model_dir, SamplingParams(max_tokens=MAX_TOKENS), overlap)
+    for prompt, tokens in zip(PROMPTS, got):
+        assert tokens == dense_penalized_greedy(hf, prompt, 1.2, 0.7), prompt
+
+
+def test_a_request_without_adjustments_is_untouched_in_a_mixed_batch(
+        shakespeare_model_dir: Path) -> None:
+    from minisgl.core import Req
+    from minisgl.scheduler.config import SchedulerConfig
+    from minisgl.scheduler.scheduler import Scheduler
+
+    penalized = SamplingParams(max_tokens=MAX_TOKENS, repetition_penalty=1.5)
+    plain = ours(shakespeare_model_dir, SamplingParams(max_tokens=MAX_TOKENS), True)
+    alone = ours(shakespeare_model_dir, penalized, True)
+    changed = next(i for i in range(len(PROMPTS)) if alone[i] != plain[i])
+    other = (changed + 1) % len(PROMPTS)
+    scheduler = Scheduler(SchedulerConfig(shakespeare_model_dir, device="cpu", dtype="float32"))
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(shakespeare_model_dir)
+    reqs = [Req(0, tokenizer.encode(PROMPTS[other]), SamplingParams(max_tokens=MAX_TOKENS)),
+            Req(1, tokenizer.encode(PROMPTS[changed]), penalized)]
+    for req in reqs:
+        scheduler.add(req)
+    while scheduler.has_work:
+        scheduler.step()
+        scheduler.check_integrity()
+    assert [req.output_ids for req in reqs] == [plain[other], alone[changed]]
+
+
+def test_the_server_takes_the_fields_and_refuses_bad_values_naming_them() -> None:
+    from minisgl.server.protocol import APIError, ChatCompletionRequest, CompletionRequest
+
+    body = CompletionRequest(prompt="x", logit_bias={"5": 3, "7": -100}, presence_penalty=0.5,
+                             frequency_penalty=-1, repetition_penalty=1.2, min_tokens=3)
+    params = body.sampling_params(None, 16)
+    assert (params.logit_bias, params.presence_penalty, params.frequency_penalty,
+            params.repetition_penalty, params.min_tokens) == (((5, 3.0), (7, -100.0)), 0.5,
+                                                              -1.0, 1.2, 3)
+    chat = ChatCompletionRequest(messages=[{"role": "user", "content": "x"}])
+    assert not chat.sampling_params(None, 16).adjusts_logits
+    for bad, param in [({"logit_bias": {"a": 1}}, "logit_bias"),
+                       ({"logit_bias": {"5": 101}}, "logit_bias"),
+                       ({"presence_penalty": 3}, "presence_penalty"),
+                       ({"repetition_penalty": 0}, "repetition_penalty"),
+                       ({"min_tokens": -1}, "min_tokens")]:
+        with pytest.raises(APIError) as refused:
+            CompletionRequest(prompt="x", **bad).sampling_params(None, 16)
+        assert refused.value.status_code == 400 and refused.value.param == param
