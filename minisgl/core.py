@@ -27,6 +27,7 @@ if TYPE_CHECKING:  # type names only: this module must stay importable without t
 
 # A torch.Generator accepts any seed that fits in an unsigned 64-bit integer.
 _MAX_SEED = 2**64 - 1
+MAX_TOP_LOGPROBS = 20  # OpenAI's bound on top_logprobs
 
 # Why generation ended: a stop or end-of-sequence token, or max_tokens reached.
 FinishReason = Literal["stop", "length"]
@@ -70,8 +71,11 @@ class SamplingParams:
             output so far, in [-2, 2].
         presence_penalty: Subtracted from the logit of every token that appears in the output
             so far, in [-2, 2].
+        logprobs: None, or return each sampled token's log-probability and those of the
+            ``logprobs`` most likely tokens in its place (0 to 20), raw: before the five
+            adjustments above, temperature and the filters.
 
-    The last five adjust the logits before temperature and the filters, in that order
+    The five before ``logprobs`` adjust the logits before temperature and the filters, in that order
     (chapter 21); greedy requests take the argmax of the adjusted logits.
     """
 
@@ -89,6 +93,7 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
+    logprobs: int | None = None
     # Whether the next token is always the argmax: temperature 0 by definition, and top_k 1 at
     # any temperature (only the most likely token survives the filter). Derived, not given.
     is_greedy: bool = field(init=False, repr=False, compare=False)
@@ -174,6 +179,10 @@ class SamplingParams:
         _check_real("repetition_penalty", self.repetition_penalty)
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             _invalid("repetition_penalty", self.repetition_penalty, "a number > 0 (1 is off)")
+        if self.logprobs is not None:
+            check_int("logprobs", self.logprobs, error=TypeError)
+            if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
+                _invalid("logprobs", self.logprobs, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         for name in ("frequency_penalty", "presence_penalty"):
             _check_real(name, getattr(self, name))
             if not -2.0 <= getattr(self, name) <= 2.0:
@@ -195,6 +204,15 @@ def _invalid(field: str, value: object, allowed: str) -> None:
 
 Phase = Literal["prefill", "decode"]
 PHASES: tuple[Phase, ...] = ("prefill", "decode")
+
+
+@dataclass(frozen=True)
+class TokenLogprobs:
+    """A sampled token's log-probability, and the most likely tokens in its place (``(id,
+    logprob)``, most likely first), as :attr:`SamplingParams.logprobs` asks (chapter 21)."""
+
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
 
 
 @dataclass(eq=False)  # identity, not field equality: two requests with equal fields are two
@@ -224,6 +242,7 @@ class Req:
         finish_reason: None while running; "stop" (EOS or a stop token) or "length"
             (``max_tokens`` reached) once finished.
         in_flight: tokens sampled on the device that the host has not read yet.
+        output_logprobs: with ``params.logprobs`` set, one entry per token of ``output_ids``.
     """
 
     uid: int
@@ -235,6 +254,7 @@ class Req:
     generator: torch.Generator | None = field(default=None, repr=False)
     finish_reason: FinishReason | None = None
     in_flight: int = 0
+    output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # chapter 21
 
     def __post_init__(self) -> None:
         # Accept any sequence of ids, or a 1-D tensor; store a plain list of ints.

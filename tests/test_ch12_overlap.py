@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -330,12 +331,13 @@ def test_a_launch_reads_no_token_value_on_the_host(tiny_model_dir: Path,
     for name in ("tolist", "item", "__bool__", "__int__", "__index__", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, refuse_during_launch(name))
 
-    def recorded(function: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
-        def call(*args: object) -> torch.Tensor:
-            tokens = function(*args)
+    def recorded(function: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*args: object, **kwargs: object) -> Any:
+            result = function(*args, **kwargs)  # tokens, or (tokens, logprobs): chapter 21
+            tokens = result[0] if isinstance(result, tuple) else result
             holding_tokens.add(tokens.untyped_storage().data_ptr())
             kept.append(tokens)
-            return tokens
+            return result
         return call
 
     monkeypatch.setattr(pool, "input_ids", recorded(pool.input_ids))

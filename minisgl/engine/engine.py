@@ -26,6 +26,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import (GraphInputs, GraphRunner, capture_batch_sizes,
                                   cuda_graph_disabled_reason)
 from minisgl.engine.adjustments import adjust_logits
+from minisgl.engine.logprobs import batch_logprobs
 from minisgl.engine.sample import make_generator, sample_batch
 from minisgl.engine.token_pool import TokenPool
 from minisgl.kvcache import MHAKVPool, RequestPages
@@ -221,7 +222,8 @@ class Engine:
 
     # ----------------------------------------------------------------------- one forward step
     @torch.no_grad()
-    def forward(self, batch: Batch, use_graph: bool = True) -> torch.Tensor:
+    def forward(self, batch: Batch, use_graph: bool = True, return_logprobs: bool = False
+                ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor | None]:
         """One step: the model over every request's new tokens, and one sampled token each.
 
         Afterwards the K/V of every token fed are in the pool, and each sample is written into
@@ -231,9 +233,13 @@ class Engine:
         graph could serve it.
 
         Returns:
-            ``[B]`` int64 next-token ids, one per request, in batch order, on the device.
+            ``[B]`` int64 next-token ids, one per request, in batch order, on the device; with
+            ``return_logprobs``, also the logprobs its requests asked for
+            (:func:`~minisgl.engine.logprobs.batch_logprobs`, chapter 21).
         """
-        return self.sample(batch, self.logits(batch, use_graph))
+        logits = self.logits(batch, use_graph)
+        tokens = self.sample(batch, logits)
+        return (tokens, batch_logprobs(logits, tokens, batch)) if return_logprobs else tokens
 
     @torch.no_grad()
     def logits(self, batch: Batch, use_graph: bool = True) -> torch.Tensor:

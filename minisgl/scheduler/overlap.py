@@ -25,11 +25,13 @@ class InFlight:
         batch: the batch (its ``completes`` says which requests sampled a real token).
         host_tokens: the ``[B]`` sampled ids on their way to the host.
         ready: on CUDA, an event recorded after that copy; None on a CPU.
+        logprobs: what :func:`~minisgl.engine.logprobs.batch_logprobs` returned (chapter 21).
     """
 
     batch: Batch
     host_tokens: torch.Tensor
     ready: torch.cuda.Event | None
+    logprobs: torch.Tensor | None = None
 
 
 class HostTokens:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 
 from minisgl.core import Batch, Phase, Req
 from minisgl.engine.engine import Engine
+from minisgl.engine.logprobs import unpack_logprobs
 from minisgl.scheduler.cache import PREFIX_CACHES, CacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import HostTokens, InFlight
@@ -256,9 +257,9 @@ class Scheduler:
         """
         if batch.is_prefill:  # a cut chunk's sample is thrown away: its generator stays put
             with unsampled(cut_reqs(batch)):
-                tokens = self.engine.forward(batch)
+                tokens, logprobs = self.engine.forward(batch, return_logprobs=True)
         else:
-            tokens = self.engine.forward(batch)
+            tokens, logprobs = self.engine.forward(batch, return_logprobs=True)
         batch.advance()  # lengths are the scheduler's: the engine only computed
         for req, complete in zip(batch.reqs, batch.completes):
             if not complete:  # only a chunk of its prompt ran
@@ -268,7 +269,7 @@ class Scheduler:
                 self._retiring[req.uid] = req
             elif batch.is_prefill:
                 self.running[req.uid] = req
-        return InFlight(batch, *self._host_tokens.copy(tokens))
+        return InFlight(batch, *self._host_tokens.copy(tokens), logprobs)
 
     def _read(self, flight: InFlight) -> list[Req]:
         """Append ``flight``'s tokens to their requests and retire the finished; returns the
@@ -281,8 +282,10 @@ class Scheduler:
         if flight.ready is not None:  # the host's one wait; bounded: a dead peer's collective
             flight.ready.synchronize()  # is aborted (chapter 17)
         read: list[Req] = []
-        for req, complete, token in zip(flight.batch.reqs, flight.batch.completes,
-                                        flight.host_tokens.tolist(), strict=True):
+        logprobs = unpack_logprobs(flight.logprobs, flight.batch)  # chapter 21
+        for i, (req, complete, token) in enumerate(zip(
+                flight.batch.reqs, flight.batch.completes, flight.host_tokens.tolist(),
+                strict=True)):
             if not complete or req.table_row is None:  # a cut chunk, or aborted since launch
                 continue
             # A zombie: its real last token came from the batch before.
@@ -291,6 +294,8 @@ class Scheduler:
                 self._release(req)
                 continue
             read.append(req)
+            if i in logprobs:
+                req.output_logprobs.append(logprobs[i])
             if req.append_token(token, self.eos_token_ids) is None:
                 continue
             self.running.pop(req.uid, None)

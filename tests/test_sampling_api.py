@@ -171,3 +171,54 @@ def test_the_server_takes_the_fields_and_refuses_bad_values_naming_them() -> Non
         with pytest.raises(APIError) as refused:
             CompletionRequest(prompt="x", **bad).sampling_params(None, 16)
         assert refused.value.status_code == 400 and refused.value.param == param
+
+
+def served_logprobs(model_dir: Path, params: SamplingParams, overlap: bool,
+                    prompts: list[list[int]]) -> list[Any]:
+    """Each request's output ids and logprobs, run through the scheduler as LLM does."""
+    from minisgl.core import Req
+    from minisgl.scheduler.config import SchedulerConfig
+    from minisgl.scheduler.scheduler import Scheduler
+
+    scheduler = Scheduler(SchedulerConfig(model_dir, device="cpu", dtype="float32",
+                                          overlap=overlap, prefix_cache="radix"))
+    reqs = [Req(i, prompt, params) for i, prompt in enumerate(prompts)]
+    for req in reqs:
+        scheduler.add(req)
+    while scheduler.has_work:
+        scheduler.step()
+    return reqs
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_logprobs_are_transformers_log_softmax_of_the_raw_logits(
+        shakespeare_model_dir: Path, hf: Any, overlap: bool) -> None:
+    """Sampled at temperature 1 with a bias and a penalty: the logprobs are still those of the
+    model's own logits, token by token, and the top ones are its k best, best first."""
+    model, tokenizer = hf
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=1.0, seed=7, max_tokens=MAX_TOKENS, logprobs=3,
+                            repetition_penalty=1.3, logit_bias={tokenizer.encode(" the")[0]: 4})
+    for req in served_logprobs(shakespeare_model_dir, params, overlap, prompts):
+        assert len(req.output_logprobs) == len(req.output_ids) > 0
+        with torch.no_grad():
+            logits = model(torch.tensor([req.prompt_ids + req.output_ids])).logits[0].float()
+        reference = torch.log_softmax(logits, dim=-1)[len(req.prompt_ids) - 1:-1]
+        for step, (token, got) in enumerate(zip(req.output_ids, req.output_logprobs)):
+            expected = reference[step]
+            assert abs(got.logprob - float(expected[token])) < 1e-4, (req.uid, step)
+            best = expected.topk(3)
+            assert [t for t, _ in got.top] == best.indices.tolist(), (req.uid, step)
+            assert max(abs(v - float(e)) for (_, v), e in zip(got.top, best.values)) < 1e-4
+
+
+def test_logprobs_zero_gives_the_sampled_token_only_and_none_gives_nothing(
+        shakespeare_model_dir: Path) -> None:
+    prompt = [[5, 6, 7], [8, 9]]
+    with_zero, without = (served_logprobs(
+        shakespeare_model_dir, SamplingParams(max_tokens=5, logprobs=k), True, prompt)
+        for k in (0, None))
+    assert all(entry.top == () for req in with_zero for entry in req.output_logprobs)
+    assert [len(req.output_logprobs) for req in with_zero] == [5, 5]
+    assert all(req.output_logprobs == [] for req in without)
+    assert [r.output_ids for r in with_zero] == [r.output_ids for r in without]
