@@ -222,3 +222,35 @@ def test_logprobs_zero_gives_the_sampled_token_only_and_none_gives_nothing(
     assert [len(req.output_logprobs) for req in with_zero] == [5, 5]
     assert all(req.output_logprobs == [] for req in without)
     assert [r.output_ids for r in with_zero] == [r.output_ids for r in without]
+
+
+def test_logprobs_travel_to_the_api_server_as_text(shakespeare_model_dir: Path) -> None:
+    """Scheduler -> detokenizer -> API server: every token's message carries its logprobs,
+    through the wire format, and the detokenizer writes each token id as its text."""
+    from minisgl.core import TokenLogprobs
+    from minisgl.message import DetokenizeRequest, TextLogprobs, UserReply, dumps, loads
+    from minisgl.message import UserRequest
+    from minisgl.scheduler.config import SchedulerConfig
+    from minisgl.scheduler.io import SchedulerIO
+    from minisgl.scheduler.scheduler import Scheduler
+    from minisgl.tokenizer.detokenize import DetokenizeManager
+
+    tokenizer = __import__("transformers").AutoTokenizer.from_pretrained(shakespeare_model_dir)
+    io = SchedulerIO(Scheduler(SchedulerConfig(shakespeare_model_dir, device="cpu")))
+    params = SamplingParams(max_tokens=6, logprobs=2)
+    io.receive([UserRequest(3, tokenizer.encode(PROMPTS[0]), params),
+                UserRequest(4, tokenizer.encode(PROMPTS[1]), SamplingParams(max_tokens=6))])
+    messages: list[DetokenizeRequest] = []
+    while io.scheduler.has_work:
+        messages += io.step()
+    mine = [m for m in messages if m.uid == 3]
+    assert all(m.logprobs is None for m in messages if m.uid == 4)
+    assert all(isinstance(m.logprobs, TokenLogprobs) and len(m.logprobs.top) == 2 for m in mine)
+    detokenizer = DetokenizeManager(tokenizer)
+    replies = [loads(dumps(detokenizer.detokenize(loads(dumps(m))))) for m in mine]
+    assert all(isinstance(r, UserReply) and isinstance(r.logprobs, TextLogprobs) for r in replies)
+    for message, reply in zip(mine, replies):
+        assert reply.logprobs.token == tokenizer.decode([message.next_token])
+        assert reply.logprobs.logprob == message.logprobs.logprob
+        assert [t for t, _ in reply.logprobs.top] == [tokenizer.decode([t])
+                                                      for t, _ in message.logprobs.top]

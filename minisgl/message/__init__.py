@@ -19,14 +19,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Literal
 
-from minisgl.core import FinishReason, SamplingParams
+from minisgl.core import FinishReason, SamplingParams, TokenLogprobs
 from minisgl.message.utils import (Message, SerializationError, dumps, loads, register_wire_type,
                                    registered_types)
 
 __all__ = [
     "AbortRequest", "BackendMessage", "DetokenizeRequest", "DetokenizerMessage",
-    "FrontendMessage", "Message", "RequestError", "SerializationError", "TokenUsage",
-    "TokenizeRequest", "TokenizerMessage", "UserReply", "UserRequest", "dumps", "loads",
+    "FrontendMessage", "Message", "RequestError", "SerializationError", "TextLogprobs",
+    "TokenUsage", "TokenizeRequest", "TokenizerMessage", "UserReply", "UserRequest", "dumps", "loads",
     "register_wire_type", "registered_types", "server_error",
 ]
 
@@ -177,6 +177,7 @@ class DetokenizeRequest(DetokenizerMessage):
             detokenizer applies them; the scheduler works on tokens).
         prompt_tokens: the prompt's length, on its first token only, for the
             usage of a request that a stop string ends (the scheduler's usage never comes).
+        logprobs: the token's logprobs, when the request asked for them (chapter 21).
     """
 
     uid: int
@@ -187,11 +188,23 @@ class DetokenizeRequest(DetokenizerMessage):
     # every later token costs exactly what it did.
     stop: tuple[str, ...] = ()
     prompt_tokens: int = 0
+    logprobs: TokenLogprobs | None = None
 
     @property
     def finished(self) -> bool:
         """Whether this is the request's last token."""
         return self.finish_reason is not None
+
+
+@register_wire_type
+@dataclass(frozen=True)
+class TextLogprobs:
+    """A generated token as text, its logprob, and the most likely tokens in its place (text
+    and logprob, most likely first): what OpenAI's ``logprobs`` show (chapter 21)."""
+
+    token: str
+    logprob: float
+    top: tuple[tuple[str, float], ...] = ()
 
 
 @dataclass(frozen=True)
@@ -208,6 +221,8 @@ class UserReply(FrontendMessage):
         usage: the request's token counts, on the last reply only.
         error: why the request failed, on the last reply of a request that ended
             in an error (``finish_reason`` is then ``"error"``).
+        logprobs: the reply's token with its logprobs, as text, when the request asked for
+            them (chapter 21).
     """
 
     uid: int
@@ -215,6 +230,7 @@ class UserReply(FrontendMessage):
     finish_reason: FinishReason | Literal["error"] | None = None
     usage: TokenUsage | None = None
     error: RequestError | None = None
+    logprobs: TextLogprobs | None = None
 
     @property
     def finished(self) -> bool:

@@ -19,7 +19,7 @@ from typing import Any, TypeVar
 
 import msgpack
 
-from minisgl.core import SamplingParams
+from minisgl.core import SamplingParams, TokenLogprobs
 
 TYPE_KEY = "__type__"  # the reserved map key that holds a type tag
 TUPLE_TAG = "tuple"  # the tag of a tuple; no class may be registered under this name
@@ -173,3 +173,4 @@ class Message:
 
 
 register_wire_type(SamplingParams)
+register_wire_type(TokenLogprobs)  # chapter 21

@@ -151,7 +151,9 @@ class SchedulerIO:
         return DetokenizeRequest(req.uid, req.output_ids[-1], finish_reason=req.finish_reason,
                                  usage=TokenUsage(num_prompt, num_output) if last else None,
                                  stop=req.params.stop if first else (),
-                                 prompt_tokens=num_prompt if first else 0)
+                                 prompt_tokens=num_prompt if first else 0,
+                                 logprobs=req.output_logprobs[-1] if req.output_logprobs
+                                 else None)  # chapter 21
 
     def _fail(self, uids: list[int], exc: Exception) -> list[DetokenizerMessage]:
         """A step raised: end every request that was live before it with an error.

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from minisgl.message import (AbortRequest, DetokenizeRequest, DetokenizerMessage, RequestError,
-                             TokenUsage, UserReply, server_error)
+                             TextLogprobs, TokenUsage, UserReply, server_error)
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
@@ -165,15 +165,23 @@ class DetokenizeManager:
         if message.finished:
             text += state.stream.flush()
         text, reached_stop = state.stop.feed(text)
+        logprobs = self._as_text(message)  # chapter 21
         if reached_stop:
             state.stopped = True  # a tombstone, unless deleted above
             state.stream = DecodeStream(self.decode)  # its tokens are not needed any more
             return UserReply(message.uid, text, "stop",
-                             TokenUsage(state.prompt_tokens, state.num_tokens))
+                             TokenUsage(state.prompt_tokens, state.num_tokens), logprobs=logprobs)
         if message.finished:
             return UserReply(message.uid, text + state.stop.flush(), message.finish_reason,
-                             message.usage)
-        return UserReply(message.uid, text)
+                             message.usage, logprobs=logprobs)
+        return UserReply(message.uid, text, logprobs=logprobs)
+
+    def _as_text(self, message: DetokenizeRequest) -> TextLogprobs | None:
+        """The token's logprobs with each token id decoded on its own (as vLLM shows them)."""
+        if message.logprobs is None:
+            return None
+        top = tuple((self.decode([t]), logprob) for t, logprob in message.logprobs.top)
+        return TextLogprobs(self.decode([message.next_token]), message.logprobs.logprob, top)
 
     def abort(self, uid: int, error: RequestError | None = None) -> UserReply | None:
         """Forget request ``uid``: the scheduler dropped it, and will send nothing more.
