@@ -113,13 +113,10 @@ def test_neutral_values_of_unsupported_fields_are_accepted(client: TestClient, f
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "logprobs", True),
-    ("/v1/chat/completions", "top_logprobs", 3),
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "n", 2),
-    ("/v1/completions", "logprobs", 2),
     ("/v1/completions", "echo", True),
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "suffix", "end"),

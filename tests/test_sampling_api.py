@@ -254,3 +254,54 @@ def test_logprobs_travel_to_the_api_server_as_text(shakespeare_model_dir: Path) 
         assert reply.logprobs.logprob == message.logprobs.logprob
         assert [t for t, _ in reply.logprobs.top] == [tokenizer.decode([t])
                                                       for t, _ in message.logprobs.top]
+
+
+@pytest.fixture(scope="module")
+def server(shakespeare_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
+    from server_process import ServerProcess  # tools/, see conftest.py
+
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with ServerProcess(shakespeare_model_dir, device="cpu", log_path=log,
+                       args=("--served-model-name", "m")) as running:
+        yield running
+
+
+def test_the_openai_client_gets_logprobs_equal_to_transformers(server: Any, hf: Any) -> None:
+    """Chat and completions, whole and streamed, through the openai client: each token's
+    logprob is transformers' log-softmax at its place, and the streamed ones equal the
+    whole ones."""
+    openai = pytest.importorskip("openai")
+    model, tokenizer = hf
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    whole = client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=8,
+                                      temperature=0, logprobs=2)
+    lp = whole.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 8
+    assert "".join(lp.tokens) == whole.choices[0].text
+    assert lp.text_offset == [sum(len(t) for t in lp.tokens[:i]) for i in range(8)]
+    ids = tokenizer.encode(PROMPTS[2])
+    out = tokenizer.encode(whole.choices[0].text)
+    with torch.no_grad():
+        logits = model(torch.tensor([ids + out])).logits[0].float()
+    reference = torch.log_softmax(logits, dim=-1)[len(ids) - 1:-1]
+    assert len(out) == 8, "the text must re-encode to the tokens generated"
+    for step, token in enumerate(out):
+        assert abs(lp.token_logprobs[step] - float(reference[step, token])) < 1e-3
+        assert max(lp.top_logprobs[step].values()) == pytest.approx(
+            float(reference[step].max()), abs=1e-3)
+    streamed = list(client.completions.create(model="m", prompt=PROMPTS[2], max_tokens=8,
+                                              temperature=0, logprobs=2, stream=True))
+    assert [t for c in streamed if c.choices and c.choices[0].logprobs
+            for t in c.choices[0].logprobs.token_logprobs] == lp.token_logprobs
+    chat = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Speak"}], max_tokens=6,
+        temperature=0, logprobs=True, top_logprobs=3)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == 6 and all(len(entry.top_logprobs) == 3 for entry in content)
+    assert all(entry.top_logprobs[0].logprob >= entry.logprob - 1e-6 for entry in content)
+    assert all(bytes(entry.bytes).decode() == entry.token for entry in content)
+    plain = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Speak"}], max_tokens=6,
+        temperature=0)
+    assert plain.choices[0].logprobs is None
+    assert plain.choices[0].message.content == chat.choices[0].message.content

@@ -31,7 +31,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.requests import ClientDisconnect
 
 from minisgl.core import SamplingParams
-from minisgl.message import UserReply
+from minisgl.message import TextLogprobs, UserReply
 from minisgl.server.access_log import AccessLog, AccessRecord
 from minisgl.server.frontend import RequestRouter
 from minisgl.server.lifecycle import ClientDisconnected, wait_or_disconnect
@@ -127,7 +127,7 @@ async def answer(request: Request, body: ChatCompletionRequest | CompletionReque
         merged = merge_replies(streams, record)
         return SSEResponse(stream_completion(merged, meta, len(uids), body.include_usage, chat))
     answers = await whole_answers(request, frontend, uids, prompt_param)
-    for _, last in answers:
+    for _, last, _ in answers:
         record.add(last)
     return completion_body(meta, answers, chat)
 
@@ -150,8 +150,9 @@ async def submit_prompts(frontend: RequestRouter, prompts: Sequence[str | list[i
 
 # =========================================================================== replies
 async def whole_answers(request: Request, frontend: RequestRouter, uids: Sequence[int],
-                        prompt_param: str) -> list[tuple[str, UserReply]]:
-    """Requests ``uids``' whole texts and last replies, for a response that is not streamed.
+                        prompt_param: str) -> list[tuple[str, UserReply, list[TextLogprobs]]]:
+    """Requests ``uids``' whole texts, last replies and logprobs, for a response that is not
+    streamed.
 
     Nothing is sent to the client until the answers are complete, so a client that
     disconnects is not noticed by a failed write: a watcher waits for the disconnect at the
@@ -159,11 +160,11 @@ async def whole_answers(request: Request, frontend: RequestRouter, uids: Sequenc
     :meth:`RequestRouter.replies` aborts the requests. The first request that failed answers
     for all, with its error's status and an OpenAI error body.
     """
-    async def collect_all() -> list[tuple[str, UserReply]]:
+    async def collect_all() -> list[tuple[str, UserReply, list[TextLogprobs]]]:
         return await asyncio.gather(*(frontend.collect(uid) for uid in uids))
 
     answers = await wait_or_disconnect(collect_all(), request)
-    for _, last in answers:
+    for _, last, _ in answers:
         if last.error is not None:
             raise APIError.of(last.error, prompt_param)
     return answers

@@ -26,6 +26,7 @@ from minisgl.message import (
     FrontendMessage,
     RequestError,
     SerializationError,
+    TextLogprobs,
     TokenizeRequest,
     TokenizerMessage,
     UserReply,
@@ -252,17 +253,21 @@ class RequestRouter:
         finally:
             self.abort(uid)  # nothing to do if the last reply was taken
 
-    async def collect(self, uid: int) -> tuple[str, UserReply]:
-        """Wait for the whole of request ``uid``: its text and its last reply (which carries
-        the error, if the request failed)."""
+    async def collect(self, uid: int) -> tuple[str, UserReply, list[TextLogprobs]]:
+        """Wait for the whole of request ``uid``: its text, its last reply (which carries
+        the error, if the request failed) and its tokens' logprobs (chapter 21; none unless
+        it asked)."""
         parts: list[str] = []
+        logprobs: list[TextLogprobs] = []
         last: UserReply | None = None
         async with aclosing(self.replies(uid)) as replies:
             async for reply in replies:
                 parts.append(reply.delta)
+                if reply.logprobs is not None:
+                    logprobs.append(reply.logprobs)
                 last = reply
         assert last is not None and last.finished, f"request {uid} ended without a last reply"
-        return "".join(parts), last
+        return "".join(parts), last, logprobs
 
     # ----------------------------------------------------------------- ending requests
     def fail(self, uid: int, error: RequestError, *, abort: bool = True) -> None:

@@ -21,7 +21,7 @@ from typing import Annotated, Any, Literal
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
-from minisgl.core import SamplingParams
+from minisgl.core import MAX_TOP_LOGPROBS, SamplingParams
 from minisgl.message import RequestError
 
 # OpenAI's documented default for /v1/completions. A chat request without a limit may in
@@ -31,6 +31,7 @@ DEFAULT_COMPLETION_MAX_TOKENS = 16
 DEFAULT_CHAT_MAX_TOKENS = 1024
 # OpenAI's default temperature: a request that does not ask for greedy decoding samples.
 DEFAULT_TEMPERATURE = 1.0
+MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a completion's logprobs
 
 
 # =========================================================================== errors
@@ -248,6 +249,10 @@ class _GenerationBody(BaseModel):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
+    def logprobs_asked(self) -> int | None:
+        """How many top logprobs each token should come with; None: no logprobs."""
+        return None
+
     def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
         """The engine's :class:`SamplingParams`; a value it rejects becomes HTTP 400."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -268,6 +273,7 @@ class _GenerationBody(BaseModel):
             else self.repetition_penalty,
             "frequency_penalty": self.frequency_penalty or 0.0,
             "presence_penalty": self.presence_penalty or 0.0,
+            "logprobs": self.logprobs_asked(),
         }
         try:
             return SamplingParams(**values)
@@ -289,14 +295,22 @@ class ChatCompletionRequest(_GenerationBody):
 
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = _documented(minimum=1)  # OpenAI's newer max_tokens
-    logprobs: bool | None = _neutral(None, False, shown="false")
-    top_logprobs: Int64 | None = _neutral(None, 0, shown="0")
+    logprobs: bool | None = None  # chapter 21
+    top_logprobs: Int64 | None = _documented(minimum=0, maximum=MAX_TOP_LOGPROBS)
     tools: list[Any] | None = _neutral(None, [], shown="[]")
     tool_choice: str | dict[str, Any] | None = _neutral(
         None, "none", "auto", shown='"none" or "auto" (there are no tools)')
     parallel_tool_calls: bool | None = None  # either way: there are no tools to call
     response_format: dict[str, Any] | None = _neutral(None, {"type": "text"},
                                                       shown='{"type": "text"}')
+
+    def logprobs_asked(self) -> int | None:
+        if self.top_logprobs and not self.logprobs:  # 0 asks for nothing: let it pass
+            raise APIError(400, "top_logprobs needs logprobs: true", "top_logprobs")
+        if not 0 <= (self.top_logprobs or 0) <= MAX_TOP_LOGPROBS:
+            raise APIError(400, f"top_logprobs must be an integer in [0, {MAX_TOP_LOGPROBS}], "
+                                f"got {self.top_logprobs}", "top_logprobs")
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 # A prompt: text, token ids, or (OpenAI's batch form) a list of either, one choice each.
@@ -321,11 +335,17 @@ class CompletionRequest(_GenerationBody):
 
     prompt: str | list[TokenId] | list[str] | list[list[TokenId]] = Field(
         json_schema_extra=prompt_schema())
-    # The number of top tokens, or null: not a switch, as in a chat request.
-    logprobs: Int64 | None = _neutral(None, shown="null")
+    # The number of top tokens, or null: not a switch, as in a chat request (chapter 21).
+    logprobs: Int64 | None = _documented(minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
     best_of: Int64 | None = _neutral(None, 1, shown="1")
     echo: bool = _neutral(False, shown="false")
     suffix: str | None = _neutral(None, "", shown='null or ""')
+
+    def logprobs_asked(self) -> int | None:
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:
+            raise APIError(400, f"logprobs must be null or an integer in [0, "
+                                f"{MAX_COMPLETION_LOGPROBS}], got {self.logprobs}", "logprobs")
+        return self.logprobs
 
     def prompts(self) -> list[Prompt]:
         """The prompts, one per choice; each must be non-empty (HTTP 400 otherwise)."""

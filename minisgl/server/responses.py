@@ -11,13 +11,14 @@ Chapter 15 tells the story; chapter 16 adds OpenAI's error object and the error 
 
 from __future__ import annotations
 
+import itertools
 import json
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from minisgl.message import TokenUsage, UserReply
+from minisgl.message import TextLogprobs, TokenUsage, UserReply
 from minisgl.server.protocol import APIError
 
 
@@ -40,9 +41,31 @@ def usage_dict(usage: TokenUsage | None) -> dict[str, int] | None:
     return None if usage is None else {**asdict(usage), "total_tokens": usage.total_tokens}
 
 
-def choice(index: int, finish_reason: str | None, **content: Any) -> dict[str, Any]:
+def choice(index: int, finish_reason: str | None, logprobs: dict[str, Any] | None = None,
+           **content: Any) -> dict[str, Any]:
     """One of ``choices``: its ``content`` (a ``message``, a ``delta`` or a ``text``)."""
-    return {"index": index, **content, "logprobs": None, "finish_reason": finish_reason}
+    return {"index": index, **content, "logprobs": logprobs, "finish_reason": finish_reason}
+
+
+def logprobs_object(entries: Sequence[TextLogprobs], chat: bool, offset: int = 0
+                    ) -> dict[str, Any] | None:
+    """OpenAI's ``logprobs`` of a choice's tokens (chapter 21): a chat completion's
+    ``content`` entries, or a completion's parallel lists, whose ``text_offset`` counts from
+    ``offset`` (the length of the choice's text before these tokens)."""
+    if not entries:
+        return None
+    if chat:
+        return {"content": [{**_token(e.token, e.logprob),
+                             "top_logprobs": [_token(t, v) for t, v in e.top]}
+                            for e in entries]}
+    offsets = list(itertools.accumulate((len(e.token) for e in entries[:-1]), initial=offset))
+    return {"tokens": [e.token for e in entries],
+            "token_logprobs": [e.logprob for e in entries],
+            "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+
+
+def _token(token: str, logprob: float) -> dict[str, Any]:
+    return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
 def total_usage(usages: Sequence[TokenUsage | None]) -> TokenUsage | None:
@@ -53,16 +76,17 @@ def total_usage(usages: Sequence[TokenUsage | None]) -> TokenUsage | None:
                       sum(u.completion_tokens for u in usages))  # type: ignore[union-attr]
 
 
-def completion_body(meta: ResponseMeta, answers: Sequence[tuple[str, UserReply]],
+def completion_body(meta: ResponseMeta,
+                    answers: Sequence[tuple[str, UserReply, Sequence[TextLogprobs]]],
                     chat: bool = False) -> dict[str, Any]:
     """A whole (non-streamed) completion: a choice per prompt, in the prompts' order (a chat
     completion has one, whose text is the assistant's ``message``)."""
-    choices = [choice(i, last.finish_reason,
+    choices = [choice(i, last.finish_reason, logprobs_object(logprobs, chat),
                       **({"message": {"role": "assistant", "content": text}} if chat
                          else {"text": text}))
-               for i, (text, last) in enumerate(answers)]
+               for i, (text, last, logprobs) in enumerate(answers)]
     return meta.body("chat.completion" if chat else "text_completion", choices,
-                     usage=usage_dict(total_usage([last.usage for _, last in answers])))
+                     usage=usage_dict(total_usage([last.usage for _, last, _ in answers])))
 
 
 SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
@@ -78,9 +102,11 @@ def sse_event(payload: Mapping[str, Any]) -> bytes:
 
 
 def chunk(meta: ResponseMeta, kind: str, extra: Mapping[str, Any], index: int = 0,
-          finish_reason: str | None = None, **content: Any) -> bytes:
+          finish_reason: str | None = None, logprobs: dict[str, Any] | None = None,
+          **content: Any) -> bytes:
     """One streamed piece of choice ``index`` as an SSE event, with ``extra`` fields."""
-    return sse_event(meta.body(kind, [choice(index, finish_reason, **content)], **extra))
+    return sse_event(meta.body(kind, [choice(index, finish_reason, logprobs, **content)],
+                               **extra))
 
 
 async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta: ResponseMeta,
@@ -99,16 +125,21 @@ async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta:
     extra = {"usage": None} if include_usage else {}  # OpenAI: null on all but the last
     usages: list[TokenUsage | None] = []
 
-    def piece(index: int, text: str, finish_reason: str | None = None) -> bytes:
+    sent = [0] * num_choices  # characters of text sent per choice, for text_offset
+
+    def piece(index: int, text: str, finish_reason: str | None = None,
+              logprobs: TextLogprobs | None = None) -> bytes:
         content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
-        return chunk(meta, kind, extra, index, finish_reason, **content)
+        listed = logprobs_object([logprobs] if logprobs else [], chat, sent[index])
+        sent[index] += len(text)
+        return chunk(meta, kind, extra, index, finish_reason, listed, **content)
 
     async with aclosing(replies):
         if chat:
             yield chunk(meta, kind, extra, delta={"role": "assistant", "content": ""})
         async for index, reply in replies:
-            if reply.delta:  # empty while a multi-byte character is incomplete
-                yield piece(index, reply.delta)
+            if reply.delta or reply.logprobs:  # no text while a character is incomplete
+                yield piece(index, reply.delta, logprobs=reply.logprobs)
             if reply.error is not None:
                 yield sse_event(APIError.of(reply.error, "messages" if chat else "prompt").body())
                 break
