@@ -305,3 +305,15 @@ def test_the_openai_client_gets_logprobs_equal_to_transformers(server: Any, hf: 
         temperature=0)
     assert plain.choices[0].logprobs is None
     assert plain.choices[0].message.content == chat.choices[0].message.content
+
+
+def test_the_cost_benchmark_times_every_configuration(tiny_model_dir: Path) -> None:
+    from conftest import load_repo_script
+
+    bench = load_repo_script("benchmark/sampler_cost.py")
+    rows = bench.main(["--model", str(tiny_model_dir), "--device", "cpu", "--batch-sizes",
+                       "1,3", "--max-tokens", "3", "--repeats", "1"])
+    assert [(r["config"], r["batch_size"]) for r in rows] == [
+        (name, b) for b in (1, 3) for name in bench.CONFIGS]
+    assert all(r["ms_per_step"] > 0 for r in rows)
+    assert [r["over_greedy_ms"] for r in rows if r["config"] == "greedy"] == [0.0, 0.0]
