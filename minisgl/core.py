@@ -74,6 +74,9 @@ class SamplingParams:
         logprobs: None, or return each sampled token's log-probability and those of the
             ``logprobs`` most likely tokens in its place (0 to 20), raw: before the five
             adjustments above, temperature and the filters.
+        prompt_logprobs: None, or the same for every prompt token but the first (each given
+            the tokens before it); a request that asks computes its whole prompt, without the
+            prefix cache.
 
     The five before ``logprobs`` adjust the logits before temperature and the filters, in that order
     (chapter 21); greedy requests take the argmax of the adjusted logits.
@@ -94,6 +97,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     logprobs: int | None = None
+    prompt_logprobs: int | None = None
     # Whether the next token is always the argmax: temperature 0 by definition, and top_k 1 at
     # any temperature (only the most likely token survives the filter). Derived, not given.
     is_greedy: bool = field(init=False, repr=False, compare=False)
@@ -179,10 +183,12 @@ class SamplingParams:
         _check_real("repetition_penalty", self.repetition_penalty)
         if not (math.isfinite(self.repetition_penalty) and self.repetition_penalty > 0):
             _invalid("repetition_penalty", self.repetition_penalty, "a number > 0 (1 is off)")
-        if self.logprobs is not None:
-            check_int("logprobs", self.logprobs, error=TypeError)
-            if not 0 <= self.logprobs <= MAX_TOP_LOGPROBS:
-                _invalid("logprobs", self.logprobs, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None:
+                check_int(name, value, error=TypeError)
+                if not 0 <= value <= MAX_TOP_LOGPROBS:
+                    _invalid(name, value, f"None or an integer in [0, {MAX_TOP_LOGPROBS}]")
         for name in ("frequency_penalty", "presence_penalty"):
             _check_real(name, getattr(self, name))
             if not -2.0 <= getattr(self, name) <= 2.0:
@@ -243,6 +249,8 @@ class Req:
             (``max_tokens`` reached) once finished.
         in_flight: tokens sampled on the device that the host has not read yet.
         output_logprobs: with ``params.logprobs`` set, one entry per token of ``output_ids``.
+        prompt_logprobs: with ``params.prompt_logprobs`` set, one entry per prompt token from
+            the second on, filled as the prompt's chunks are computed.
     """
 
     uid: int
@@ -255,6 +263,7 @@ class Req:
     finish_reason: FinishReason | None = None
     in_flight: int = 0
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # chapter 21
+    prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # chapter 21
 
     def __post_init__(self) -> None:
         # Accept any sequence of ids, or a 1-D tensor; store a plain list of ints.

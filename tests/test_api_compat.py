@@ -117,7 +117,6 @@ def test_neutral_values_of_unsupported_fields_are_accepted(client: TestClient, f
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/chat/completions", "n", 2),
-    ("/v1/completions", "echo", True),
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "suffix", "end"),
 ])
@@ -279,7 +278,7 @@ def test_the_schema_documents_400s_and_the_limits(client: TestClient) -> None:
     assert (fields["top_p"]["exclusiveMinimum"], fields["top_p"]["maximum"]) == (0, 1)
     text, ids = fields["prompt"]["anyOf"][:2]
     assert text["minLength"] == 1 and ids["items"]["maximum"] == 2047
-    assert fields["n"]["enum"] == [1] and fields["echo"]["enum"] == [False]
+    assert fields["n"]["enum"] == [1] and fields["best_of"]["enum"] == [None, 1]
 
 
 # =========================================================================== the context rule

@@ -10,9 +10,11 @@ cached prompt is still penalized). Repository-level until chapter 21 is written.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch
 
@@ -317,3 +319,71 @@ def test_the_cost_benchmark_times_every_configuration(tiny_model_dir: Path) -> N
         (name, b) for b in (1, 3) for name in bench.CONFIGS]
     assert all(r["ms_per_step"] > 0 for r in rows)
     assert [r["over_greedy_ms"] for r in rows if r["config"] == "greedy"] == [0.0, 0.0]
+
+
+@pytest.mark.parametrize("chunk", [None, 5])
+def test_prompt_logprobs_are_transformers_log_softmax_through_chunks_and_the_cache(
+        shakespeare_model_dir: Path, hf: Any, chunk: int | None) -> None:
+    """Every prompt token but the first, given the ones before it; the same through chunked
+    prefill and for a prompt the radix cache holds (it is computed again, not reused)."""
+    from minisgl.core import Req
+    from minisgl.scheduler.config import SchedulerConfig
+    from minisgl.scheduler.scheduler import Scheduler
+
+    model, tokenizer = hf
+    options = {} if chunk is None else {"chunked_prefill": True, "max_prefill_tokens": chunk}
+    scheduler = Scheduler(SchedulerConfig(shakespeare_model_dir, device="cpu", dtype="float32",
+                                          prefix_cache="radix", **options))
+    prompt = tokenizer.encode(PROMPTS[2] + " and the rest")
+    runs = []
+    for uid in range(3):  # the first fills the cache; the others would hit it
+        asks = uid != 1
+        req = Req(uid, prompt, SamplingParams(max_tokens=2, prompt_logprobs=2 if asks else None))
+        scheduler.add(req)
+        while scheduler.has_work:
+            scheduler.step()
+        runs.append(req)
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([prompt])).logits[0].float(), dim=-1)
+    for req in (runs[0], runs[2]):
+        assert len(req.prompt_logprobs) == len(prompt) - 1
+        for position, got in enumerate(req.prompt_logprobs, start=1):
+            expected = reference[position - 1]
+            assert abs(got.logprob - float(expected[prompt[position]])) < 1e-4, position
+            assert [t for t, _ in got.top] == expected.topk(2).indices.tolist()
+    assert runs[1].prompt_logprobs == []
+
+
+def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_asks(server: Any, hf: Any) -> None:
+    """lm-eval's loglikelihood request (token ids, max_tokens 1, logprobs 1, echo): the
+    prompt comes back before the completion, its first token's logprob null, the others
+    transformers' log-softmax; without logprobs only the text is echoed; streamed alike."""
+    model, tokenizer = hf
+    ids = tokenizer.encode(PROMPTS[2])
+    body = {"model": "m", "prompt": ids, "max_tokens": 1, "temperature": 0, "logprobs": 1,
+            "echo": True, "seed": 1234}
+    answer = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+    choice = answer["choices"][0]
+    lp = choice["logprobs"]
+    assert len(lp["tokens"]) == len(ids) + 1 and lp["token_logprobs"][0] is None
+    assert lp["top_logprobs"][0] is None and len(lp["top_logprobs"][1]) == 1
+    prompt_text = tokenizer.decode(ids)
+    assert choice["text"].startswith(prompt_text) and len(choice["text"]) > len(prompt_text)
+    assert lp["text_offset"][:2] == [0, len(lp["tokens"][0])]
+    with torch.no_grad():
+        reference = torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+    for position in range(1, len(ids)):
+        expected = float(reference[position - 1, ids[position]])
+        assert abs(lp["token_logprobs"][position] - expected) < 1e-3, position
+    assert abs(lp["token_logprobs"][-1] - float(reference[-1].max())) < 1e-3  # greedy
+    plain = httpx.post(f"{server.url}/v1/completions", json={**body, "logprobs": None},
+                       timeout=60).json()["choices"][0]
+    assert plain["logprobs"] is None and plain["text"] == choice["text"]
+    with httpx.stream("POST", f"{server.url}/v1/completions", json={**body, "stream": True},
+                      timeout=60) as response:
+        events = [json.loads(line[6:]) for line in response.iter_lines()
+                  if line.startswith("data: {")]
+    streamed = [e["choices"][0] for e in events if e["choices"]]
+    assert "".join(c["text"] for c in streamed) == choice["text"]
+    assert [v for c in streamed if c["logprobs"] for v in c["logprobs"]["token_logprobs"]] \
+        == lp["token_logprobs"]

@@ -26,7 +26,7 @@ from minisgl.engine.config import EngineConfig
 from minisgl.engine.graph import (GraphInputs, GraphRunner, capture_batch_sizes,
                                   cuda_graph_disabled_reason)
 from minisgl.engine.adjustments import adjust_logits
-from minisgl.engine.logprobs import batch_logprobs
+from minisgl.engine.logprobs import PromptRows, batch_logprobs
 from minisgl.engine.sample import make_generator, sample_batch
 from minisgl.engine.token_pool import TokenPool
 from minisgl.kvcache import MHAKVPool, RequestPages
@@ -36,7 +36,7 @@ from minisgl.layers.base import local_kv_heads
 from minisgl.models import load_model
 from minisgl.models.config import ModelConfig
 from minisgl.utils.logger import get_logger
-from minisgl.utils.torch_utils import resolve_device, resolve_dtype
+from minisgl.utils.torch_utils import host_to_device, resolve_device, resolve_dtype
 
 logger = get_logger(__name__)
 
@@ -237,17 +237,23 @@ class Engine:
             ``return_logprobs``, also the logprobs its requests asked for
             (:func:`~minisgl.engine.logprobs.batch_logprobs`, chapter 21).
         """
-        logits = self.logits(batch, use_graph)
-        tokens = self.sample(batch, logits)
-        return (tokens, batch_logprobs(logits, tokens, batch)) if return_logprobs else tokens
+        prompt = PromptRows.of(batch) if return_logprobs else None  # chapter 21
+        logits = self.logits(batch, use_graph, None if prompt is None else prompt.rows)
+        prompt_logits = logits[batch.size:]
+        tokens = self.sample(batch, logits[:batch.size])
+        if not return_logprobs:
+            return tokens
+        return tokens, batch_logprobs(logits[:batch.size], tokens, batch, prompt, prompt_logits)
 
     @torch.no_grad()
-    def logits(self, batch: Batch, use_graph: bool = True) -> torch.Tensor:
+    def logits(self, batch: Batch, use_graph: bool = True,
+               extra_rows: list[int] | None = None) -> torch.Tensor:
         """The ``[B, vocab]`` float32 logits of each request's last new token.
 
         The input ids come from the token pool. A decode batch that a captured CUDA graph can
         serve is replayed (unless ``use_graph`` is False); any other batch runs eagerly: the
-        backend plans it, and the model scores only the rows ``last_indices`` points at.
+        backend plans it, and the model scores only the rows ``last_indices`` points at, then
+        ``extra_rows`` of the packed tokens (chapter 21: a prompt's logprobs), after them.
         """
         for req in batch.reqs:  # that its pages cover every position is checked with the slots
             if req.table_row is None:
@@ -257,8 +263,12 @@ class Engine:
         if use_graph and (bs := self.graph_runner.size_for(batch)) is not None:
             return self.replay(batch, input_ids, bs=bs)
         meta = self.attn_backend.prepare(batch)
+        rows = meta.last_indices
+        if extra_rows:
+            extra = torch.tensor(extra_rows, dtype=rows.dtype)
+            rows = torch.cat([rows, host_to_device(extra, rows.device)])
         with use_attention_backend(self.attn_backend):
-            return self.model.forward(input_ids, meta.positions, meta.last_indices)
+            return self.model.forward(input_ids, meta.positions, rows)
 
     def replay(self, batch: Batch, input_ids: torch.Tensor, launched: bool = False,
                bs: int | None = None) -> torch.Tensor:

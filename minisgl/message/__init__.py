@@ -178,6 +178,9 @@ class DetokenizeRequest(DetokenizerMessage):
         prompt_tokens: the prompt's length, on its first token only, for the
             usage of a request that a stop string ends (the scheduler's usage never comes).
         logprobs: the token's logprobs, when the request asked for them (chapter 21).
+        prompt_ids, prompt_logprobs: on the first token of a request that asked for its
+            prompt's logprobs (chapter 21), the prompt and the logprobs of its tokens but the
+            first.
     """
 
     uid: int
@@ -189,6 +192,8 @@ class DetokenizeRequest(DetokenizerMessage):
     stop: tuple[str, ...] = ()
     prompt_tokens: int = 0
     logprobs: TokenLogprobs | None = None
+    prompt_ids: tuple[int, ...] = ()
+    prompt_logprobs: tuple[TokenLogprobs, ...] = ()
 
     @property
     def finished(self) -> bool:
@@ -203,7 +208,7 @@ class TextLogprobs:
     and logprob, most likely first): what OpenAI's ``logprobs`` show (chapter 21)."""
 
     token: str
-    logprob: float
+    logprob: float | None  # None: a prompt's first token, which nothing predicts
     top: tuple[tuple[str, float], ...] = ()
 
 
@@ -223,6 +228,9 @@ class UserReply(FrontendMessage):
             in an error (``finish_reason`` is then ``"error"``).
         logprobs: the reply's token with its logprobs, as text, when the request asked for
             them (chapter 21).
+        prompt_text, prompt_logprobs: on the first reply of a request that asked for its
+            prompt's logprobs, the prompt as text, and each of its tokens with its logprobs
+            (none for the first).
     """
 
     uid: int
@@ -231,6 +239,8 @@ class UserReply(FrontendMessage):
     usage: TokenUsage | None = None
     error: RequestError | None = None
     logprobs: TextLogprobs | None = None
+    prompt_text: str = ""
+    prompt_logprobs: tuple[TextLogprobs, ...] = ()
 
     @property
     def finished(self) -> bool:

@@ -66,6 +66,8 @@ class CacheManager:
         The prompt's last token is left out of the match: a prefill must compute at least one
         token, the one whose logits give the request its first output token.
         """
+        if req.params.prompt_logprobs is not None:  # chapter 21: it needs every position's
+            return self.prefix_cache.match_prefix([])  # logits, so it computes them all
         return self.prefix_cache.match_prefix(req.prompt_ids[:-1])
 
     def admit(self, req: Req, match: PrefixMatch) -> None:

@@ -153,7 +153,10 @@ class SchedulerIO:
                                  stop=req.params.stop if first else (),
                                  prompt_tokens=num_prompt if first else 0,
                                  logprobs=req.output_logprobs[-1] if req.output_logprobs
-                                 else None)  # chapter 21
+                                 else None,  # chapter 21
+                                 **({"prompt_ids": tuple(req.prompt_ids),
+                                     "prompt_logprobs": tuple(req.prompt_logprobs)}
+                                    if first and req.params.prompt_logprobs is not None else {}))
 
     def _fail(self, uids: list[int], exc: Exception) -> list[DetokenizerMessage]:
         """A step raised: end every request that was live before it with an error.

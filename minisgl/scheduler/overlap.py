@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Batch
+from minisgl.engine.logprobs import StepLogprobs
 
 
 @dataclass
@@ -31,7 +32,7 @@ class InFlight:
     batch: Batch
     host_tokens: torch.Tensor
     ready: torch.cuda.Event | None
-    logprobs: torch.Tensor | None = None
+    logprobs: StepLogprobs | None = None
 
 
 class HostTokens:

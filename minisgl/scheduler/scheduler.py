@@ -282,7 +282,9 @@ class Scheduler:
         if flight.ready is not None:  # the host's one wait; bounded: a dead peer's collective
             flight.ready.synchronize()  # is aborted (chapter 17)
         read: list[Req] = []
-        logprobs = unpack_logprobs(flight.logprobs, flight.batch)  # chapter 21
+        logprobs, prompt_logprobs = unpack_logprobs(flight.logprobs, flight.batch)  # ch. 21
+        for i, entries in prompt_logprobs.items():  # every chunk's, whether cut or not
+            flight.batch.reqs[i].prompt_logprobs.extend(entries)
         for i, (req, complete, token) in enumerate(zip(
                 flight.batch.reqs, flight.batch.completes, flight.host_tokens.tolist(),
                 strict=True)):

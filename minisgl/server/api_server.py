@@ -125,11 +125,12 @@ async def answer(request: Request, body: ChatCompletionRequest | CompletionReque
     if body.stream:
         streams = await first_replies_then_rest(request, frontend, uids, prompt_param)
         merged = merge_replies(streams, record)
-        return SSEResponse(stream_completion(merged, meta, len(uids), body.include_usage, chat))
+        return SSEResponse(stream_completion(merged, meta, len(uids), body.include_usage, chat,
+                                             logprobs=body.logprobs_asked() is not None))
     answers = await whole_answers(request, frontend, uids, prompt_param)
     for _, last, _ in answers:
         record.add(last)
-    return completion_body(meta, answers, chat)
+    return completion_body(meta, answers, chat, logprobs=body.logprobs_asked() is not None)
 
 
 async def submit_prompts(frontend: RequestRouter, prompts: Sequence[str | list[int]],

@@ -262,7 +262,8 @@ class RequestRouter:
         last: UserReply | None = None
         async with aclosing(self.replies(uid)) as replies:
             async for reply in replies:
-                parts.append(reply.delta)
+                parts.append(reply.prompt_text + reply.delta)  # the prompt: echo only
+                logprobs += reply.prompt_logprobs
                 if reply.logprobs is not None:
                     logprobs.append(reply.logprobs)
                 last = reply

@@ -253,6 +253,10 @@ class _GenerationBody(BaseModel):
         """How many top logprobs each token should come with; None: no logprobs."""
         return None
 
+    def prompt_logprobs_asked(self) -> int | None:
+        """The same for the prompt's tokens, which only ``echo`` returns."""
+        return None
+
     def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
         """The engine's :class:`SamplingParams`; a value it rejects becomes HTTP 400."""
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
@@ -274,6 +278,7 @@ class _GenerationBody(BaseModel):
             "frequency_penalty": self.frequency_penalty or 0.0,
             "presence_penalty": self.presence_penalty or 0.0,
             "logprobs": self.logprobs_asked(),
+            "prompt_logprobs": self.prompt_logprobs_asked(),
         }
         try:
             return SamplingParams(**values)
@@ -338,7 +343,7 @@ class CompletionRequest(_GenerationBody):
     # The number of top tokens, or null: not a switch, as in a chat request (chapter 21).
     logprobs: Int64 | None = _documented(minimum=0, maximum=MAX_COMPLETION_LOGPROBS)
     best_of: Int64 | None = _neutral(None, 1, shown="1")
-    echo: bool = _neutral(False, shown="false")
+    echo: bool = False  # chapter 21: the prompt comes back before the completion
     suffix: str | None = _neutral(None, "", shown='null or ""')
 
     def logprobs_asked(self) -> int | None:
@@ -346,6 +351,11 @@ class CompletionRequest(_GenerationBody):
             raise APIError(400, f"logprobs must be null or an integer in [0, "
                                 f"{MAX_COMPLETION_LOGPROBS}], got {self.logprobs}", "logprobs")
         return self.logprobs
+
+    def prompt_logprobs_asked(self) -> int | None:
+        # Echoed, the prompt comes back from the engine with its logprobs (kept only if
+        # asked): one path whether the prompt was text or token ids.
+        return (self.logprobs or 0) if self.echo else None
 
     def prompts(self) -> list[Prompt]:
         """The prompts, one per choice; each must be non-empty (HTTP 400 otherwise)."""

@@ -60,8 +60,9 @@ def logprobs_object(entries: Sequence[TextLogprobs], chat: bool, offset: int = 0
                             for e in entries]}
     offsets = list(itertools.accumulate((len(e.token) for e in entries[:-1]), initial=offset))
     return {"tokens": [e.token for e in entries],
-            "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(e.top) for e in entries], "text_offset": offsets}
+            "token_logprobs": [e.logprob for e in entries],  # null: an echoed first token
+            "top_logprobs": [None if e.logprob is None else dict(e.top) for e in entries],
+            "text_offset": offsets}
 
 
 def _token(token: str, logprob: float) -> dict[str, Any]:
@@ -78,13 +79,15 @@ def total_usage(usages: Sequence[TokenUsage | None]) -> TokenUsage | None:
 
 def completion_body(meta: ResponseMeta,
                     answers: Sequence[tuple[str, UserReply, Sequence[TextLogprobs]]],
-                    chat: bool = False) -> dict[str, Any]:
+                    chat: bool = False, logprobs: bool = True) -> dict[str, Any]:
     """A whole (non-streamed) completion: a choice per prompt, in the prompts' order (a chat
-    completion has one, whose text is the assistant's ``message``)."""
-    choices = [choice(i, last.finish_reason, logprobs_object(logprobs, chat),
+    completion has one, whose text is the assistant's ``message``). ``logprobs``: whether
+    the client asked for them (an echoed prompt brings its own, to be dropped otherwise)."""
+    choices = [choice(i, last.finish_reason,
+                      logprobs_object(listed, chat) if logprobs else None,
                       **({"message": {"role": "assistant", "content": text}} if chat
                          else {"text": text}))
-               for i, (text, last, logprobs) in enumerate(answers)]
+               for i, (text, last, listed) in enumerate(answers)]
     return meta.body("chat.completion" if chat else "text_completion", choices,
                      usage=usage_dict(total_usage([last.usage for _, last, _ in answers])))
 
@@ -111,7 +114,7 @@ def chunk(meta: ResponseMeta, kind: str, extra: Mapping[str, Any], index: int = 
 
 async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta: ResponseMeta,
                             num_choices: int = 1, include_usage: bool = False,
-                            chat: bool = False) -> AsyncIterator[bytes]:
+                            chat: bool = False, logprobs: bool = True) -> AsyncIterator[bytes]:
     """A completion as SSE: a chunk per piece of text, one with the finish reason per choice,
     the usage of all (if asked), then ``[DONE]``. A chat completion's text comes as ``delta``
     messages, after a first chunk that names the assistant's role.
@@ -128,9 +131,9 @@ async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta:
     sent = [0] * num_choices  # characters of text sent per choice, for text_offset
 
     def piece(index: int, text: str, finish_reason: str | None = None,
-              logprobs: TextLogprobs | None = None) -> bytes:
+              entries: Sequence[TextLogprobs] = ()) -> bytes:
         content = {"delta": {"content": text} if text else {}} if chat else {"text": text}
-        listed = logprobs_object([logprobs] if logprobs else [], chat, sent[index])
+        listed = logprobs_object(entries, chat, sent[index]) if logprobs else None
         sent[index] += len(text)
         return chunk(meta, kind, extra, index, finish_reason, listed, **content)
 
@@ -138,8 +141,11 @@ async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta:
         if chat:
             yield chunk(meta, kind, extra, delta={"role": "assistant", "content": ""})
         async for index, reply in replies:
+            if reply.prompt_text:  # echo: the prompt first, as its own piece
+                yield piece(index, reply.prompt_text, entries=reply.prompt_logprobs)
             if reply.delta or reply.logprobs:  # no text while a character is incomplete
-                yield piece(index, reply.delta, logprobs=reply.logprobs)
+                yield piece(index, reply.delta,
+                            entries=[reply.logprobs] if reply.logprobs else [])
             if reply.error is not None:
                 yield sse_event(APIError.of(reply.error, "messages" if chat else "prompt").body())
                 break

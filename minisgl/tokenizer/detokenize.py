@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from minisgl.core import TokenLogprobs
 from minisgl.message import (AbortRequest, DetokenizeRequest, DetokenizerMessage, RequestError,
                              TextLogprobs, TokenUsage, UserReply, server_error)
 from minisgl.utils.logger import get_logger
@@ -165,23 +166,34 @@ class DetokenizeManager:
         if message.finished:
             text += state.stream.flush()
         text, reached_stop = state.stop.feed(text)
-        logprobs = self._as_text(message)  # chapter 21
+        extra = self._logprobs_as_text(message)  # chapter 21
         if reached_stop:
             state.stopped = True  # a tombstone, unless deleted above
             state.stream = DecodeStream(self.decode)  # its tokens are not needed any more
             return UserReply(message.uid, text, "stop",
-                             TokenUsage(state.prompt_tokens, state.num_tokens), logprobs=logprobs)
+                             TokenUsage(state.prompt_tokens, state.num_tokens), **extra)
         if message.finished:
             return UserReply(message.uid, text + state.stop.flush(), message.finish_reason,
-                             message.usage, logprobs=logprobs)
-        return UserReply(message.uid, text, logprobs=logprobs)
+                             message.usage, **extra)
+        return UserReply(message.uid, text, **extra)
 
-    def _as_text(self, message: DetokenizeRequest) -> TextLogprobs | None:
-        """The token's logprobs with each token id decoded on its own (as vLLM shows them)."""
-        if message.logprobs is None:
-            return None
-        top = tuple((self.decode([t]), logprob) for t, logprob in message.logprobs.top)
-        return TextLogprobs(self.decode([message.next_token]), message.logprobs.logprob, top)
+    def _logprobs_as_text(self, message: DetokenizeRequest) -> dict[str, Any]:
+        """The message's logprobs for a reply, each token id decoded on its own (as vLLM
+        shows them), and the prompt as text when its logprobs are there."""
+        extra: dict[str, Any] = {}
+        if message.logprobs is not None:
+            extra["logprobs"] = self._text(message.next_token, message.logprobs)
+        if message.prompt_ids:
+            extra["prompt_text"] = self.decode(list(message.prompt_ids))
+            extra["prompt_logprobs"] = (TextLogprobs(self.decode(list(message.prompt_ids[:1])),
+                                                     None),) + tuple(
+                self._text(t, lp) for t, lp in zip(message.prompt_ids[1:],
+                                                   message.prompt_logprobs, strict=True))
+        return extra
+
+    def _text(self, token: int, logprobs: TokenLogprobs) -> TextLogprobs:
+        top = tuple((self.decode([t]), logprob) for t, logprob in logprobs.top)
+        return TextLogprobs(self.decode([token]), logprobs.logprob, top)
 
     def abort(self, uid: int, error: RequestError | None = None) -> UserReply | None:
         """Forget request ``uid``: the scheduler dropped it, and will send nothing more.
