@@ -26,8 +26,8 @@ from minisgl.message.utils import (Message, SerializationError, dumps, loads, re
 __all__ = [
     "AbortRequest", "BackendMessage", "DetokenizeRequest", "DetokenizerMessage",
     "FrontendMessage", "Message", "RequestError", "SerializationError", "TextLogprobs",
-    "TokenUsage", "TokenizeRequest", "TokenizerMessage", "UserReply", "UserRequest", "dumps", "loads",
-    "register_wire_type", "registered_types", "server_error",
+    "TokenUsage", "TokenizeRequest", "TokenizerMessage", "UserReply", "UserRequest", "dumps",
+    "loads", "register_wire_type", "registered_types", "server_error",
 ]
 
 
