@@ -116,7 +116,6 @@ def test_neutral_values_of_unsupported_fields_are_accepted(client: TestClient, f
     ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
     ("/v1/chat/completions", "tool_choice", "required"),
     ("/v1/chat/completions", "response_format", {"type": "json_object"}),
-    ("/v1/chat/completions", "n", 2),
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "suffix", "end"),
 ])
@@ -237,13 +236,13 @@ def test_the_access_log_names_the_parameter_a_400_refused(
     logging.getLogger("minisgl").addHandler(caplog.handler)
     try:
         statuses = [client.post("/v1/completions", json={"prompt": "x", **extra}).status_code
-                    for extra in ({"n": 2}, {"max_token": 3}, {"temperature": "hot"}, {})]
+                    for extra in ({"best_of": 2}, {"max_token": 3}, {"temperature": "hot"}, {})]
     finally:
         logging.getLogger("minisgl").removeHandler(caplog.handler)
     assert statuses == [400, 400, 400, 200]
     lines = [r.getMessage() for r in caplog.records if r.name == "minisgl.server.api_server"]
     assert [re.search(r" param=(\S+) ", line) and re.search(r" param=(\S+) ", line)[1]
-            for line in lines] == ["n", "max_token", "temperature", None], lines
+            for line in lines] == ["best_of", "max_token", "temperature", None], lines
 
 
 def test_stream_options_keys_this_server_does_not_know_are_ignored(client: TestClient) -> None:
@@ -278,7 +277,7 @@ def test_the_schema_documents_400s_and_the_limits(client: TestClient) -> None:
     assert (fields["top_p"]["exclusiveMinimum"], fields["top_p"]["maximum"]) == (0, 1)
     text, ids = fields["prompt"]["anyOf"][:2]
     assert text["minLength"] == 1 and ids["items"]["maximum"] == 2047
-    assert fields["n"]["enum"] == [1] and fields["best_of"]["enum"] == [None, 1]
+    assert fields["n"]["maximum"] == 8 and fields["best_of"]["enum"] == [None, 1]
 
 
 # =========================================================================== the context rule

@@ -387,3 +387,72 @@ def test_echo_returns_the_prompt_and_its_logprobs_as_lm_eval_asks(server: Any, h
     assert "".join(c["text"] for c in streamed) == choice["text"]
     assert [v for c in streamed if c["logprobs"] for v in c["logprobs"]["token_logprobs"]] \
         == lp["token_logprobs"]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_a_prompt_is_shared_from_its_prefill_on(tiny_model_dir: Path, overlap: bool) -> None:
+    """A request with a running request's prompt reuses its pages at once (its prefill
+    computes one token), outputs are unchanged, and no page leaks or is counted twice."""
+    from minisgl.core import Req
+    from minisgl.scheduler.config import SchedulerConfig
+    from minisgl.scheduler.scheduler import Scheduler
+
+    def run(prompts: list[list[int]], gap: int) -> tuple[list[list[int]], list[int]]:
+        scheduler = Scheduler(SchedulerConfig(tiny_model_dir, device="cpu", overlap=overlap,
+                                              prefix_cache="radix", page_size=4))
+        reqs = [Req(i, p, SamplingParams(max_tokens=12, ignore_eos=True))
+                for i, p in enumerate(prompts)]
+        computed = []
+        scheduler.add(reqs[0])
+        for step in range(200):
+            if step == gap:
+                for req in reqs[1:]:
+                    scheduler.add(req)
+            if not scheduler.has_work and step > gap:
+                break
+            result = scheduler.step()
+            scheduler.check_integrity()
+            if result.phase == "prefill":
+                computed += list(result.new_lens)
+        return [r.output_ids for r in reqs], computed
+
+    prompt = list(range(3, 30))  # 27 tokens: 6 whole pages of 4, and 3 more
+    shared, computed = run([prompt, prompt, prompt + [40, 41]], gap=3)
+    assert computed[0] == len(prompt) and max(computed[1:]) <= 4 + 2, computed
+    alone = [run([p], gap=0)[0][0] for p in (prompt, prompt + [40, 41])]
+    assert shared == [alone[0], alone[0], alone[1]]
+    # The same prompt twice at once (n choices): the second waits one step, then shares.
+    twins, computed = run([prompt, prompt], gap=0)
+    assert computed == [len(prompt), 3] and twins == [alone[0]] * 2
+    # Prompts that only share a prefix run in one batch, each computing it; the second's
+    # copies are freed when the first has cached it (check_integrity: nothing leaks).
+    together, computed = run([prompt, prompt + [40, 41]], gap=0)
+    assert computed == [len(prompt), len(prompt) + 2] and together == alone
+
+
+def test_n_choices_are_indexed_seeded_and_count_the_prompt_once(server: Any) -> None:
+    openai = pytest.importorskip("openai")
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none")
+    ask = dict(model="m", prompt=[PROMPTS[0], PROMPTS[1]], n=3, max_tokens=8,
+               temperature=1.0, seed=11)
+    first, again = (client.completions.create(**ask) for _ in range(2))
+    assert [c.index for c in first.choices] == list(range(6))
+    assert [c.text for c in first.choices] == [c.text for c in again.choices], "seeded"
+    assert len({c.text for c in first.choices[:3]}) > 1, "three choices, three streams"
+    single = client.completions.create(**{**ask, "n": 1, "prompt": PROMPTS[0]})
+    assert single.choices[0].text == first.choices[0].text  # choice 0 keeps the seed
+    one_prompt = client.completions.create(**{**ask, "n": 1, "prompt": PROMPTS[1],
+                                              "max_tokens": 1})
+    assert first.usage.prompt_tokens == single.usage.prompt_tokens + \
+        one_prompt.usage.prompt_tokens, "each prompt counted once"
+    chunks = list(client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Speak"}], n=2, max_tokens=6,
+        temperature=1.0, seed=3, stream=True))
+    texts = {0: "", 1: ""}
+    for chunk in chunks:
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    whole = client.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "Speak"}], n=2, max_tokens=6,
+        temperature=1.0, seed=3)
+    assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]

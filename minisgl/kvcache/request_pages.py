@@ -128,6 +128,18 @@ class RequestPages:
         req.table_row = None
         return pages
 
+    def swap_pages(self, req: Req, first: int, pages: Sequence[int]) -> list[int]:
+        """Map ``pages`` in ``req``'s row from entry ``first`` on, in place of the pages there,
+        which are returned, still in use (chapter 21: a prefix cache that holds the same
+        tokens gives its pages, and the caller frees the request's copies)."""
+        row = self.table.page_ids[req.table_row]
+        old = row[first:first + len(pages)].tolist()
+        if len(old) != len(pages) or first + len(pages) > self.pages_held(req):
+            raise ValueError(f"request {req.uid} maps {self.pages_held(req)} pages; entries "
+                             f"{first}..{first + len(pages) - 1} are not all among them")
+        row[first:first + len(pages)] = pages
+        return old
+
     def free_pages(self, pages: Sequence[int]) -> None:
         """Return pages that no row maps any more (closed rows, evicted cache entries)."""
         self._allocator.free(pages)

@@ -97,6 +97,33 @@ class CacheManager:
         """Undo :meth:`lock` for a request that was not admitted after all."""
         self.prefix_cache.unlock(match.handle)
 
+    def cache_prompt(self, req: Req) -> None:
+        """Give ``req``'s computed prompt to the prefix cache now, not only when it finishes
+        (chapter 21), so that a request with the same prompt shares its pages at once: the
+        ``n`` choices of one prompt compute it once.
+
+        The cache keeps the pages it lacks; for tokens another request cached meanwhile,
+        ``req``'s row maps the cache's pages instead and its own copies are freed. ``req``
+        then holds the longer prefix locked, as if it had matched it on arrival.
+        """
+        full = min(len(req.prompt_ids), req.cached_len) // self.page_size
+        handle = self._handles[req]
+        prefix = handle.num_tokens // self.page_size
+        if full <= prefix:
+            return
+        tokens = req.prompt_ids[:full * self.page_size]
+        row = self.pages.table.row_pages(req.table_row)[:full].tolist()
+        result = self.prefix_cache.insert(tokens, row)
+        if result.handle.num_tokens < len(tokens):  # a cache that keeps nothing (naive)
+            return
+        already = result.num_already_cached // self.page_size
+        if already > prefix:  # map the cache's pages, free the duplicates
+            cached = self.prefix_cache.match_prefix(tokens[:already * self.page_size]).pages
+            self.pages.free_pages(self.pages.swap_pages(req, prefix, cached[prefix:already]))
+        self.prefix_cache.lock(result.handle)
+        self.prefix_cache.unlock(handle)
+        self._handles[req] = result.handle
+
     def reserve(self, reqs: Sequence[Req]) -> int:
         """Pages for the next forward pass of every request in ``reqs`` (a batch); returns how
         many were allocated.

@@ -147,6 +147,8 @@ class PrefillManager:
         chunk_lens: list[int] = []
         while self.waiting:
             req = self.waiting[0]
+            if any(req.prompt_ids == other.prompt_ids for other in admitted):
+                break  # chapter 21: next batch, it will share the pages this one computes
             chunk = self._try_admit(req, budget, is_first=not admitted)
             if chunk == 0:
                 break

@@ -264,6 +264,8 @@ class Scheduler:
         for req, complete in zip(batch.reqs, batch.completes):
             if not complete:  # only a chunk of its prompt ran
                 continue
+            if batch.is_prefill:  # chapter 21: a prompt is shared from its prefill on
+                self.cache.cache_prompt(req)
             if len(req.output_ids) + req.in_flight >= req.params.max_tokens:
                 self.running.pop(req.uid, None)
                 self._retiring[req.uid] = req

@@ -18,6 +18,8 @@ and the OpenAPI schema's limits.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
+import itertools
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable, Mapping, Sequence
@@ -96,9 +98,9 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             raise APIError(400, f"max_tokens is {body.max_tokens}, but this server serves at "
                                 f"most {limit} tokens per request", "max_tokens",
                            code="context_length_exceeded")
-    uid = await frontend.submit(params, messages=[m.as_dict() for m in body.messages],
-                                strict_max_tokens=max_tokens is not None)
-    return await answer(request, body, [uid], "chatcmpl")
+    messages = [m.as_dict() for m in body.messages]
+    uids = await submit_prompts(frontend, [messages], params, max_tokens is not None, body.n)
+    return await answer(request, body, uids, "chatcmpl")
 
 
 @router.post("/v1/completions", responses=GENERATION_RESPONSES)
@@ -107,7 +109,8 @@ async def completions(body: CompletionRequest, request: Request):
     prompts is answered with one choice per prompt, ``index`` in the order given."""
     frontend: RequestRouter = request.app.state.frontend
     params = checked_params(request, body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
-    uids = await submit_prompts(frontend, body.prompts(), params, body.max_tokens is not None)
+    uids = await submit_prompts(frontend, body.prompts(), params, body.max_tokens is not None,
+                                body.n)
     return await answer(request, body, uids, "cmpl")
 
 
@@ -126,22 +129,34 @@ async def answer(request: Request, body: ChatCompletionRequest | CompletionReque
         streams = await first_replies_then_rest(request, frontend, uids, prompt_param)
         merged = merge_replies(streams, record)
         return SSEResponse(stream_completion(merged, meta, len(uids), body.include_usage, chat,
-                                             logprobs=body.logprobs_asked() is not None))
+                                             logprobs=body.logprobs_asked() is not None,
+                                             n=body.n))
     answers = await whole_answers(request, frontend, uids, prompt_param)
     for _, last, _ in answers:
         record.add(last)
-    return completion_body(meta, answers, chat, logprobs=body.logprobs_asked() is not None)
+    return completion_body(meta, answers, chat, logprobs=body.logprobs_asked() is not None,
+                           n=body.n)
 
 
-async def submit_prompts(frontend: RequestRouter, prompts: Sequence[str | list[int]],
-                         params: SamplingParams, strict_max_tokens: bool) -> list[int]:
-    """Send every prompt as a request of its own; if one cannot be sent, abort the others."""
+async def submit_prompts(frontend: RequestRouter, prompts: Sequence[Any],
+                         params: SamplingParams, strict_max_tokens: bool, n: int = 1
+                         ) -> list[int]:
+    """Send every prompt as ``n`` requests of its own (text, token ids, or a chat's messages;
+    choice ``j`` of a seeded request gets ``seed + j``, chapter 21); if one cannot be sent,
+    abort the others. The uids are in choice order: prompt by prompt, choice by choice."""
     uids: list[int] = []
     try:
-        for prompt in prompts:
-            text, ids = (prompt, None) if isinstance(prompt, str) else (None, list(prompt))
-            uids.append(await frontend.submit(params, text=text, input_ids=ids,
-                                              strict_max_tokens=strict_max_tokens))
+        for prompt, choice in itertools.product(prompts, range(n)):
+            seeded = params if params.seed is None or choice == 0 else \
+                dataclasses.replace(params, seed=params.seed + choice)
+            if isinstance(prompt, str):
+                source: dict[str, Any] = {"text": prompt}
+            elif prompt and isinstance(prompt[0], dict):
+                source = {"messages": prompt}
+            else:
+                source = {"input_ids": list(prompt)}
+            uids.append(await frontend.submit(seeded, strict_max_tokens=strict_max_tokens,
+                                              **source))
     except BaseException:
         for uid in uids:
             frontend.abort(uid)

@@ -32,6 +32,7 @@ DEFAULT_CHAT_MAX_TOKENS = 1024
 # OpenAI's default temperature: a request that does not ask for greedy decoding samples.
 DEFAULT_TEMPERATURE = 1.0
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a completion's logprobs
+MAX_CHOICES = 8  # choices per prompt this server takes (OpenAI allows 128)
 
 
 # =========================================================================== errors
@@ -230,8 +231,9 @@ class _GenerationBody(BaseModel):
     frequency_penalty: float | None = _documented(minimum=-2, maximum=2)
     repetition_penalty: float | None = _documented(exclusiveMinimum=0)  # an extension
     min_tokens: Int64 | None = _documented(minimum=0)  # an extension
+    # Choices per prompt: a request each, the prompt computed once (chapter 21)
+    n: Int64 = Field(1, json_schema_extra={"minimum": 1, "maximum": MAX_CHOICES})
     # OpenAI's fields that this server accepts at their neutral values only.
-    n: Int64 = _neutral(1, shown="1 (one choice per prompt)")
     service_tier: str | None = _neutral(None, "auto", "default", shown='"auto" or "default"')
     store: bool | None = _neutral(None, False, shown="false")
 
@@ -259,6 +261,8 @@ class _GenerationBody(BaseModel):
 
     def sampling_params(self, max_tokens: int | None, default_max_tokens: int) -> SamplingParams:
         """The engine's :class:`SamplingParams`; a value it rejects becomes HTTP 400."""
+        if not 1 <= self.n <= MAX_CHOICES:
+            raise APIError(400, f"n must be an integer in [1, {MAX_CHOICES}], got {self.n}", "n")
         stop = (self.stop,) if isinstance(self.stop, str) else tuple(self.stop or ())
         values: dict[str, Any] = {
             "temperature": DEFAULT_TEMPERATURE if self.temperature is None else self.temperature,
@@ -298,6 +302,11 @@ def _token_biases(biases: dict[str, float]) -> list[tuple[int, float]]:
 class ChatCompletionRequest(_GenerationBody):
     """The body of ``POST /v1/chat/completions``."""
 
+    # top_logprobs above 0 needs logprobs: true (chapter 21), as the schema says too
+    model_config = ConfigDict(**STRICT_BODY, json_schema_extra={
+        "if": {"properties": {"top_logprobs": {"type": "integer", "minimum": 1}},
+               "required": ["top_logprobs"]},
+        "then": {"properties": {"logprobs": {"const": True}}, "required": ["logprobs"]}})
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: Int64 | None = _documented(minimum=1)  # OpenAI's newer max_tokens
     logprobs: bool | None = None  # chapter 21

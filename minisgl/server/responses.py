@@ -69,17 +69,18 @@ def _token(token: str, logprob: float) -> dict[str, Any]:
     return {"token": token, "logprob": logprob, "bytes": list(token.encode())}
 
 
-def total_usage(usages: Sequence[TokenUsage | None]) -> TokenUsage | None:
-    """The usage of several requests answered as one (a list of prompts): their sum."""
+def total_usage(usages: Sequence[TokenUsage | None], n: int = 1) -> TokenUsage | None:
+    """The usage of several requests answered as one (a list of prompts, ``n`` choices each,
+    in index order): their sum, each prompt counted once."""
     if any(usage is None for usage in usages):
         return None
-    return TokenUsage(sum(u.prompt_tokens for u in usages),  # type: ignore[union-attr]
+    return TokenUsage(sum(u.prompt_tokens for u in usages[::n]),  # type: ignore[union-attr]
                       sum(u.completion_tokens for u in usages))  # type: ignore[union-attr]
 
 
 def completion_body(meta: ResponseMeta,
                     answers: Sequence[tuple[str, UserReply, Sequence[TextLogprobs]]],
-                    chat: bool = False, logprobs: bool = True) -> dict[str, Any]:
+                    chat: bool = False, logprobs: bool = True, n: int = 1) -> dict[str, Any]:
     """A whole (non-streamed) completion: a choice per prompt, in the prompts' order (a chat
     completion has one, whose text is the assistant's ``message``). ``logprobs``: whether
     the client asked for them (an echoed prompt brings its own, to be dropped otherwise)."""
@@ -89,7 +90,7 @@ def completion_body(meta: ResponseMeta,
                          else {"text": text}))
                for i, (text, last, listed) in enumerate(answers)]
     return meta.body("chat.completion" if chat else "text_completion", choices,
-                     usage=usage_dict(total_usage([last.usage for _, last, _ in answers])))
+                     usage=usage_dict(total_usage([last.usage for _, last, _ in answers], n)))
 
 
 SSE_DONE = b"data: [DONE]\n\n"  # OpenAI's end of stream
@@ -114,7 +115,8 @@ def chunk(meta: ResponseMeta, kind: str, extra: Mapping[str, Any], index: int = 
 
 async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta: ResponseMeta,
                             num_choices: int = 1, include_usage: bool = False,
-                            chat: bool = False, logprobs: bool = True) -> AsyncIterator[bytes]:
+                            chat: bool = False, logprobs: bool = True,
+                            n: int = 1) -> AsyncIterator[bytes]:
     """A completion as SSE: a chunk per piece of text, one with the finish reason per choice,
     the usage of all (if asked), then ``[DONE]``. A chat completion's text comes as ``delta``
     messages, after a first chunk that names the assistant's role.
@@ -126,7 +128,7 @@ async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta:
     """
     kind = "chat.completion.chunk" if chat else "text_completion"
     extra = {"usage": None} if include_usage else {}  # OpenAI: null on all but the last
-    usages: list[TokenUsage | None] = []
+    usages: dict[int, TokenUsage | None] = {}  # by choice index
 
     sent = [0] * num_choices  # characters of text sent per choice, for text_offset
 
@@ -151,7 +153,8 @@ async def stream_completion(replies: AsyncIterator[tuple[int, UserReply]], meta:
                 break
             if reply.finished:
                 yield piece(index, "", reply.finish_reason)
-                usages.append(reply.usage)
+                usages[index] = reply.usage
                 if include_usage and len(usages) == num_choices:
-                    yield sse_event(meta.body(kind, [], usage=usage_dict(total_usage(usages))))
+                    total = total_usage([usages[i] for i in range(num_choices)], n)
+                    yield sse_event(meta.body(kind, [], usage=usage_dict(total)))
         yield SSE_DONE
