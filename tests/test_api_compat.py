@@ -277,7 +277,7 @@ def test_the_schema_documents_400s_and_the_limits(client: TestClient) -> None:
     assert (fields["top_p"]["exclusiveMinimum"], fields["top_p"]["maximum"]) == (0, 1)
     text, ids = fields["prompt"]["anyOf"][:2]
     assert text["minLength"] == 1 and ids["items"]["maximum"] == 2047
-    assert fields["n"]["maximum"] == 8 and fields["best_of"]["enum"] == [None, 1]
+    assert fields["n"]["maximum"] == 128 and fields["best_of"]["enum"] == [None, 1]
 
 
 # =========================================================================== the context rule

@@ -32,7 +32,7 @@ DEFAULT_CHAT_MAX_TOKENS = 1024
 # OpenAI's default temperature: a request that does not ask for greedy decoding samples.
 DEFAULT_TEMPERATURE = 1.0
 MAX_COMPLETION_LOGPROBS = 5  # OpenAI's bound on a completion's logprobs
-MAX_CHOICES = 8  # choices per prompt this server takes (OpenAI allows 128)
+MAX_CHOICES = 128  # OpenAI's bound on n
 
 
 # =========================================================================== errors
