@@ -60,7 +60,7 @@ def without_device_work(engine: Any) -> None:
 
     table = engine.pages.table
 
-    def logits(batch: Any, use_graph: bool = True) -> torch.Tensor:
+    def logits(batch: Any, use_graph: bool = True, extra_rows: Any = None) -> torch.Tensor:
         engine.input_ids(batch)  # gathering the step's input ids is host work too
         if batch.is_decode:  # slots, then the page arrays (in pieces, as a replay cuts them)
             table.locate(batch.rows, batch.cached_lens, [c + 1 for c in batch.cached_lens])

@@ -712,7 +712,7 @@ def test_a_failed_step_fails_its_requests_and_the_scheduler_serves_on(
         io.step()
     assert io.stats["kv_pages_in_use"] > 0
     engine = io.scheduler.engine
-    engine.logits = lambda batch, use_graph=True: (_ for _ in ()).throw(
+    engine.logits = lambda *args, **kwargs: (_ for _ in ()).throw(
         RuntimeError("the device fell over"))
     out = io.step()
     del engine.logits  # the engine's own method again
