@@ -1,5 +1,5 @@
-"""The logit adjustments of the sampling API (chapter 21, coming): logit_bias, min_tokens and
-the repetition, frequency and presence penalties.
+"""The sampling API of chapter 21: logit_bias, min_tokens and the repetition, frequency and
+presence penalties; logprobs, echo and n.
 
 Against ``transformers`` where it has the same rule (``repetition_penalty``, ``sequence_bias``,
 ``min_new_tokens``), greedy, token for token; against a dense greedy loop over the
@@ -44,10 +44,10 @@ def hf(shakespeare_model_dir: Path) -> Any:
 
 
 def ours(model_dir: Path, params: SamplingParams, overlap: bool,
-         prompts: list[str] = PROMPTS, repeat: int = 1) -> list[list[int]]:
+         prompts: list[str] = PROMPTS, repeat: int = 1, device: str = "cpu") -> list[list[int]]:
     from minisgl.llm import LLM
 
-    llm = LLM(model_dir, device="cpu", dtype="float32", overlap=overlap, prefix_cache="radix")
+    llm = LLM(model_dir, device=device, dtype="float32", overlap=overlap, prefix_cache="radix")
     for _ in range(repeat):  # a second round reads every prompt from the radix cache
         outputs = llm.generate(prompts, params)
     return [out["token_ids"] for out in outputs]
@@ -55,7 +55,7 @@ def ours(model_dir: Path, params: SamplingParams, overlap: bool,
 
 def hf_greedy(hf: Any, prompt: str, **options: Any) -> list[int]:
     model, tokenizer = hf
-    ids = tokenizer(prompt, return_tensors="pt").input_ids
+    ids = tokenizer(prompt, return_tensors="pt").input_ids.to(model.device)
     with torch.no_grad():
         out = model.generate(ids, max_new_tokens=MAX_TOKENS, do_sample=False, **options)
     return out[0, ids.shape[1]:].tolist()
@@ -176,13 +176,14 @@ def test_the_server_takes_the_fields_and_refuses_bad_values_naming_them() -> Non
 
 
 def served_logprobs(model_dir: Path, params: SamplingParams, overlap: bool,
-                    prompts: list[list[int]]) -> list[Any]:
+                    prompts: list[list[int]], device: str = "cpu",
+                    dtype: str = "float32") -> list[Any]:
     """Each request's output ids and logprobs, run through the scheduler as LLM does."""
     from minisgl.core import Req
     from minisgl.scheduler.config import SchedulerConfig
     from minisgl.scheduler.scheduler import Scheduler
 
-    scheduler = Scheduler(SchedulerConfig(model_dir, device="cpu", dtype="float32",
+    scheduler = Scheduler(SchedulerConfig(model_dir, device=device, dtype=dtype,
                                           overlap=overlap, prefix_cache="radix"))
     reqs = [Req(i, prompt, params) for i, prompt in enumerate(prompts)]
     for req in reqs:
@@ -456,3 +457,95 @@ def test_n_choices_are_indexed_seeded_and_count_the_prompt_once(server: Any) -> 
         model="m", messages=[{"role": "user", "content": "Speak"}], n=2, max_tokens=6,
         temperature=1.0, seed=3)
     assert [c.message.content for c in whole.choices] == [texts[0], texts[1]]
+
+
+# --------------------------------------------------------------------------------------------
+# On a GPU: CUDA graphs, bfloat16, and a step that must not wait for the device
+# --------------------------------------------------------------------------------------------
+
+def hf_on(model_dir: Path, dtype: torch.dtype) -> Any:
+    transformers = pytest.importorskip("transformers")
+    model = transformers.AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype)
+    return model.to("cuda").eval(), transformers.AutoTokenizer.from_pretrained(model_dir)
+
+
+@pytest.mark.gpu
+def test_on_cuda_float32_penalties_and_bias_match_transformers_through_graphs(
+        shakespeare_model_dir: Path) -> None:
+    """The adjustments run on the device around graph-replayed decode steps, overlapped."""
+    hf32 = hf_on(shakespeare_model_dir, torch.float32)
+    the = hf32[1].encode(" the")[0]
+    cases = [({"repetition_penalty": 1.5}, {"repetition_penalty": 1.5}),
+             ({"logit_bias": {the: 6.0}, "min_tokens": 12},
+              {"sequence_bias": {(the,): 6.0}, "min_new_tokens": 12})]
+    for options, hf_options in cases:
+        got = ours(shakespeare_model_dir, SamplingParams(max_tokens=MAX_TOKENS, **options),
+                   overlap=True, repeat=2, device="cuda")
+        for prompt, tokens in zip(PROMPTS, got):
+            assert tokens == hf_greedy(hf32, prompt, **hf_options), (options, prompt)
+
+
+@pytest.mark.gpu
+def test_on_cuda_bf16_logprobs_are_as_close_to_float32_as_transformers_bf16_is(
+        shakespeare_model_dir: Path) -> None:
+    """In bfloat16 the logits round, so the logprobs do too. Measured against transformers in
+    float32 on the sequence we sampled, ours must be about as close as transformers' own
+    bfloat16 run is (within 1.5 times its error, or 0.05 nats), for the sampled token and
+    for every top alternative we name."""
+    hf32, hf16 = hf_on(shakespeare_model_dir, torch.float32), hf_on(shakespeare_model_dir,
+                                                                     torch.bfloat16)
+    tokenizer = hf32[1]
+    prompts = [tokenizer.encode(p) for p in PROMPTS]
+    params = SamplingParams(temperature=1.0, seed=5, max_tokens=MAX_TOKENS, logprobs=5,
+                            presence_penalty=0.5, logit_bias={tokenizer.encode(" the")[0]: 3})
+    for req in served_logprobs(shakespeare_model_dir, params, True, prompts, device="cuda",
+                               dtype="bfloat16"):
+        assert len(req.output_logprobs) == len(req.output_ids) > 0
+        sequence = torch.tensor([req.prompt_ids + req.output_ids], device="cuda")
+        with torch.no_grad():
+            exact, rounded = (torch.log_softmax(m(sequence).logits[0].float(), dim=-1)
+                              [len(req.prompt_ids) - 1:-1].cpu() for m in (hf32[0], hf16[0]))
+        ids = torch.tensor([[tok] + [t for t, _ in entry.top]
+                            for tok, entry in zip(req.output_ids, req.output_logprobs)])
+        values = torch.tensor([[entry.logprob] + [v for _, v in entry.top]
+                               for entry in req.output_logprobs])
+        ours_error = float((values - exact.gather(1, ids)).abs().max())
+        hf_error = float((rounded - exact).gather(1, ids).abs().max())
+        assert ours_error <= max(0.05, 1.5 * hf_error), (req.uid, ours_error, hf_error)
+        assert bool((values[:, 1:-1] >= values[:, 2:]).all()), "top alternatives best first"
+
+
+@pytest.mark.gpu
+def test_an_overlapped_step_with_every_adjustment_never_waits_for_the_device(
+        shakespeare_model_dir: Path) -> None:
+    """Penalties, logit_bias, min_tokens and logprobs add device work to a step, not a sync:
+    under PyTorch's sync debug mode an overlapped decode step with all of them raises nothing,
+    and its tokens and logprobs are those of the synchronous loop."""
+    from minisgl.core import Req
+    from minisgl.scheduler.config import SchedulerConfig
+    from minisgl.scheduler.scheduler import Scheduler
+
+    def run_all(overlap: bool, check_steps: int) -> list[tuple[list[int], list[float]]]:
+        scheduler = Scheduler(SchedulerConfig(shakespeare_model_dir, device="cuda",
+                                              overlap=overlap, max_running_reqs=8))
+        options = [{}, {"repetition_penalty": 1.3, "logprobs": 2},
+                   {"frequency_penalty": 0.8, "presence_penalty": 0.4, "min_tokens": 20},
+                   {"logit_bias": {7: 5.0, 9: -100.0}, "logprobs": 0, "temperature": 0.8,
+                    "seed": 3}]
+        reqs = [Req(i, [5 + i, 17, 23, 9 + i], SamplingParams(max_tokens=20, **options[i % 4]))
+                for i in range(8)]
+        for req in reqs:
+            scheduler.add(req)
+        while scheduler.step().phase != "decode":
+            pass
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(check_steps):
+                assert scheduler.step().phase == "decode"
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        while scheduler.has_work:
+            scheduler.step()
+        return [(req.output_ids, [e.logprob for e in req.output_logprobs]) for req in reqs]
+
+    assert run_all(overlap=True, check_steps=8) == run_all(overlap=False, check_steps=0)

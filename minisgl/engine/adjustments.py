@@ -30,7 +30,8 @@ def adjust_logits(logits: torch.Tensor, batch: Batch, token_pool: TokenPool,
         return adjusted
     reqs = [batch.reqs[i] for i in rows]
     vocab_size = logits.shape[-1]
-    sub = adjusted[rows]
+    row_ids = _ids(rows, adjusted)  # a list as an index would be copied from pageable memory
+    sub = adjusted[row_ids]
     # logit_bias, and min_tokens' ban on stop tokens: (row, token) pairs from the host
     bias = [(r, t, b) for r, req in enumerate(reqs) for t, b in req.params.logit_bias
             if t < vocab_size]
@@ -42,11 +43,12 @@ def adjust_logits(logits: torch.Tensor, batch: Batch, token_pool: TokenPool,
               for t in {*req.params.stop_token_ids, *eos_token_ids} if t < vocab_size]
     if banned:
         r, t = (list(column) for column in zip(*banned))
-        sub[_ids(r, sub), _ids(t, sub)] = float("-inf")
+        # values made on the device: a Python scalar would be copied from the host, a sync
+        sub.index_put_((_ids(r, sub), _ids(t, sub)), sub.new_full((len(r),), float("-inf")))
     if any(req.params.repetition_penalty != 1.0 or req.params.frequency_penalty
            or req.params.presence_penalty for req in reqs):
         sub = _penalize(sub, reqs, token_pool)
-    adjusted[rows] = sub
+    adjusted[row_ids] = sub
     return adjusted
 
 
@@ -74,7 +76,8 @@ def _penalize(logits: torch.Tensor, reqs: Sequence, token_pool: TokenPool) -> to
         seen = counts > 0
         prompt_row = [r for r, req in enumerate(reqs) for _ in req.prompt_ids]
         prompt_ids = [t for req in reqs for t in req.prompt_ids]
-        seen[_ids(prompt_row, logits), _ids(prompt_ids, logits)] = True
+        seen.index_put_((_ids(prompt_row, logits), _ids(prompt_ids, logits)),
+                        seen.new_ones(len(prompt_ids)))
         factor = _column(repetition, logits)
         scaled = torch.where(logits > 0, logits / factor, logits * factor)
         logits = torch.where(seen, scaled, logits)

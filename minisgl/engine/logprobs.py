@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from minisgl.core import Batch, TokenLogprobs
+from minisgl.utils.torch_utils import host_to_device
 
 
 @dataclass(frozen=True)
@@ -67,13 +68,13 @@ def batch_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: Batch,
         return None
     sampled = None
     if rows:
-        index = torch.tensor(rows, device=logits.device)
+        index = host_to_device(torch.tensor(rows), logits.device)
         k = max(batch.reqs[i].params.logprobs for i in rows)
         sampled = _packed(logits[index], tokens[index], k)
     packed_prompt = None
     if prompt is not None:
         assert prompt_logits is not None and prompt_logits.shape[0] == len(prompt.rows)
-        targets = torch.tensor(prompt.targets, device=prompt_logits.device)
+        targets = host_to_device(torch.tensor(prompt.targets), prompt_logits.device)
         k = max(batch.reqs[i].params.prompt_logprobs for i in set(prompt.owners))
         packed_prompt = _packed(prompt_logits, targets, k)
     return StepLogprobs(sampled, packed_prompt, prompt)
