@@ -37,7 +37,7 @@ def adjust_logits(logits: torch.Tensor, batch: Batch, token_pool: TokenPool,
             if t < vocab_size]
     if bias:
         r, t, b = (list(column) for column in zip(*bias))
-        sub.index_put_((_ids(r, sub), _ids(t, sub)), _column(b, sub)[:, 0], accumulate=True)
+        sub.index_put_((_ids(r, sub), _ids(t, sub)), _floats(b, sub), accumulate=True)
     banned = [(r, t) for r, req in enumerate(reqs)
               if req.num_tokens - len(req.prompt_ids) < req.params.min_tokens
               for t in {*req.params.stop_token_ids, *eos_token_ids} if t < vocab_size]
@@ -55,34 +55,34 @@ def adjust_logits(logits: torch.Tensor, batch: Batch, token_pool: TokenPool,
 def _penalize(logits: torch.Tensor, reqs: Sequence, token_pool: TokenPool) -> torch.Tensor:
     """The penalties over ``logits`` (``[R, V]``, one row per request of ``reqs``).
 
-    Output counts come from the token pool: positions ``len(prompt) .. num_tokens - 1`` of the
-    request's row. Repetition also looks at the prompt (as ``transformers`` and vLLM do), whose
-    tokens are sent from the host.
+    Output counts come from the token pool, where a request's output tokens sit at positions
+    ``len(prompt) .. num_tokens - 1`` of its row: they are gathered as one ``[R, longest]``
+    block on the device, the unused tail of a shorter row weighing nothing, so the host sends
+    three numbers a request rather than every position. Repetition also looks at the prompt
+    (as ``transformers`` and vLLM do), whose tokens are sent from the host.
     """
-    out_pos: list[int] = []  # flat pool indices of every output token so far
-    out_row: list[int] = []
-    for r, req in enumerate(reqs):
-        base, start = req.table_row * token_pool.row_len, len(req.prompt_ids)
-        out_pos += range(base + start, base + req.num_tokens)
-        out_row += [r] * (req.num_tokens - start)
+    starts = [len(req.prompt_ids) for req in reqs]
+    lengths = [req.num_tokens - start for req, start in zip(reqs, starts)]
     counts = torch.zeros_like(logits)
-    if out_pos:
-        tokens = token_pool.ids.view(-1)[_ids(out_pos, logits)]
-        ones = torch.ones(len(out_pos), dtype=counts.dtype, device=counts.device)
-        counts.index_put_((_ids(out_row, logits), tokens), ones, accumulate=True)
+    if max(lengths) > 0:
+        table_row, start, length = _ids([req.table_row for req in reqs] + starts + lengths,
+                                        logits).view(3, -1)
+        offsets = torch.arange(max(lengths), device=logits.device)[None, :]
+        used = offsets < length[:, None]  # [R, longest]: which places hold an output token
+        tokens = token_pool.ids[table_row[:, None], start[:, None] + offsets * used]
+        counts.scatter_add_(1, tokens, used.to(counts.dtype))
     params = [req.params for req in reqs]
-    repetition = [p.repetition_penalty for p in params]
-    if any(value != 1.0 for value in repetition):
+    repetition, frequency, presence = _floats(
+        [[p.repetition_penalty for p in params], [p.frequency_penalty for p in params],
+         [p.presence_penalty for p in params]], logits)[:, :, None]
+    if any(p.repetition_penalty != 1.0 for p in params):
         seen = counts > 0
         prompt_row = [r for r, req in enumerate(reqs) for _ in req.prompt_ids]
         prompt_ids = [t for req in reqs for t in req.prompt_ids]
         seen.index_put_((_ids(prompt_row, logits), _ids(prompt_ids, logits)),
                         seen.new_ones(len(prompt_ids)))
-        factor = _column(repetition, logits)
-        scaled = torch.where(logits > 0, logits / factor, logits * factor)
+        scaled = torch.where(logits > 0, logits / repetition, logits * repetition)
         logits = torch.where(seen, scaled, logits)
-    frequency = _column([p.frequency_penalty for p in params], logits)
-    presence = _column([p.presence_penalty for p in params], logits)
     return logits - frequency * counts - presence * (counts > 0)
 
 
@@ -90,5 +90,5 @@ def _ids(values: list[int], like: torch.Tensor) -> torch.Tensor:
     return host_to_device(torch.tensor(values, dtype=torch.int64), like.device)
 
 
-def _column(values: list[float], like: torch.Tensor) -> torch.Tensor:
-    return host_to_device(torch.tensor(values, dtype=torch.float32), like.device)[:, None]
+def _floats(values: list, like: torch.Tensor) -> torch.Tensor:
+    return host_to_device(torch.tensor(values, dtype=torch.float32), like.device)

@@ -56,6 +56,13 @@ class StepLogprobs:
     prompt: torch.Tensor | None  # a row per entry of ``prompt_rows``
     prompt_rows: PromptRows | None
 
+    def to_host(self) -> StepLogprobs:
+        """The same, on their way to the host without the host waiting (into pinned memory).
+        Read them once a copy queued after these has arrived, such as the step's tokens'."""
+        sampled, prompt = (None if t is None else t.to("cpu", non_blocking=True)
+                           for t in (self.sampled, self.prompt))
+        return StepLogprobs(sampled, prompt, self.prompt_rows)
+
 
 def batch_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: Batch,
                    prompt: PromptRows | None = None,

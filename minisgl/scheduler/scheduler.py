@@ -271,6 +271,8 @@ class Scheduler:
                 self._retiring[req.uid] = req
             elif batch.is_prefill:
                 self.running[req.uid] = req
+        if logprobs is not None:  # chapter 21: copied before the tokens, whose event covers both
+            logprobs = logprobs.to_host()
         return InFlight(batch, *self._host_tokens.copy(tokens), logprobs)
 
     def _read(self, flight: InFlight) -> list[Req]:
