@@ -435,29 +435,33 @@ def test_a_prompt_is_shared_from_its_prefill_on(tiny_model_dir: Path, overlap: b
 def test_n_choices_hold_the_prompt_pages_once(tiny_model_dir: Path, overlap: bool) -> None:
     """n=4 choices of one prompt, as the server submits them (four requests, seeds s..s+3):
     at their peak they hold the prompt's whole pages once and a tail of their own each, not
-    four copies of everything."""
+    four copies of everything; and they take two prefill steps, the prompt's and one for the
+    three others, which only compute its last part."""
     from minisgl.core import Req
     from minisgl.scheduler.config import SchedulerConfig
     from minisgl.scheduler.scheduler import Scheduler
 
     prompt, page_size = list(range(3, 30)), 4  # 6 whole pages of 4, and 3 tokens more
 
-    def peak_pages(n: int) -> int:
+    def peak_pages(n: int) -> tuple[int, list[list[int]]]:
         scheduler = Scheduler(SchedulerConfig(tiny_model_dir, device="cpu", overlap=overlap,
                                               prefix_cache="radix", page_size=page_size))
         for j in range(n):
             scheduler.add(Req(j, prompt, SamplingParams(max_tokens=8, ignore_eos=True,
                                                         temperature=1.0, seed=5 + j)))
-        peak = 0
+        peak, prefills = 0, []
         while scheduler.has_work:
-            scheduler.step()
+            result = scheduler.step()
             scheduler.check_integrity()
             peak = max(peak, scheduler.cache.num_pages - scheduler.cache.pages.num_free)
-        return peak
+            if result.phase == "prefill":
+                prefills.append(list(result.new_lens))
+        return peak, prefills
 
-    one, four = peak_pages(1), peak_pages(4)
+    (one, _), (four, prefills) = peak_pages(1), peak_pages(4)
     whole = len(prompt) // page_size
     assert four <= whole + 4 * (one - whole) < 4 * one, (one, four)
+    assert prefills == [[len(prompt)], [len(prompt) - whole * page_size] * 3], prefills
 
 
 def test_n_choices_are_indexed_seeded_and_count_the_prompt_once(server: Any) -> None:

@@ -147,7 +147,8 @@ class PrefillManager:
         chunk_lens: list[int] = []
         while self.waiting:
             req = self.waiting[0]
-            if any(req.prompt_ids == other.prompt_ids for other in admitted):
+            if any(req.prompt_ids == other.prompt_ids and self._computes_shared_pages(other)
+                   for other in admitted):
                 break  # chapter 21: next batch, it will share the pages this one computes
             chunk = self._try_admit(req, budget, is_first=not admitted)
             if chunk == 0:
@@ -161,6 +162,13 @@ class PrefillManager:
             return None
         is_cut = chunk_lens[-1] < admitted[-1].new_len
         return Batch(admitted, "prefill", chunk_lens=chunk_lens if is_cut else None)
+
+    def _computes_shared_pages(self, req: Req) -> bool:
+        """Whether admitted ``req`` computes whole pages of its prompt that the cache can hand
+        to a request with the same prompt (chapter 21): it matched fewer than it could. The
+        last prompt token is always computed, so a prompt can match up to the page before."""
+        page_size = self.cache.page_size
+        return req.cached_len < (len(req.prompt_ids) - 1) // page_size * page_size
 
     def _try_admit(self, req: Req, budget: PrefillBudget, is_first: bool) -> int:
         """Take ``req`` into the batch if it fits; the tokens it computes now, 0 if it does not."""
