@@ -12,6 +12,7 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -67,6 +68,22 @@ def tiny_model_dir() -> Path:
 def device() -> str:
     """The device GPU tests run on."""
     return "cuda" if _has_cuda() else "cpu"
+
+
+def decode_without_waiting(scheduler: Any, steps: int) -> None:
+    """Step ``scheduler`` (on CUDA) to its first decode batch, then ``steps`` decode steps
+    with PyTorch's sync debug mode raising on any call that makes the host wait for the
+    device (chapters 12 and 21: an overlapped step must not)."""
+    import torch
+
+    while scheduler.step().phase != "decode":  # the prefill, then a first decode batch
+        pass
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(steps):
+            assert scheduler.step().phase == "decode"
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
 
 
 def load_repo_script(relative: str) -> ModuleType:

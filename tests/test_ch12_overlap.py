@@ -21,6 +21,8 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import InFlight
 from minisgl.scheduler.scheduler import Scheduler, StepResult
 
+from conftest import decode_without_waiting
+
 PAGE_SIZE = 4
 BUDGETS = {"small": 7, "large": 48}  # prompt tokens per prefill step
 NUM_REQS = 18
@@ -237,14 +239,7 @@ def test_an_overlapped_decode_step_never_waits_for_the_device(tiny_model_dir: Pa
                 for i, prompt in enumerate(random_prompts([9, 14, 5, 20, 11, 7], seed=4))]
         for req in reqs:
             scheduler.add(req)
-        while scheduler.step().phase != "decode":  # the prefill, then a first decode batch
-            pass
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(check_steps):
-                assert scheduler.step().phase == "decode"
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        decode_without_waiting(scheduler, check_steps)
         while scheduler.has_work:
             scheduler.step()
         return [req.output_ids for req in reqs]

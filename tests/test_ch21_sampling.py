@@ -20,7 +20,7 @@ import torch
 
 from minisgl.core import SamplingParams
 
-from conftest import ROOT
+from conftest import ROOT, decode_without_waiting
 
 MAX_TOKENS = 24
 PROMPTS = ["ROMEO: O", "JULIET:\nWhat light", "First Citizen:\nBefore we proceed"]
@@ -569,14 +569,7 @@ def test_an_overlapped_step_with_every_adjustment_never_waits_for_the_device(
                 for i in range(8)]
         for req in reqs:
             scheduler.add(req)
-        while scheduler.step().phase != "decode":
-            pass
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(check_steps):
-                assert scheduler.step().phase == "decode"
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
+        decode_without_waiting(scheduler, check_steps)
         while scheduler.has_work:
             scheduler.step()
         return [(req.output_ids, [e.logprob for e in req.output_logprobs]) for req in reqs]
