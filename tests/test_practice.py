@@ -67,8 +67,11 @@ def test_importing_the_engine_answer_is_refused(exercise) -> None:
     results = judge.judge_shortcut(exercise)
     passed = [r.name for r in results if r.passed]
     assert not passed, f"{exercise.id}: the shortcut passes {passed}"
-    not_refused = [f"{r.name}: {r.message}" for r in results if judge.REFUSAL not in r.message]
-    assert not not_refused, f"{exercise.id}: failed, but not by the guard: {not_refused[:3]}"
+    # A test skipped here (one that needs a GPU, on a machine without) runs no code to refuse.
+    ran = [r for r in results if r.outcome != "skipped"]
+    not_refused = [f"{r.name}: {r.message}" for r in ran if judge.REFUSAL not in r.message]
+    assert ran and not not_refused, (f"{exercise.id}: failed, but not by the guard: "
+                                     f"{not_refused[:3]}")
 
 
 def _ch01() -> object:
@@ -119,10 +122,21 @@ INCLUDE = re.compile(r'--8<-- "([^"]+)"')
 UNWRAPPED = {"staticmethod", "classmethod", "property"}
 
 
+def chapter_page(exercise) -> Path | None:
+    """The exercise's chapter page; None while the chapter is coming (it has no page yet)."""
+    pages = list((ROOT / "chapters").glob(f"{exercise.chapter}_*.md"))
+    if not pages:
+        return None
+    (page,) = pages
+    return page
+
+
 def page_pieces(exercise, spec: str) -> list[str]:
     """The qualified names the exercise's chapter page includes of `spec`: the symbol itself,
     or what it holds (a class's methods), or what holds it (a method's class)."""
-    (page,) = (ROOT / "chapters").glob(f"{exercise.chapter}_*.md")
+    page = chapter_page(exercise)
+    if page is None:
+        return []
     module, _, qualname = spec.partition(":")
     path = module.replace(".", "/") + ".py"
     found = []
@@ -265,7 +279,9 @@ def page_paste_source(exercise) -> str | None:
 # The exercises whose chapter page includes none of the engine's answer: nothing to paste.
 NOTHING_SHOWN = {"ch07_positions", "ch09_admission", "ch14_detokenize", "ch15_sse_client",
                  "ch17_tp_lockstep"}
-PASTABLE = [exercise for exercise in EXERCISES if exercise.id not in NOTHING_SHOWN]
+# An exercise of a coming chapter (no page yet) joins the others the day its page lands.
+PASTABLE = [exercise for exercise in EXERCISES
+            if exercise.id not in NOTHING_SHOWN and chapter_page(exercise) is not None]
 
 
 def test_the_pages_said_to_show_no_answer_show_none() -> None:
