@@ -53,6 +53,7 @@ class StepLogprobs:
     """What a step's requests asked for, on the device: :func:`batch_logprobs`' tensors."""
 
     sampled: torch.Tensor | None  # a row per request that asks, in batch order
+    sampled_rows: list[int]  # the batch index of each row of ``sampled``
     prompt: torch.Tensor | None  # a row per entry of ``prompt_rows``
     prompt_rows: PromptRows | None
 
@@ -61,7 +62,7 @@ class StepLogprobs:
         Read them once a copy queued after these has arrived, such as the step's tokens'."""
         sampled, prompt = (None if t is None else t.to("cpu", non_blocking=True)
                            for t in (self.sampled, self.prompt))
-        return StepLogprobs(sampled, prompt, self.prompt_rows)
+        return StepLogprobs(sampled, self.sampled_rows, prompt, self.prompt_rows)
 
 
 def batch_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: Batch,
@@ -84,7 +85,7 @@ def batch_logprobs(logits: torch.Tensor, tokens: torch.Tensor, batch: Batch,
         targets = host_to_device(torch.tensor(prompt.targets), prompt_logits.device)
         k = max(batch.reqs[i].params.prompt_logprobs for i in set(prompt.owners))
         packed_prompt = _packed(prompt_logits, targets, k)
-    return StepLogprobs(sampled, packed_prompt, prompt)
+    return StepLogprobs(sampled, rows, packed_prompt, prompt)
 
 
 def _packed(logits: torch.Tensor, chosen: torch.Tensor, k: int) -> torch.Tensor:
@@ -111,8 +112,7 @@ def unpack_logprobs(step: StepLogprobs | None, batch: Batch
         return {}, {}
     sampled: dict[int, TokenLogprobs] = {}
     if step.sampled is not None:
-        rows = [i for i, req in enumerate(batch.reqs) if req.params.logprobs is not None]
-        for i, row in zip(rows, step.sampled.tolist(), strict=True):
+        for i, row in zip(step.sampled_rows, step.sampled.tolist(), strict=True):
             sampled[i] = _unpacked(row, batch.reqs[i].params.logprobs)
     prompt: dict[int, list[TokenLogprobs]] = {}
     if step.prompt is not None and step.prompt_rows is not None:
