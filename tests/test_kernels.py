@@ -585,6 +585,66 @@ def test_one_row_matmul_kernel_equals_cublas(cuda_bf16: None, out_features: int,
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("out_features, in_features", [(1024, 3072), (37, 700)])
+def test_gated_row_matmul_equals_silu_and_mul_then_the_product(
+        cuda_bf16: None, out_features: int, in_features: int) -> None:
+    """The down projection with the MLP's activation folded into its read, against the two
+    passes it replaces (the activation rounded to bf16 in between, as both round it)."""
+    from minisgl.layers.linear import matmul
+
+    gate_up = torch.randn(1, 2 * in_features)
+    weight = torch.randn(out_features, in_features) / in_features ** 0.5
+    assert gemv.can_gemv(gate_up, weight, gated=True), kernel_status()
+    with use_fused(False):
+        expected = F.linear(silu_and_mul(gate_up), weight)
+    assert_close_bf16(gemv.gemv(gate_up, weight, gated=True), expected, "gated")
+    assert_close_bf16(matmul(gate_up, weight, gated=True), expected, "matmul(gated=True)")
+    assert not gemv.can_gemv(torch.randn(2, 2 * in_features), weight, gated=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("with_residual", [True, False])
+@pytest.mark.parametrize("out_features, in_features", [(4096, 1024), (6144, 1024), (37, 700)])
+def test_normed_row_matmul_equals_add_norm_then_the_product(
+        cuda_bf16: None, with_residual: bool, out_features: int, in_features: int) -> None:
+    """A decoder layer's add-and-norm folded into the read of the projection after it, against
+    the norm kernel's outputs and the product of what it wrote: the same new residual, the
+    same product within bf16's rounding."""
+    from minisgl.layers.linear import normed_linear
+
+    norm = random_norm(in_features)
+    layer = ReplicatedLinear(in_features, out_features)
+    layer.load_weight(torch.randn(out_features, in_features) / in_features ** 0.5)
+    x = torch.randn(1, in_features) * 3
+    residual = torch.randn(1, in_features) * 3 if with_residual else None
+    with use_fused(False):
+        expected, expected_residual = normed_linear(norm, layer, x.clone(), (
+            None if residual is None else residual.clone()))
+    got, new_residual = normed_linear(norm, layer, x, residual)
+    assert fast.paths.normed_matmul(x, residual, norm.weight, norm.eps, layer.weight) is not None
+    assert_close_bf16(new_residual, expected_residual, "the new residual")
+    assert_close_bf16(got, expected, "the normed product")
+    if residual is None:
+        assert new_residual is x, "without a residual the input is the residual"
+
+
+@pytest.mark.gpu
+def test_a_batch_1_forward_with_folded_norms_follows_the_plain_model() -> None:
+    """The dense model at one token a step through the one-row kernels (norms and activation
+    folded into the products) against the same model with every kernel off."""
+    model = load_model(tiny_checkpoint("qwen3"), device="cuda", dtype="bfloat16", progress=False)
+    ids = torch.tensor([7], device="cuda")
+    positions = torch.tensor([0], device="cuda")
+    with torch.inference_mode():
+        fused = model(ids, positions)
+        with use_fused(False):
+            ref = model(ids, positions)
+    assert kernel_status()["gemv"] == "on", kernel_status()
+    assert rel_err(fused, ref) <= 3e-2  # chapter 3's bf16 bound for a 4-layer model
+    assert fused.argmax(-1).tolist() == ref.argmax(-1).tolist()
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("rows", [1, 5, 128])
 def test_lm_head_writes_float32_logits_without_rounding_them_to_16_bits(
         cuda_bf16: None, rows: int) -> None:

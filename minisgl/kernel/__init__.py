@@ -23,6 +23,8 @@ class Kernels:
     rope_inplace = staticmethod(flashinfer_ops.rope_inplace)
     silu_and_mul = staticmethod(flashinfer_ops.silu_and_mul)
     matmul = staticmethod(gemv.matmul)
+    gated_matmul = staticmethod(gemv.gated_matmul)
+    normed_matmul = staticmethod(gemv.normed_matmul)
     can_qk_prologue = staticmethod(qk_prologue.can_qk_prologue)
     qk_prologue = staticmethod(qk_prologue.qk_prologue)
     can_moe = staticmethod(moe.fused_available)

@@ -6,7 +6,13 @@ reading ``W`` once; for some shapes cuBLAS reads it at a third of the bandwidth 
 H200, Qwen3-0.6B's 1,024 x 2,048 output projection took 12.4 µs where its 4 MiB take 1). Here
 each program streams its own ``BLOCK_N`` rows of ``W``, ``BLOCK_K`` columns at a time, sums in
 float32 and writes its outputs once: the matrix is read exactly once, nothing is reduced
-across programs. The LM head's float32 logits come from cuBLAS's float32 sums directly
+across programs.
+
+Two passes of their own fold into the read of ``x``, one kernel instead of two each: with
+``gated`` the kernel reads ``x = [gate | up]`` (width ``2K``) and multiplies
+``silu(gate) * up`` (the MLP's activation, into the down projection); with ``norm`` it
+multiplies ``rmsnorm(x + residual)`` (a decoder layer's add-and-norm, into the projection
+after it). The LM head's float32 logits above one row come from cuBLAS's float32 sums directly
 (``torch.mm``'s ``out_dtype``): no rounding, no second pass over ``[T, vocab]``.
 The Triton kernel exists only where Triton does (:mod:`.triton_compat`).
 """
@@ -18,52 +24,99 @@ import torch
 from minisgl.kernel.trials import on_gpu_16bit, ready, same_place
 from minisgl.kernel.triton_compat import tl, triton
 
+
 # Measured on the H200 for Qwen3-0.6B's projections (N 1,024 to 6,144, K 1,024 to 3,072):
 # 16 rows of 512 columns per step, four warps, was the fastest of six tilings for each.
-BLOCK_N = 16
-BLOCK_K = 512
-NUM_WARPS = 4
+# benchmark/gemv_tiling.py times every tiling of a model's shapes with the weights not in L2.
+TILES = (16, 512, 4)  # (BLOCK_N, BLOCK_K, num_warps)
+
 
 if triton is not None:
     @triton.jit
-    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, K: tl.constexpr, BLOCK_N: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+    def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, res_ptr, norm_ptr, res_out_ptr, eps,
+                     K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         # K is a compile-time constant: a model has three or four, each compiled once.
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # int64: an LM head has N * K > 2**31
+        if NORM:  # every program first takes 1/rms of the whole row: K numbers, read from L2
+            squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
+            for start in range(0, K, BLOCK_K):
+                cols = start + tl.arange(0, BLOCK_K)
+                s = tl.load(x_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+                if HAS_RES:
+                    s += tl.load(res_ptr + cols, mask=cols < K, other=0.0).to(tl.float32)
+                squares += s * s
+            inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         for start in range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
             col_ok = cols < K
             w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
-            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0)
-            acc += tl.sum(w.to(tl.float32) * x.to(tl.float32)[None, :], axis=1)
+            x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+            if GATED:  # x is silu(gate) * up, rounded as the activation kernel would store it
+                up = tl.load(x_ptr + K + cols, mask=col_ok, other=0.0).to(tl.float32)
+                x = (x * tl.sigmoid(x) * up).to(x_ptr.dtype.element_ty).to(tl.float32)
+            if NORM:  # x is rmsnorm(x + residual), rounded as the norm kernel would store it
+                if HAS_RES:
+                    x += tl.load(res_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                    if tl.program_id(0) == 0:  # the new residual: one program writes it,
+                        # into a tensor no program reads
+                        tl.store(res_out_ptr + cols, x.to(res_out_ptr.dtype.element_ty),
+                                 mask=col_ok)
+                scale = tl.load(norm_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
+                x = (x * inv_rms * scale).to(x_ptr.dtype.element_ty).to(tl.float32)
+            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1)
         tl.store(y_ptr + rows, acc.to(y_ptr.dtype.element_ty), mask=row_ok)
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor,
-         out_dtype: torch.dtype | None = None) -> torch.Tensor:
+def gemv(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None,
+         gated: bool = False, tiles: tuple[int, int, int] = TILES) -> torch.Tensor:
     """``x @ weight.T`` for one row: ``x`` ``[1, K]``, ``weight`` ``[N, K]``, both contiguous.
 
-    Returns a new ``[1, N]`` tensor of ``out_dtype`` (default ``x``'s): the sum is kept in
-    float32 and rounded once, if at all.
+    With ``gated``, ``x`` is ``[1, 2K]`` = ``[gate | up]`` and the row multiplied is
+    ``silu(gate) * up``. Returns a new ``[1, N]`` tensor of ``out_dtype`` (default ``x``'s):
+    the sum is kept in float32 and rounded once, if at all. ``tiles`` is
+    ``(BLOCK_N, BLOCK_K, num_warps)``.
     """
-    assert triton is not None, "call can_gemv() first"
-    n, k = weight.shape
-    y = torch.empty(1, n, dtype=out_dtype or x.dtype, device=x.device)
-    _gemv_kernel[(triton.cdiv(n, BLOCK_N),)](x, weight, y, n, K=k, BLOCK_N=BLOCK_N,
-                                             BLOCK_K=BLOCK_K, num_warps=NUM_WARPS)
+    y = torch.empty(1, weight.shape[0], dtype=out_dtype or x.dtype, device=x.device)
+    _launch(x, weight, y, gated=gated, tiles=tiles)
     return y
 
 
-def can_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
+def normed_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``rmsnorm(x + residual) @ weight.T`` for one row, and the new residual ``x + residual``
+    (``x`` itself when ``residual`` is None): a decoder layer's add-and-norm folded into the
+    read of the projection after it."""
+    y = torch.empty(1, weight.shape[0], dtype=x.dtype, device=x.device)
+    new_residual = x if residual is None else torch.empty_like(x)
+    _launch(x, weight, y, norm=(residual, norm_weight, eps, new_residual))
+    return y, new_residual
+
+
+def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool = False,
+            norm: tuple[torch.Tensor | None, torch.Tensor, float, torch.Tensor] | None = None,
+            tiles: tuple[int, int, int] = TILES) -> None:
+    assert triton is not None, "call can_gemv() first"
+    n, k = weight.shape
+    block_n, block_k, num_warps = tiles
+    residual, norm_weight, eps, res_out = norm if norm is not None else (None, None, 0.0, None)
+    _gemv_kernel[(triton.cdiv(n, block_n),)](
+        x, weight, y, n, residual, norm_weight, res_out, eps, K=k, BLOCK_N=block_n,
+        BLOCK_K=block_k, GATED=gated, NORM=norm is not None, HAS_RES=residual is not None,
+        num_warps=num_warps)
+
+
+def can_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
     """Whether :func:`gemv` can take ``x @ weight.T``: one row (a batch-1 decode step) on a GPU,
     in 16 bits, both operands contiguous. Larger batches stay with cuBLAS, which is as fast or
     faster from two rows on."""
     if not (on_gpu_16bit(x) and x.dim() == 2 and x.shape[0] == 1):
         return False
-    if not (same_place(x, weight) and weight.dim() == 2 and x.shape[1] == weight.shape[1]
+    width = weight.shape[-1] * (2 if gated else 1)
+    if not (same_place(x, weight) and weight.dim() == 2 and x.shape[1] == width
             and x.is_contiguous() and weight.is_contiguous()):
         return False
     return ready("gemv", x, _trial_gemv)
@@ -86,6 +139,23 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
     if can_mm_float32(x, out_dtype):  # float32 out of 16-bit operands
         return torch.mm(x, weight.t(), out_dtype=out_dtype, out=out)
     return None
+
+
+def gated_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+    """``(silu(gate) * up) @ weight.T`` for ``x = [gate | up]`` by one :func:`gemv`; None when
+    it cannot take the call (more than one row, or not on a GPU)."""
+    return gemv(x, weight, gated=True) if can_gemv(x, weight, gated=True) else None
+
+
+def normed_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                  eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """:func:`normed_gemv` where it can take the call (one row on a GPU); None elsewhere."""
+    if not (can_gemv(x, weight) and same_place(x, norm_weight) and norm_weight.is_contiguous()):
+        return None
+    if residual is not None and not (same_place(x, residual) and residual.shape == x.shape
+                                     and residual.is_contiguous()):
+        return None
+    return normed_gemv(x, residual, norm_weight, eps, weight)
 
 
 def _trial_gemv(device: torch.device, dtype: torch.dtype) -> None:

@@ -143,7 +143,11 @@ class AttentionLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """``x`` [T, hidden] and ``positions`` [T] -> attention output [T, hidden]."""
-        qkv = self.qkv_proj(x)
+        return self.attend(self.qkv_proj(x), positions)
+
+    def attend(self, qkv: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """Everything after the qkv projection (whose output ``qkv`` is), for a caller that
+        computed it together with the norm before it."""
         fast_out = self._fast_forward(qkv, positions)
         if fast_out is not None:
             return self.o_proj(fast_out)

@@ -66,6 +66,14 @@ class FastPaths(Protocol):
                out: torch.Tensor | None = None) -> torch.Tensor | None:
         return None  # x @ weight.T in out_dtype (into out, when given)
 
+    def gated_matmul(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
+        return None  # (silu(gate) * up) @ weight.T for x = [gate | up]: the MLP's down_proj
+
+    def normed_matmul(self, x: torch.Tensor, residual: torch.Tensor | None,
+                      norm_weight: torch.Tensor, eps: float, weight: torch.Tensor
+                      ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        return None  # (rmsnorm(x + residual) @ weight.T, x + residual): see linear.normed_linear
+
     def can_qk_prologue(self, qkv: torch.Tensor, positions: torch.Tensor,
                         cos_sin_cache: torch.Tensor, head_dim: int,
                         norm_weights: tuple[torch.Tensor, torch.Tensor] | None) -> bool:

@@ -23,24 +23,53 @@ import torch.nn.functional as F
 from minisgl.distributed import all_reduce, get_tp_info
 
 from . import fast
+from .activation import silu_and_mul
 from .base import (BaseLayer, ShardId, copy_checked, divide, first_local_kv_head, local_kv_heads,
                    new_parameter, take_slice)
+from .norm import RMSNorm
 
 
 def matmul(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
-           out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
+           out_dtype: torch.dtype | None = None, out: torch.Tensor | None = None,
+           gated: bool = False) -> torch.Tensor:
     """``x @ weight.T (+ bias)``, in ``out_dtype`` when given (float32 for the LM head's logits).
 
     A kernel behind :mod:`~minisgl.layers.fast` may take the product; ``F.linear`` otherwise.
     ``out`` (no bias) receives the product: a CUDA graph's fixed logits, written in place.
+    ``gated``: ``x`` is ``[gate | up]`` and the product is of ``silu(gate) * up``, the gated
+    MLP's activation, which a kernel may apply as it reads ``x`` instead of in a pass of its own.
     """
     assert out is None or bias is None, "out= is for a product without bias"
+    if gated:
+        y = fast.paths.gated_matmul(x, weight)
+        if y is not None:
+            return y if bias is None else y + bias
+        x = silu_and_mul(x)
     y = fast.paths.matmul(x, weight, out_dtype, out)
     if y is not None:
         return y if bias is None else y + bias
     y = F.linear(x, weight, bias)
     y = y if out_dtype is None else y.to(out_dtype)
     return y if out is None else out.copy_(y)
+
+
+def normed_linear(norm: RMSNorm, linear: _LinearBase, x: torch.Tensor,
+                  residual: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``linear(norm(x + residual))`` and the new residual ``x + residual`` (``x`` when
+    ``residual`` is None): the add, the norm and the first product of a pre-norm sub-layer.
+
+    A kernel behind :mod:`~minisgl.layers.fast` may normalise ``x`` as it reads it for the
+    product, one pass instead of two; without one this is the norm, then the layer. ``linear``
+    is column-parallel (its input whole on every rank), so the kernel needs no communication.
+    """
+    fused = fast.paths.normed_matmul(x, residual, norm.weight, norm.eps, linear.weight)
+    if fused is not None:
+        y, residual = fused
+        return (y if linear.bias is None else y + linear.bias), residual
+    if residual is None:
+        return linear(norm(x)), x
+    x, residual = norm(x, residual)
+    return linear(x), residual
 
 
 class _LinearBase(BaseLayer):
@@ -152,10 +181,12 @@ class RowParallelLinear(_LinearBase):
         super().__init__(divide(input_size, tp_size, "input_size"), output_size, bias)
         self.input_size = input_size
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, gated: bool = False) -> torch.Tensor:
+        """``x @ W.T`` summed over ranks; ``gated``: of ``silu(gate) * up`` for ``x = [gate | up]``
+        (each rank holds its slice of both halves, so the activation stays local)."""
         if self.tp_size == 1:
-            return matmul(x, self.weight, self.bias)
-        y = all_reduce(matmul(x, self.weight))
+            return matmul(x, self.weight, self.bias, gated=gated)
+        y = all_reduce(matmul(x, self.weight, gated=gated))
         # The bias is added once, after the sum; adding it on every rank would count it tp times.
         return y if self.bias is None else y + self.bias
 

@@ -22,14 +22,16 @@ import torch
 from torch import nn
 
 from minisgl.layers import (MergedColumnParallelLinear, ParallelLMHead, RMSNorm, RowParallelLinear,
-                            VocabParallelEmbedding, get_rope, silu_and_mul)
+                            VocabParallelEmbedding, get_rope)
 from minisgl.layers.attention import AttentionLayer
+from minisgl.layers.linear import normed_linear
 from minisgl.models.base import BaseLLMModel
 from minisgl.models.config import ConfigError, ModelConfig
 
 
 class GatedMLP(nn.Module):
-    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one column-parallel matrix."""
+    """``down(silu(gate(x)) * up(x))`` with gate and up fused into one column-parallel matrix;
+    the down projection applies the activation as it reads (``gated=True``)."""
 
     def __init__(self, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -38,7 +40,7 @@ class GatedMLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+        return self.down_proj(self.gate_up_proj(x), gated=True)
 
 
 @dataclass(frozen=True)
@@ -62,11 +64,14 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, residual: torch.Tensor | None
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions)
+        # Each norm is taken with the product that reads it (normed_linear), which a kernel
+        # may do in one pass; an MLP without one first product (experts) takes it whole.
+        qkv, residual = normed_linear(self.input_layernorm, self.self_attn.qkv_proj, x, residual)
+        x = self.self_attn.attend(qkv, positions)
+        if isinstance(self.mlp, GatedMLP):
+            gate_up, residual = normed_linear(self.post_attention_layernorm,
+                                              self.mlp.gate_up_proj, x, residual)
+            return self.mlp.down_proj(gate_up, gated=True), residual
         x, residual = self.post_attention_layernorm(x, residual)
         return self.mlp(x), residual
 
