@@ -12,6 +12,7 @@ element may differ by |d| <= 1e-2 + 2e-2 |reference|.
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -584,6 +585,38 @@ def test_one_row_matmul_kernel_equals_cublas(cuda_bf16: None, out_features: int,
     assert_close_bf16(layer(x), expected, "a layer at batch 1")
 
 
+def test_use_fused_turns_on_the_steps_it_names_and_refuses_unknown_ones() -> None:
+    from minisgl.kernel.trials import STEPS, enabled
+
+    assert all(enabled(step) for step in STEPS)
+    with use_fused(STEPS[:3]):
+        assert [enabled(step) for step in STEPS] == [True] * 3 + [False] * (len(STEPS) - 3)
+        assert num_decode_pieces(10 * PIECES_MIN_BATCH) == 0, "pieces are off"
+        with use_fused(False):
+            assert not any(enabled(step) for step in STEPS)
+        assert enabled("gemv") and not enabled("normed")
+    assert all(enabled(step) for step in STEPS)
+    with pytest.raises(ValueError, match="unknown kernel steps"):
+        with use_fused({"gemv", "megakernel"}):
+            pass
+
+
+@pytest.mark.gpu
+def test_each_step_of_the_row_kernel_is_switched_on_its_own(cuda_bf16: None) -> None:
+    """The ablation's switches: the folded forms need their own step and the plain kernel's."""
+    x, gate_up = torch.randn(1, 256), torch.randn(1, 512)
+    weight, norm_weight = torch.randn(64, 256), torch.ones(256)
+    with use_fused({"gemv"}):
+        assert gemv.matmul(x, weight) is not None
+        assert gemv.gated_matmul(gate_up, weight) is None
+        assert gemv.normed_matmul(x, None, norm_weight, EPS, weight) is None
+    with use_fused({"gated", "normed"}):  # without "gemv" there is no row kernel at all
+        assert gemv.gated_matmul(gate_up, weight) is None
+    with use_fused({"gemv", "gated", "normed"}):
+        assert gemv.gated_matmul(gate_up, weight) is not None
+        assert gemv.normed_matmul(x, None, norm_weight, EPS, weight) is not None
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("out_features, in_features", [(1024, 3072), (37, 700)])
 def test_gated_row_matmul_equals_silu_and_mul_then_the_product(
@@ -826,3 +859,24 @@ def test_the_moe_model_on_a_gpu_picks_the_fused_path_and_follows_the_reference()
             ref = model(ids, positions)
     assert rel_err(fused, ref) <= 3e-2  # chapter 3's bf16 bound for a 4-layer model
     assert (fused.argmax(-1) == ref.argmax(-1)).float().mean() >= 0.9
+
+
+def test_the_kernel_ablation_runs_a_row_per_step_on_the_cpu_too(tmp_path: Path) -> None:
+    """benchmark/kernel_steps.py's plumbing: a row for the plain engine and one per step added,
+    each with its latency and offline figures (on a CPU no kernel runs, so none is counted)."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("kernel_steps", ROOT / "benchmark" /
+                                                  "kernel_steps.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    out = tmp_path / "steps.json"
+    rows = module.main(["--model", str(tiny_checkpoint("qwen3")), "--device", "cpu",
+                        "--steps", "gemv,normed", "--context-len", "16", "--max-tokens", "4",
+                        "--offline", "--num-requests", "4", "--min-len", "4", "--max-len", "8",
+                        "--out", str(out)])
+    assert [row["steps"] for row in rows] == [[], ["gemv"], ["gemv", "normed"]]
+    assert json.loads(out.read_text()) == rows
+    for row in rows:
+        assert row["kernels_per_step"] == 0 and row["decode_ms"] > 0
+        assert row["offline_tok_per_s"] > 0

@@ -32,7 +32,7 @@ def available(x: torch.Tensor) -> bool:
 
     The per-operation checks start here and add what their kernel needs of shapes and strides.
     """
-    return on_gpu_16bit(x) and _load() is not None
+    return on_gpu_16bit(x, "flashinfer") and _load() is not None
 
 
 def _load() -> SimpleNamespace | None:

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from minisgl.kernel.trials import on_gpu_16bit, ready, same_place
+from minisgl.kernel.trials import enabled, on_gpu_16bit, ready, same_place
 from minisgl.kernel.triton_compat import tl, triton
 
 
@@ -109,11 +109,12 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool 
         num_warps=num_warps)
 
 
-def can_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool:
+def can_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
+             step: str = "gemv") -> bool:
     """Whether :func:`gemv` can take ``x @ weight.T``: one row (a batch-1 decode step) on a GPU,
-    in 16 bits, both operands contiguous. Larger batches stay with cuBLAS, which is as fast or
-    faster from two rows on."""
-    if not (on_gpu_16bit(x) and x.dim() == 2 and x.shape[0] == 1):
+    in 16 bits, both operands contiguous, kernel ``step`` on (and the plain kernel with it).
+    Larger batches stay with cuBLAS, which is as fast or faster from two rows on."""
+    if not (on_gpu_16bit(x, step) and enabled("gemv") and x.dim() == 2 and x.shape[0] == 1):
         return False
     width = weight.shape[-1] * (2 if gated else 1)
     if not (same_place(x, weight) and weight.dim() == 2 and x.shape[1] == width
@@ -125,7 +126,7 @@ def can_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False) -> bool
 def can_mm_float32(x: torch.Tensor, out_dtype: torch.dtype | None) -> bool:
     """Whether cuBLAS can write ``x @ W.T`` in float32 from 16-bit operands on this GPU
     (``torch.mm``'s ``out_dtype``, which older versions of torch lack)."""
-    return (out_dtype == torch.float32 and on_gpu_16bit(x) and x.dim() == 2
+    return (out_dtype == torch.float32 and on_gpu_16bit(x, "gemv") and x.dim() == 2
             and ready("mm_float32", x, _trial_mm_float32))
 
 
@@ -144,13 +145,14 @@ def matmul(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None 
 def gated_matmul(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor | None:
     """``(silu(gate) * up) @ weight.T`` for ``x = [gate | up]`` by one :func:`gemv`; None when
     it cannot take the call (more than one row, or not on a GPU)."""
-    return gemv(x, weight, gated=True) if can_gemv(x, weight, gated=True) else None
+    return gemv(x, weight, gated=True) if can_gemv(x, weight, True, "gated") else None
 
 
 def normed_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                   eps: float, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """:func:`normed_gemv` where it can take the call (one row on a GPU); None elsewhere."""
-    if not (can_gemv(x, weight) and same_place(x, norm_weight) and norm_weight.is_contiguous()):
+    if not (can_gemv(x, weight, step="normed") and same_place(x, norm_weight)
+            and norm_weight.is_contiguous()):
         return None
     if residual is not None and not (same_place(x, residual) and residual.shape == x.shape
                                      and residual.is_contiguous()):

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
+from minisgl.kernel.trials import on_gpu_16bit
 from minisgl.kernel.triton_compat import tl, triton
 
 BLOCK_N = 64
@@ -30,7 +31,7 @@ def fused_available(x: torch.Tensor) -> bool:
 
     float32 stays on the other paths: ``tl.dot`` would round float32 inputs to TF32.
     """
-    return triton is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16)
+    return triton is not None and on_gpu_16bit(x, "moe")
 
 
 @dataclass(frozen=True)

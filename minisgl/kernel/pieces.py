@@ -18,6 +18,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from minisgl.kernel.trials import enabled
 from minisgl.kernel.triton_compat import tl, triton
 
 Pieces = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]  # what cut_into_pieces returns
@@ -36,7 +37,9 @@ def num_decode_pieces(batch_size: int) -> int:
     65 there is little left, and the longest request decides the step. From there the batch is
     cut here, into ``PIECES_PER_REQUEST`` pieces a request on average, merged after the kernel.
     """
-    return PIECES_PER_REQUEST * batch_size if batch_size >= PIECES_MIN_BATCH else 0
+    if not enabled("pieces") or batch_size < PIECES_MIN_BATCH:
+        return 0
+    return PIECES_PER_REQUEST * batch_size
 
 
 def piece_length(num_pages: np.ndarray, max_pieces: int) -> int:

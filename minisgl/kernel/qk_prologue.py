@@ -135,7 +135,7 @@ def can_qk_prologue(qkv: torch.Tensor, positions: torch.Tensor, cos_sin_cache: t
     """Whether :func:`qk_prologue` can take an attention layer's call: whole heads of a
     power-of-two size (``cos_sin_cache`` [max_position, head_dim], float32), each qkv row of
     unit stride."""
-    if not on_gpu_16bit(qkv) or qkv.shape[0] == 0:
+    if not on_gpu_16bit(qkv, "qk_prologue") or qkv.shape[0] == 0:
         return False
     if head_dim & (head_dim - 1) or head_dim < 32 or qkv.dim() != 2 or qkv.stride(1) != 1:
         return False

@@ -10,7 +10,7 @@ the plain PyTorch code instead of crashing.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Collection, Iterator
 
 import torch
 
@@ -22,7 +22,17 @@ SUPPORTED_DTYPES = (torch.float16, torch.bfloat16)  # what the kernels are insta
 ALIGN_BYTES = 16  # the kernels move 16 bytes per load and store
 Trial = Callable[[torch.device, torch.dtype], None]
 
-_enabled = True
+# The kernels in the order chapter 20 adds them; use_fused can turn on any subset.
+STEPS = (
+    "flashinfer",  # RMSNorm, RoPE and SiLU-and-multiply, one FlashInfer kernel each
+    "qk_prologue",  # split, qk-norm, RoPE and the K/V store of an attention layer, one kernel
+    "gemv",  # the one-row matrix kernel at batch 1, and float32 logits from cuBLAS
+    "gated",  # SiLU-and-multiply folded into the down projection's read
+    "normed",  # a decoder layer's add-and-norm folded into the next projection's read
+    "pieces",  # decode cut into pieces and merged by log-sum-exp, for large batches
+    "moe",  # the mixture of experts' grouped kernels
+)
+_enabled: frozenset[str] = frozenset(STEPS)
 _op_errors: dict[str, str | None] = {}  # op -> None (works) or why it was turned off
 _logged_dtypes: set[torch.dtype] = set()
 
@@ -66,9 +76,15 @@ def same_place(a: torch.Tensor, b: torch.Tensor) -> bool:
     return a.dtype == b.dtype and a.device == b.device
 
 
-def on_gpu_16bit(x: torch.Tensor) -> bool:
-    """The kernels are on, and ``x`` is a float16/bfloat16 CUDA tensor."""
-    if not (_enabled and x.is_cuda):
+def enabled(step: str) -> bool:
+    """Whether kernel ``step`` (one of :data:`STEPS`) is on."""
+    assert step in STEPS, step
+    return step in _enabled
+
+
+def on_gpu_16bit(x: torch.Tensor, step: str) -> bool:
+    """Kernel ``step`` is on, and ``x`` is a float16/bfloat16 CUDA tensor."""
+    if not (enabled(step) and x.is_cuda):
         return False
     if x.dtype not in SUPPORTED_DTYPES:
         if x.dtype not in _logged_dtypes:  # once per dtype: this runs for every layer's call
@@ -79,14 +95,20 @@ def on_gpu_16bit(x: torch.Tensor) -> bool:
 
 
 @contextlib.contextmanager
-def use_fused(on: bool) -> Iterator[None]:
-    """Turn the kernels on or off inside the ``with`` block (process-wide).
+def use_fused(on: bool | Collection[str]) -> Iterator[None]:
+    """Turn the kernels on or off inside the ``with`` block (process-wide): all, none, or only
+    the :data:`STEPS` named.
 
     ``use_fused(False)`` runs the PyTorch code on CUDA too: the reference the GPU tests compare
-    the kernels with, and a way to measure what the kernels save.
+    the kernels with, and a way to measure what the kernels save; a growing subset measures
+    what each one adds (benchmark/kernel_steps.py). Decide before an engine captures its
+    graphs: a replay runs what was captured.
     """
     global _enabled
-    previous, _enabled = _enabled, on
+    wanted = frozenset(STEPS if on is True else () if on is False else on)
+    if unknown := wanted - set(STEPS):
+        raise ValueError(f"unknown kernel steps {sorted(unknown)}; known: {', '.join(STEPS)}")
+    previous, _enabled = _enabled, wanted
     try:
         yield
     finally:
