@@ -880,3 +880,14 @@ def test_the_kernel_ablation_runs_a_row_per_step_on_the_cpu_too(tmp_path: Path) 
     for row in rows:
         assert row["kernels_per_step"] == 0 and row["decode_ms"] > 0
         assert row["offline_tok_per_s"] > 0
+
+
+def test_chapter_20s_example_runs_on_the_cpu() -> None:
+    """examples/ch20_kernels.py, its last part cut to one step; the merge it shows is exact."""
+    done = subprocess.run([sys.executable, str(ROOT / "examples" / "ch20_kernels.py"),
+                           "--model", str(tiny_checkpoint("qwen3")), "--steps", "gemv"],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    merges = [line for line in done.stdout.splitlines() if line.startswith("pieces of")]
+    assert len(merges) == 4 and all(float(line.rsplit("=", 1)[1]) < 1e-12 for line in merges)
+    assert "+ gemv" in done.stdout
