@@ -1,10 +1,12 @@
 """GPU kernels for the calls of the layers and the attention backend (chapter 20).
 
 Each module holds a kernel beside the plain computation it replaces, and says which:
-``flashinfer_ops`` (RMSNorm, RoPE, SiLU-and-multiply), ``gemv`` (one row times a matrix, and
-float32 logits), ``qk_prologue`` (qk-norm, RoPE and the K/V store), ``pieces`` (decode in
-pieces and their merge), ``moe`` (the mixture of experts). :data:`KERNELS` answers the layers'
-seam, :mod:`minisgl.layers.fast`, which uses it whenever this package is there. Everything
+``flashinfer_ops`` (RMSNorm, RoPE, SiLU-and-multiply), ``gemv`` (one row times a matrix,
+with a layer's add-and-norm or the MLP's activation folded into its read, and float32 logits),
+``qk_prologue`` (qk-norm, RoPE and the K/V store), ``pieces`` (decode in pieces and their
+merge), ``moe`` (the mixture of experts). :data:`KERNELS` answers the layers' seam,
+:mod:`minisgl.layers.fast`, which uses it whenever this package is there; :func:`use_fused`
+turns the kernels on and off, all of them or step by step (``trials.STEPS``). Everything
 imports without a GPU or Triton; a kernel runs only where its ``can_*`` check says so.
 """
 
