@@ -586,16 +586,21 @@ def test_one_row_matmul_kernel_equals_cublas(cuda_bf16: None, out_features: int,
 
 
 def test_use_fused_turns_on_the_steps_it_names_and_refuses_unknown_ones() -> None:
-    from minisgl.kernel.trials import STEPS, enabled
+    from minisgl.kernel.trials import DEFAULT_STEPS, STEPS, enabled
 
-    assert all(enabled(step) for step in STEPS)
+    def on() -> set[str]:
+        return {step for step in STEPS if enabled(step)}
+
+    assert on() == DEFAULT_STEPS == set(STEPS) - {"pdl"}, "pdl waits for its measurement"
     with use_fused(STEPS[:3]):
-        assert [enabled(step) for step in STEPS] == [True] * 3 + [False] * (len(STEPS) - 3)
+        assert on() == set(STEPS[:3])
         assert num_decode_pieces(10 * PIECES_MIN_BATCH) == 0, "pieces are off"
         with use_fused(False):
-            assert not any(enabled(step) for step in STEPS)
-        assert enabled("gemv") and not enabled("normed")
-    assert all(enabled(step) for step in STEPS)
+            assert on() == set()
+        with use_fused(True):
+            assert on() == DEFAULT_STEPS
+        assert on() == set(STEPS[:3])
+    assert on() == DEFAULT_STEPS
     with pytest.raises(ValueError, match="unknown kernel steps"):
         with use_fused({"gemv", "megakernel"}):
             pass
@@ -615,6 +620,48 @@ def test_each_step_of_the_row_kernel_is_switched_on_its_own(cuda_bf16: None) -> 
     with use_fused({"gemv", "gated", "normed"}):
         assert gemv.gated_matmul(gate_up, weight) is not None
         assert gemv.normed_matmul(x, None, norm_weight, EPS, weight) is not None
+
+
+@pytest.mark.gpu
+def test_row_kernels_launched_early_replay_a_dependent_chain_exactly(cuda_bf16: None) -> None:
+    """With programmatic dependent launch each row kernel starts before the one it reads from
+    has finished, and waits only before reading that one's output: a graph of kernels each
+    reading the last one's output, replayed, equals the same chain launched plainly."""
+    from minisgl.kernel.trials import DEFAULT_STEPS, op_status
+
+    weights = [torch.randn(512 if i % 2 else 1024, 1024 if i % 2 else 512) / 30
+               for i in range(12)]
+    norm_weight = torch.ones(512)
+    x = torch.zeros(1, 512)
+
+    def chain() -> torch.Tensor:
+        h, residual = x, None
+        for i, w in enumerate(weights):
+            if i % 2:
+                h = gemv.gemv(h, w)
+            else:
+                h, residual = gemv.normed_gemv(h, residual, norm_weight, EPS, w)
+        return h
+
+    with use_fused(DEFAULT_STEPS | {"pdl"}):
+        chain()  # the trial and compilation, outside the capture
+        if op_status("pdl") != "on":
+            pytest.skip(f"programmatic dependent launch is off here: {op_status('pdl')}")
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            chain()
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=stream):
+            captured = chain()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        x.copy_(torch.randn(1, 512))
+        graph.replay()
+        with use_fused(DEFAULT_STEPS):
+            expected = chain()
+        assert torch.equal(captured, expected), f"seed {seed}: a launched-early chain differs"
 
 
 @pytest.mark.gpu

@@ -15,7 +15,7 @@ from __future__ import annotations
 from minisgl.kernel import flashinfer_ops, gemv, moe, pieces, qk_prologue
 from minisgl.kernel.trials import op_status, use_fused
 
-OPS = (*flashinfer_ops.OPS, "qk_prologue", "gemv")
+OPS = (*flashinfer_ops.OPS, "qk_prologue", "gemv", "pdl")
 
 
 class Kernels:

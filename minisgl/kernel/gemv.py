@@ -35,11 +35,18 @@ if triton is not None:
     @triton.jit
     def _gemv_kernel(x_ptr, w_ptr, y_ptr, N, res_ptr, norm_ptr, res_out_ptr, eps,
                      K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr):
+                     GATED: tl.constexpr, NORM: tl.constexpr, HAS_RES: tl.constexpr,
+                     PDL: tl.constexpr):
         rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
         row_ok = rows < N
         # K is a compile-time constant: a model has three or four, each compiled once.
         w_rows = w_ptr + rows.to(tl.int64)[:, None] * K  # int64: an LM head has N * K > 2**31
+        first = tl.arange(0, BLOCK_K)
+        w_first = tl.load(w_rows + first[None, :], mask=row_ok[:, None] & (first < K)[None, :],
+                          other=0.0)
+        if PDL:  # launched early: the weights are no kernel's output, x and residual are
+            tl.extra.cuda.gdc_launch_dependents()  # the next kernel may start as SMs free up
+            tl.extra.cuda.gdc_wait()  # until the kernel before has finished and is visible
         if NORM:  # every program first takes 1/rms of the whole row: K numbers, read from L2
             squares = tl.zeros((BLOCK_K,), dtype=tl.float32)
             for start in range(0, K, BLOCK_K):
@@ -50,10 +57,14 @@ if triton is not None:
                 squares += s * s
             inv_rms = tl.rsqrt(tl.sum(squares, axis=0) / K + eps)
         acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-        for start in range(0, K, BLOCK_K):
+        for start in tl.static_range(0, K, BLOCK_K):
             cols = start + tl.arange(0, BLOCK_K)
             col_ok = cols < K
-            w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :], other=0.0)
+            if start == 0:
+                w = w_first
+            else:
+                w = tl.load(w_rows + cols[None, :], mask=row_ok[:, None] & col_ok[None, :],
+                            other=0.0)
             x = tl.load(x_ptr + cols, mask=col_ok, other=0.0).to(tl.float32)
             if GATED:  # x is silu(gate) * up, rounded as the activation kernel would store it
                 up = tl.load(x_ptr + K + cols, mask=col_ok, other=0.0).to(tl.float32)
@@ -103,10 +114,11 @@ def _launch(x: torch.Tensor, weight: torch.Tensor, y: torch.Tensor, gated: bool 
     n, k = weight.shape
     block_n, block_k, num_warps = tiles
     residual, norm_weight, eps, res_out = norm if norm is not None else (None, None, 0.0, None)
+    pdl = enabled("pdl") and ready("pdl", x, _trial_pdl)
     _gemv_kernel[(triton.cdiv(n, block_n),)](
         x, weight, y, n, residual, norm_weight, res_out, eps, K=k, BLOCK_N=block_n,
         BLOCK_K=block_k, GATED=gated, NORM=norm is not None, HAS_RES=residual is not None,
-        num_warps=num_warps)
+        PDL=pdl, num_warps=num_warps, **({"launch_pdl": True} if pdl else {}))
 
 
 def can_gemv(x: torch.Tensor, weight: torch.Tensor, gated: bool = False,
@@ -163,6 +175,18 @@ def normed_matmul(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: t
 def _trial_gemv(device: torch.device, dtype: torch.dtype) -> None:
     gemv(torch.zeros(1, 64, dtype=dtype, device=device),
          torch.zeros(3, 64, dtype=dtype, device=device))
+
+
+def _trial_pdl(device: torch.device, dtype: torch.dtype) -> None:
+    """Programmatic dependent launch needs a Hopper GPU or later and a Triton that has it."""
+    if torch.cuda.get_device_capability(device)[0] < 9:
+        raise RuntimeError("programmatic dependent launch needs compute capability 9.0+")
+    x, weight = torch.zeros(1, 64, dtype=dtype, device=device), torch.ones(3, 64, dtype=dtype,
+                                                                             device=device)
+    y = torch.empty(1, 3, dtype=dtype, device=device)
+    _gemv_kernel[(1,)](x, weight, y, 3, None, None, None, 0.0, K=64, BLOCK_N=4, BLOCK_K=64,
+                       GATED=False, NORM=False, HAS_RES=False, PDL=True, num_warps=1,
+                       launch_pdl=True)
 
 
 def _trial_mm_float32(device: torch.device, dtype: torch.dtype) -> None:

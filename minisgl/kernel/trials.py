@@ -31,8 +31,12 @@ STEPS = (
     "normed",  # a decoder layer's add-and-norm folded into the next projection's read
     "pieces",  # decode cut into pieces and merged by log-sum-exp, for large batches
     "moe",  # the mixture of experts' grouped kernels
+    # Hopper's programmatic dependent launch for the row kernel: its programs start reading
+    # their weights while the kernel before it finishes. Off until measured (kernel_steps.py).
+    "pdl",
 )
-_enabled: frozenset[str] = frozenset(STEPS)
+DEFAULT_STEPS = frozenset(STEPS) - {"pdl"}  # what use_fused(True) and a new process turn on
+_enabled: frozenset[str] = DEFAULT_STEPS
 _op_errors: dict[str, str | None] = {}  # op -> None (works) or why it was turned off
 _logged_dtypes: set[torch.dtype] = set()
 
@@ -96,8 +100,8 @@ def on_gpu_16bit(x: torch.Tensor, step: str) -> bool:
 
 @contextlib.contextmanager
 def use_fused(on: bool | Collection[str]) -> Iterator[None]:
-    """Turn the kernels on or off inside the ``with`` block (process-wide): all, none, or only
-    the :data:`STEPS` named.
+    """Turn the kernels on or off inside the ``with`` block (process-wide): the default ones
+    (:data:`DEFAULT_STEPS`), none, or only the :data:`STEPS` named.
 
     ``use_fused(False)`` runs the PyTorch code on CUDA too: the reference the GPU tests compare
     the kernels with, and a way to measure what the kernels save; a growing subset measures
@@ -105,7 +109,7 @@ def use_fused(on: bool | Collection[str]) -> Iterator[None]:
     graphs: a replay runs what was captured.
     """
     global _enabled
-    wanted = frozenset(STEPS if on is True else () if on is False else on)
+    wanted = DEFAULT_STEPS if on is True else frozenset(() if on is False else on)
     if unknown := wanted - set(STEPS):
         raise ValueError(f"unknown kernel steps {sorted(unknown)}; known: {', '.join(STEPS)}")
     previous, _enabled = _enabled, wanted
