@@ -10,6 +10,8 @@ import math
 import re
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -569,7 +571,35 @@ def test_ch12_gpu_summary_line_matches_the_offline_benchmark() -> None:
     assert f"generates {round(tok_s):,} tokens/s" in line
     assert f"{tok_s / transformers:.1f}× transformers' batched `generate`" in line
     assert f"{overlap.group(5)} of the time needed to read the weights and KV once" in line
-    assert f"overlap is worth {tok_s / sync_tok_s:.2f}× ({round(sync_tok_s):,}" in line
+    assert f"there overlap is worth {tok_s / sync_tok_s:.2f}× ({round(sync_tok_s):,}" in line
+    # the workload is said beside the number: chapter 19's ablations measure another one
+    n, low, high = (int(g) for g in re.search(
+        r"workload: (\d+) requests, prompt and output lengths uniform in \[(\d+), (\d+)\]",
+        text).groups())
+    assert f"{n} requests with prompts and outputs of {low} to {high:,} tokens" in line
+    assert "(ch19_bench.md)'s offline run of the finished engine" in line
+
+
+def test_tok_s_figures_of_two_workloads_each_name_theirs() -> None:
+    """28,233 tok/s (the ablations' workload) and 24,790 (the offline run's) never stand alone."""
+    ablations = recording("ch19_ablations-cuda")
+    n, low, high = (int(g) for g in re.search(
+        r"random: (\d+) requests, prompts and outputs uniform in \[(\d+), (\d+)\]",
+        ablations).groups())
+    full, = _floats("ch19_ablations-cuda", r"^cuda-graph \[graphs on\]: .* = ([\d.]+) tok/s")
+    offline, = _floats("offline_bench-cuda", r"^minisgl \(overlap, radix\): .* = ([\d.]+) tok/s")
+    full, offline = int(full + 0.5), int(offline + 0.5)  # the page rounds half up
+    short = f"{n} requests of {low} to {high} tokens"
+    long = "256 requests of 100 to 1,024 tokens"
+    assert_on_page("ch19", f"{n} requests, prompts and outputs of {low} to {high} tokens (27,358 "
+                           f"output tokens). The full engine on this workload: {full:,} tok/s",
+                   f"{offline:,} tok/s on this workload (fewer than the ablations' "
+                   f"{full:,} on {short}",
+                   f"ablations' {short}: {full:,} tok/s",
+                   f"{long}, {offline:,} tok/s")
+    readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
+    assert f"256 requests (prompts and outputs of 100 to 1,024 tokens)" in readme
+    assert f"{offline:,} output tokens/s" in readme and f"{full:,} tok/s" in readme
 
 
 # --------------------------------------------------------------------------- chapter 13
@@ -720,15 +750,18 @@ def test_ch15_usage_and_chunks_on_the_h200() -> None:
 
 def test_ch15_exit_status_and_load_summary() -> None:
     assert "exited with code 143; processes left behind: 0" in recording("ch15_server-cpu")
-    bench = recording("online_bench-cuda")
+    # The load figures are chapter 19's online run, named as such beside the number.
+    bench = recording("ch19_online-cuda")
     rows = re.findall(r"^rate (\S+) [^:]*: (\d+) requests, (\d+) errors, [\d.]+ s: [\d.]+ req/s, "
                       r"([\d.]+) output tok/s", bench, re.M)
-    assert [r[0] for r in rows] == ["4", "8", "16", "32", "64", "inf"]
-    assert all(int(n) == 128 and int(err) == 0 for _, n, err, _ in rows)
+    assert [r[0] for r in rows] == ["8", "16", "32", "64", "inf"]
+    assert all(int(n) == 64 and int(err) == 0 for _, n, err, _ in rows)
     best = max(float(r[3]) for r in rows)
-    assert best == 14860.8
-    assert_on_page("ch15", "143 (128 + 15)", "128 streamed requests", "with 0 errors",
-                   f"{best:,} output tokens a second", "ch19_bench.md")
+    low, high = (int(n) for n in re.search(r"prompts uniform in \[(\d+), (\d+)\]", bench).groups())
+    assert_on_page("ch15", "143 (128 + 15)", "(ch19_bench.md)'s online benchmark",
+                   f"64 streamed requests at each rate, from {rows[0][0]} requests a second",
+                   f"outputs of {low} to {high} tokens", "0 errors",
+                   f"{best:,} output tokens a second")
 
 
 # --------------------------------------------------------------------------- chapter 16
@@ -813,6 +846,141 @@ def test_ch19_host_step_on_the_cpu() -> None:
     assert round(lane / ms) == 7, "the page calls the host's share a seventh of the lane"
     assert_on_page("ch19", f"costs the host {ms:.2f} ms, {per_request:.1f} µs a request",
                    f"a seventh of the device's {lane:.2f} ms")
+
+
+# --------------------------------------------------------------------------- chapter 17 onwards
+# From chapter 17 on, every measured figure a page states in its prose (a time, a rate, a size, a
+# share, written with a decimal point or a thousands separator) must be a number of a recording
+# the page includes (ms and µs, GB and MB read as one), or one the page derives from them, listed
+# in DERIVED with the arithmetic that gives it. The chapters are found from their pages, so a
+# chapter written later (20, 22, 23) is covered the day its page lands. Answers and code blocks
+# are left out: they work through the reader's own numbers.
+FIRST_SWEPT = 17
+MEASURED = re.compile(
+    r"(?<![\w.,/-])(\d{1,3}(?:,\d{3})+(?:\.\d+)?|\d+\.\d+)\s?"
+    r"(ms|µs|s|tok/s|tokens/s|(?:output )?tokens a second|GB/s|TB/s|req/s|GB|MB|GiB|MiB|%)"
+    r"(?![\w/])")
+
+
+def included_recordings(text: str) -> list[str]:
+    """The names of the recordings a page includes, `docs/recorded/<name>.txt`."""
+    return re.findall(r'--8<-- "docs/recorded/([^"]+)\.txt"', text)
+
+
+def prose_outside_answers(text: str) -> str:
+    """A page's prose without code blocks and collapsed (`???`) blocks, on one line."""
+    text = re.sub(r"```.*?```", "", text, flags=re.S)
+    kept, in_block = [], False
+    for line in text.splitlines():
+        if re.match(r"\s*\?\?\?\+? ", line):
+            in_block = True
+            continue
+        if in_block and (line.startswith("    ") or not line.strip()):
+            continue
+        in_block = False
+        kept.append(line)
+    return " ".join(" ".join(kept).split())
+
+
+def recorded_values(names: list[str]) -> set[float]:
+    values: set[float] = set()
+    for name in names:
+        for m in re.findall(r"\d[\d,]*(?:\.\d+)?(?:e[+-]?\d+)?", recording(name)):
+            value = float(m.replace(",", ""))
+            values |= {value, value / 1000, value * 1000}
+    return values
+
+
+def decimals(figure: str) -> int:
+    return len(figure.split(".")[1]) if "." in figure else 0
+
+
+def _floats(name: str, pattern: str) -> tuple[float, ...]:
+    m = re.search(pattern, recording(name), re.M)
+    assert m, f"{pattern!r} not found in {name}"
+    return tuple(float(g.replace(",", "")) for g in m.groups())
+
+
+def _sampler_ms(config: str, batch: int) -> float:
+    return _floats("ch21_sampler_cost-cuda",
+                   rf"^{re.escape(config)}\s+{batch}\s+([\d.]+)")[0]
+
+
+def _moe_step_ms(field: str) -> float:
+    steps, decode, floor = _floats(
+        "ch18_moe_offline-cuda", r"^minisgl \(overlap, radix\):.* (\d+) decode steps ([\d.]+) s"
+                                 r".*HBM floor ([\d.]+) s")
+    return {"decode": decode, "floor": floor}[field] / steps * 1e3
+
+
+def _ch18_sparse_floor_ms() -> float:
+    active_gb, = _floats("ch18_models-cpu", r"read per decode token:\s+([\d.]+) GB")
+    measured, = _floats("ch18_moe_paths-cuda", r"copy bandwidth (\d+) GB/s")
+    return active_gb / measured * 1e3
+
+
+def _ch19_batch128_gb(part: str) -> float:
+    weights, kv = _floats("ch19_profile-cuda", r"^batch 128 .*\(weights (\d+) MiB \+ KV (\d+) MiB\)")
+    return {"weights": weights, "kv": kv}[part] * 2**20 / 1e9
+
+
+# figure on the page -> how it follows from the recordings the page includes
+DERIVED: dict[str, dict[str, object]] = {
+    "ch18": {
+        "1.42 ms": _ch18_sparse_floor_ms,  # active bytes over the measured copy bandwidth
+        "1.69 ms": lambda: _moe_step_ms("floor"),  # the floor over the decode steps
+        "2.83 ms": lambda: _moe_step_ms("decode"),  # decode time over the decode steps
+    },
+    "ch19": {
+        "15.8 GB": lambda: _ch19_batch128_gb("kv"),  # the profile's MiB in GB
+        "1.19 GB": lambda: _ch19_batch128_gb("weights"),
+    },
+    "ch21": {  # each adjustment's cost over plain top-p sampling
+        "0.44 ms": lambda: _sampler_ms("sampled + penalties", 1)
+        - _sampler_ms("sampled (temperature 1, top-p 0.9)", 1),
+        "0.27 ms": lambda: _sampler_ms("sampled + logit_bias (8 tokens)", 1)
+        - _sampler_ms("sampled (temperature 1, top-p 0.9)", 1),
+        "0.17 ms": lambda: _sampler_ms("sampled + logprobs (top 5)", 1)
+        - _sampler_ms("sampled (temperature 1, top-p 0.9)", 1),
+        "0.8 ms": lambda: max(_sampler_ms(c, 128) for c in ("sampled + penalties",
+                                                            "sampled + logprobs (top 5)"))
+        - _sampler_ms("sampled (temperature 1, top-p 0.9)", 128),
+    },
+}
+
+SWEPT = sorted(p for p in (ROOT / "chapters").glob("ch*_*.md")
+               if int(p.name[2:4]) >= FIRST_SWEPT)
+
+
+def test_every_chapter_from_17_on_is_swept() -> None:
+    """The sweep finds the written chapters from their pages: 17, 18, 19 and 21 today."""
+    found = {p.name[:4] for p in SWEPT}
+    assert {"ch17", "ch18", "ch19", "ch21"} <= found
+    assert set(DERIVED) <= found, f"DERIVED names a chapter with no page: {set(DERIVED) - found}"
+
+
+@pytest.mark.parametrize("path", SWEPT, ids=[p.name[:4] for p in SWEPT])
+def test_every_measured_figure_is_in_the_pages_recordings(path: Path) -> None:
+    chapter = path.name[:4]
+    text = path.read_text(encoding="utf-8")
+    values = recorded_values(included_recordings(text))
+    derived = DERIVED.get(chapter, {})
+    prose = prose_outside_answers(text)
+    unrecorded = []
+    for m in MEASURED.finditer(prose):
+        figure, value = m.group(0), float(m.group(1).replace(",", ""))
+        tolerance = 0.5 * 10 ** -decimals(m.group(1)) + 1e-9
+        if figure in derived or any(abs(v - value) <= tolerance for v in values):
+            continue
+        unrecorded.append(f"{figure!r} in '…{prose[max(0, m.start() - 60):m.end() + 20]}…'")
+    assert not unrecorded, (f"{chapter} states figures none of its recordings "
+                            f"{included_recordings(text)} gives; record them, or list the "
+                            f"arithmetic in DERIVED:\n" + "\n".join(unrecorded))
+    for figure, compute in derived.items():
+        assert figure in prose, f"DERIVED lists {figure!r}, which {chapter} no longer states"
+        number_part = figure.split()[0]
+        assert abs(compute() - float(number_part)) <= 0.5 * 10 ** -decimals(number_part) + 1e-6, (
+            f"{chapter}'s {figure!r} is not what its recordings give: {compute():.4f}")
 
 
 # --------------------------------------------------------------------------- the home page
