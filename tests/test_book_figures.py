@@ -570,7 +570,7 @@ def test_ch12_gpu_summary_line_matches_the_offline_benchmark() -> None:
     line = " ".join(page("ch12").split())
     assert f"generates {round(tok_s):,} tokens/s" in line
     assert f"{tok_s / transformers:.1f}× transformers' batched `generate`" in line
-    assert f"{overlap.group(5)} of the time needed to read the weights and KV once" in line
+    assert f"decode at {overlap.group(5)} of the time to read the weights and KV once" in line
     assert f"there overlap is worth {tok_s / sync_tok_s:.2f}× ({round(sync_tok_s):,}" in line
     # the workload is said beside the number: chapter 19's ablations measure another one
     n, low, high = (int(g) for g in re.search(
