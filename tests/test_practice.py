@@ -131,9 +131,14 @@ def chapter_page(exercise) -> Path | None:
     return page
 
 
-def page_pieces(exercise, spec: str) -> list[str]:
-    """The qualified names the exercise's chapter page includes of `spec`: the symbol itself,
-    or what it holds (a class's methods), or what holds it (a method's class)."""
+SNAPSHOT = re.compile(r"^tools/versions/(ch\d\d)/(.+)$")
+
+
+def page_pieces(exercise, spec: str) -> list[tuple[str, str]]:
+    """The pieces the exercise's chapter page includes of `spec`, as (file as the page names it,
+    qualified name): the symbol itself, or what it holds (a class's methods), or what holds it
+    (a method's class). A page that shows an earlier version of the module
+    (`tools/versions/chNN/<module path>`) shows the answer all the same."""
     page = chapter_page(exercise)
     if page is None:
         return []
@@ -142,25 +147,35 @@ def page_pieces(exercise, spec: str) -> list[str]:
     found = []
     for include in INCLUDE.findall(page.read_text(encoding="utf-8")):
         file, _, names = include.partition("::")
-        if file == path:
-            found += [n for n in names.split() if not n.startswith("-")
+        snapshot = SNAPSHOT.match(file)
+        if file == path or (snapshot and snapshot.group(2) == path):
+            found += [(file, n) for n in names.split() if not n.startswith("-")
                       and (n == qualname or n.startswith(qualname + ".")
                            or qualname.startswith(n + "."))]
     # A method shown with its whole class is shown all the same; a piece inside another
     # included piece comes with it.
-    found = [qualname if qualname.startswith(n + ".") else n for n in found]
-    return [n for n in dict.fromkeys(found)
-            if not any(n.startswith(other + ".") for other in found)]
+    found = [(f, qualname if qualname.startswith(n + ".") else n) for f, n in found]
+    return [(f, n) for f, n in dict.fromkeys(found)
+            if not any(n.startswith(other + ".") for _, other in found)]
+
+
+def page_source(file: str) -> str:
+    """The text of a file a page includes: the final one, or an earlier version rebuilt."""
+    snapshot = SNAPSHOT.match(file)
+    if snapshot is None:
+        return (ROOT / file).read_text(encoding="utf-8")
+    manifest = judge.steps.load_manifest(ROOT)
+    return judge.steps.snapshots.earlier_version(manifest, snapshot.group(2), snapshot.group(1))
 
 
 def pasted_name(qualname: str) -> str:
     return "_page_" + qualname.replace(".", "_")
 
 
-def engine_definition(module: str, qualname: str) -> str:
-    """The source of `module`'s `qualname`, dedented, renamed to `pasted_name(qualname)`; a
-    method becomes a function of `self`."""
-    source = (ROOT / (module.replace(".", "/") + ".py")).read_text(encoding="utf-8")
+def engine_definition(file: str, qualname: str) -> str:
+    """The source of `qualname` in `file` as the page shows it, dedented, renamed to
+    `pasted_name(qualname)`; a method becomes a function of `self`."""
+    source = page_source(file)
     body = ast.parse(source).body
     node = None
     for part in qualname.split("."):
@@ -220,6 +235,33 @@ ADAPTERS: dict[str, dict[str, str]] = {
                     np.array(positions, dtype=np.int64), page_size))
             """,
     },
+    # Chapter 9's page shows the manager's loop, the budget's rule and the lifetime pages, from
+    # the chapter's own version of the module: a learner would feed them plain numbers.
+    "ch09_admission": {
+        "worst_case_pages": """
+            def worst_case_pages(prompt_len, max_tokens, page_size):
+                req = SimpleNamespace(prompt_ids=[0] * prompt_len,
+                                      params=SimpleNamespace(max_tokens=max_tokens))
+                return _page_lifetime_pages(req, page_size)
+            """,
+        "choose_admissions": """
+            def choose_admissions(waiting, *, free_pages, free_rows, token_budget, page_size):
+                from collections import deque
+                globals()["lifetime_pages"] = _page_lifetime_pages
+                budget = PrefillBudget(tokens=token_budget, pages=free_pages, rows=free_rows)
+                empty = SimpleNamespace(num_tokens=0, pages=[])
+                cache = SimpleNamespace(page_size=page_size, match=lambda req: empty,
+                                        admit=lambda req, match: None)
+                manager = SimpleNamespace(waiting=deque(waiting), cache=cache)
+                manager._try_admit = lambda req, budget, is_first: (
+                    _page_PrefillManager__try_admit(manager, req, budget, is_first))
+                admitted = []
+                while manager.waiting and manager._try_admit(manager.waiting[0], budget,
+                                                             not admitted):
+                    admitted.append(manager.waiting.popleft().uid)
+                return admitted
+            """,
+    },
     # The page's loop steps a real Scheduler over real batches; the exercise's runs prompts
     # through a fake device, so the page's step is all a learner could paste.
     "ch12_token_pool": {"run_from_pool": "run_from_pool = _page_Scheduler__step\n"},
@@ -249,12 +291,13 @@ def page_paste_source(exercise) -> str | None:
         if not pieces:
             continue
         module, _, qualname = spec.partition(":")
-        pasted += [engine_definition(module, piece) for piece in pieces]
+        pasted += [engine_definition(file, piece) for file, piece in pieces]
+        shown = [piece for _, piece in pieces]
         if name in adapters:
             pasted.append(textwrap.dedent(adapters[name]))
         else:
-            assert qualname in pieces, (
-                f"{exercise.id}: the page shows only {pieces} of {spec}; say in ADAPTERS how "
+            assert qualname in shown, (
+                f"{exercise.id}: the page shows only {shown} of {spec}; say in ADAPTERS how "
                 f"a learner would call them as {name}")
             pasted.append(f"{name} = {pasted_name(qualname)}")
         replaced.append(name)
@@ -277,8 +320,7 @@ def page_paste_source(exercise) -> str | None:
 
 
 # The exercises whose chapter page includes none of the engine's answer: nothing to paste.
-NOTHING_SHOWN = {"ch07_positions", "ch09_admission", "ch14_detokenize", "ch15_sse_client",
-                 "ch17_tp_lockstep"}
+NOTHING_SHOWN = {"ch07_positions", "ch15_sse_client", "ch17_tp_lockstep"}
 # An exercise of a coming chapter (no page yet) joins the others the day its page lands.
 PASTABLE = [exercise for exercise in EXERCISES
             if exercise.id not in NOTHING_SHOWN and chapter_page(exercise) is not None]
@@ -289,8 +331,23 @@ def test_the_pages_said_to_show_no_answer_show_none() -> None:
     assert not shown, f"these pages now include their exercise's answer: test them too: {shown}"
 
 
+# Exercises whose page's code, pasted, passes today: each must change to ask for something the
+# page does not print. Strict: the day one is changed, its entry must go.
+RETYPEABLE = {
+    "ch09_admission": "chapter 9's page shows lifetime_pages, PrefillBudget.admits and "
+                      "PrefillManager's loop: the whole admission rule",
+    "ch14_detokenize": "chapter 14's page shows its DecodeStream and StopMatcher whole, from "
+                       "the chapter's version of detokenize.py",
+}
+
+
+def _pastable_params() -> list:
+    return [pytest.param(e, id=e.id, marks=[pytest.mark.xfail(strict=True, reason=RETYPEABLE[e.id])]
+                         if e.id in RETYPEABLE else []) for e in PASTABLE]
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("exercise", PASTABLE, ids=[exercise.id for exercise in PASTABLE])
+@pytest.mark.parametrize("exercise", _pastable_params())
 def test_the_code_the_page_shows_does_not_pass_the_exercise(exercise, tmp_path: Path) -> None:
     source = page_paste_source(exercise)
     assert source is not None, (f"{exercise.chapter}'s page includes none of "
