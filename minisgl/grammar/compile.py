@@ -1,0 +1,149 @@
+"""Schemas to grammars: what ``response_format`` and ``tools`` ask for, as llguidance grammars.
+
+Why llguidance (https://github.com/guidance-ai/llguidance) rather than XGrammar, the library
+upstream's open pull request uses: both compute the same thing, a bitmask of the tokens a grammar
+allows next, from JSON Schema or a context-free grammar. llguidance ships wheels for Linux, macOS
+and Windows that depend on no torch version (XGrammar's builds follow torch's), so the CPU book
+installs it with the rest; it needs no ahead-of-time compilation of the grammar against the
+vocabulary: a lazy lexer and an Earley parser walk the tokenizer's trie at each step, about
+50 microseconds a mask for a 128k vocabulary by its authors' measurements, so a new schema costs
+almost nothing to start. It reads JSON Schema and Lark (with JSON Schema inline, which the tool
+calls below use) and says which keywords it does not support instead of ignoring them.
+
+A grammar here is llguidance's serialized form (a string). It travels in
+:class:`~minisgl.core.SamplingParams` to the scheduler's process, which builds a matcher from it
+(:mod:`~minisgl.grammar.states`). Compiling is cached by the schema's canonical JSON, so a
+client that sends the same schema with every request pays for it once.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import llguidance
+
+# How generated JSON is spaced: one space after ":" and ",", as Python's json.dumps and
+# Qwen3's chat template write it, and no other whitespace. Flexible whitespace would let a
+# small model pad its output with newlines up to max_tokens instead of closing the object.
+JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
+CACHE_SIZE = 256  # distinct schemas kept compiled
+
+
+class GrammarError(ValueError):
+    """A schema or grammar that cannot be compiled; the message names the problem."""
+
+
+def json_schema_grammar(schema: Any, strict: bool = False) -> str:
+    """The grammar of JSON documents that validate against ``schema``.
+
+    ``strict`` is OpenAI's structured-outputs switch: as there, an object that does not say
+    whether it takes other properties takes none (``additionalProperties: false``). Without it
+    JSON Schema's own default (any other property) holds.
+
+    Raises:
+        GrammarError: ``schema`` is not a JSON Schema llguidance can compile, naming why.
+    """
+    if not isinstance(schema, (Mapping, bool)):
+        raise GrammarError(f"a JSON Schema must be an object or a boolean, "
+                           f"not {type(schema).__name__}")
+    # The key keeps the properties' order: it is the order they are written in.
+    return _compiled_schema(json.dumps(schema, separators=(",", ":")), strict)
+
+
+# json_object's bounds. "Any JSON object" is a language in which a model can write forever: a
+# string it never closes, members or nesting without end (the book's tiny model does exactly
+# that). These bounds make every sentence of the grammar end within a known length, and are far
+# above what an answer needs; a schema (json_schema) states its own.
+MAX_STRING_CHARS = 64
+MAX_MEMBERS = 8  # per object or array
+MAX_DEPTH = 3  # objects and arrays nested in the outermost object
+
+
+@functools.lru_cache(maxsize=1)
+def json_object_grammar() -> str:
+    """The grammar of a JSON object (``response_format: {"type": "json_object"}``), within the
+    bounds above, spaced as :data:`JSON_OPTIONS` says, in Lark."""
+    more = f"~0..{MAX_MEMBERS - 1}"
+    rules = ["start: obj0",
+             r'STR: /"([^"\\\x00-\x1f]|\\["\\\/bfnrt]){0,%d}"/' % MAX_STRING_CHARS,
+             r"NUM: /-?(0|[1-9][0-9]{0,15})(\.[0-9]{1,16})?([eE][+-]?[0-9]{1,3})?/"]
+    for depth in range(MAX_DEPTH + 1):
+        inner = [f"obj{depth + 1}", f"arr{depth + 1}"] if depth < MAX_DEPTH else []
+        rules += [
+            f'obj{depth}: "{{" (STR ": " val{depth} (", " STR ": " val{depth}){more})? "}}"',
+            f'arr{depth}: "[" (val{depth} (", " val{depth}){more})? "]"',
+            f"val{depth}: " + " | ".join([*inner, "STR", "NUM", '"true"', '"false"', '"null"']),
+        ]
+    return _checked(llguidance.LLMatcher.grammar_from_lark("\n".join(rules)))
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _compiled_schema(canonical: str, strict: bool) -> str:
+    schema = json.loads(canonical)
+    if strict:
+        schema = closed_objects(schema)
+    grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
+    return _checked(grammar)
+
+
+def closed_objects(schema: Any) -> Any:
+    """``schema`` with ``additionalProperties: false`` on every object schema that does not
+    say (one with ``properties``, or ``type: "object"``), wherever it is nested."""
+    if isinstance(schema, list):
+        return [closed_objects(item) for item in schema]
+    if not isinstance(schema, dict):
+        return schema
+    closed = {key: closed_objects(value) for key, value in schema.items()}
+    if ("properties" in schema or schema.get("type") == "object") \
+            and "additionalProperties" not in schema:
+        closed["additionalProperties"] = False
+    return closed
+
+
+def tool_call_grammar(functions: Sequence[tuple[str, Any]], parallel: bool = True,
+                      strict: bool = False) -> str:
+    """The grammar of one or more tool calls in Qwen3's format::
+
+        <tool_call>
+        {"name": "NAME", "arguments": {...}}
+        </tool_call>
+
+    where NAME is one of ``functions`` (``(name, parameters schema)`` pairs) and the arguments
+    validate against that function's parameters. ``parallel``: several calls, one after another.
+    """
+    if not functions:
+        raise GrammarError("no function to call")
+    return _compiled_tools(json.dumps([list(f) for f in functions], separators=(",", ":")),
+                           parallel, strict)
+
+
+@functools.lru_cache(maxsize=CACHE_SIZE)
+def _compiled_tools(canonical: str, parallel: bool, strict: bool) -> str:
+    calls = [{"type": "object", "properties": {"name": {"const": name},
+                                               "arguments": _parameters(params, strict)},
+              "required": ["name", "arguments"], "additionalProperties": False}
+             for name, params in json.loads(canonical)]
+    call_schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
+    call_schema["x-guidance"] = JSON_OPTIONS
+    lark = "\n".join([
+        'start: call ("\\n" call)*' if parallel else "start: call",
+        'call: "<tool_call>\\n" body "\\n</tool_call>"',
+        f"body: %json {json.dumps(call_schema)}",
+    ])
+    return _checked(llguidance.LLMatcher.grammar_from_lark(lark))
+
+
+def _parameters(params: Any, strict: bool) -> Any:
+    """A function's ``parameters`` as the schema of its arguments (absent: any object)."""
+    schema = {"type": "object"} if params in (None, {}) else params
+    return closed_objects(schema) if strict else schema
+
+
+def _checked(grammar: str) -> str:
+    error = llguidance.LLMatcher.validate_grammar(grammar)
+    if error:
+        raise GrammarError(error)
+    return grammar
