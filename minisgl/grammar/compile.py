@@ -39,9 +39,12 @@ class GrammarError(ValueError):
 def json_schema_grammar(schema: Any, strict: bool = False) -> str:
     """The grammar of JSON documents that validate against ``schema``.
 
-    ``strict`` is OpenAI's structured-outputs switch: as there, an object that does not say
-    whether it takes other properties takes none (``additionalProperties: false``). Without it
-    JSON Schema's own default (any other property) holds.
+    An object schema that does not say whether it takes other properties takes none here
+    (:func:`closed_objects`): JSON Schema's default, any other property with any value, would
+    invite a model to invent keys and write on without end. XGrammar, which vLLM and SGLang
+    use, closes objects by default in the same way (its ``strict_mode``). ``strict`` is OpenAI's
+    structured-outputs switch: there, a strict schema's every property is required, so here
+    a strict schema's output has every property it lists.
 
     Raises:
         GrammarError: ``schema`` is not a JSON Schema llguidance can compile, naming why.
@@ -82,29 +85,29 @@ def json_object_grammar() -> str:
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _compiled_schema(canonical: str, strict: bool) -> str:
-    schema = json.loads(canonical)
-    if strict:
-        schema = closed_objects(schema)
+    schema = closed_objects(json.loads(canonical), require_all=strict)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     return _checked(grammar)
 
 
-def closed_objects(schema: Any) -> Any:
+def closed_objects(schema: Any, require_all: bool = False) -> Any:
     """``schema`` with ``additionalProperties: false`` on every object schema that does not
-    say (one with ``properties``, or ``type: "object"``), wherever it is nested."""
+    say (one with ``properties``, or ``type: "object"``), wherever it is nested; with
+    ``require_all``, every listed property also required."""
     if isinstance(schema, list):
-        return [closed_objects(item) for item in schema]
+        return [closed_objects(item, require_all) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    closed = {key: closed_objects(value) for key, value in schema.items()}
+    closed = {key: closed_objects(value, require_all) for key, value in schema.items()}
     if ("properties" in schema or schema.get("type") == "object") \
             and "additionalProperties" not in schema:
         closed["additionalProperties"] = False
+    if require_all and isinstance(schema.get("properties"), dict):
+        closed["required"] = list(schema["properties"])
     return closed
 
 
-def tool_call_grammar(functions: Sequence[tuple[str, Any]], parallel: bool = True,
-                      strict: bool = False) -> str:
+def tool_call_grammar(functions: Sequence[tuple[str, Any]], parallel: bool = True) -> str:
     """The grammar of one or more tool calls in Qwen3's format::
 
         <tool_call>
@@ -112,18 +115,20 @@ def tool_call_grammar(functions: Sequence[tuple[str, Any]], parallel: bool = Tru
         </tool_call>
 
     where NAME is one of ``functions`` (``(name, parameters schema)`` pairs) and the arguments
-    validate against that function's parameters. ``parallel``: several calls, one after another.
+    validate against that function's parameters (absent or empty: an object without
+    properties; objects closed as in :func:`json_schema_grammar`). ``parallel``: several
+    calls, one after another.
     """
     if not functions:
         raise GrammarError("no function to call")
     return _compiled_tools(json.dumps([list(f) for f in functions], separators=(",", ":")),
-                           parallel, strict)
+                           parallel)
 
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
-def _compiled_tools(canonical: str, parallel: bool, strict: bool) -> str:
+def _compiled_tools(canonical: str, parallel: bool) -> str:
     calls = [{"type": "object", "properties": {"name": {"const": name},
-                                               "arguments": _parameters(params, strict)},
+                                               "arguments": closed_objects(params or {"type": "object"})},
               "required": ["name", "arguments"], "additionalProperties": False}
              for name, params in json.loads(canonical)]
     call_schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
@@ -134,12 +139,6 @@ def _compiled_tools(canonical: str, parallel: bool, strict: bool) -> str:
         f"body: %json {json.dumps(call_schema)}",
     ])
     return _checked(llguidance.LLMatcher.grammar_from_lark(lark))
-
-
-def _parameters(params: Any, strict: bool) -> Any:
-    """A function's ``parameters`` as the schema of its arguments (absent: any object)."""
-    schema = {"type": "object"} if params in (None, {}) else params
-    return closed_objects(schema) if strict else schema
 
 
 def _checked(grammar: str) -> str:
