@@ -30,6 +30,12 @@ import llguidance
 # small model pad its output with newlines up to max_tokens instead of closing the object.
 JSON_OPTIONS = {"whitespace_flexible": False, "key_separator": ": ", "item_separator": ", "}
 CACHE_SIZE = 256  # distinct schemas kept compiled
+MAX_EXACT_INT = 2**53 - 1  # the largest integer a JSON number (a double) holds exactly
+NUMBER_STEP = 1e-6  # the finest decimal a number without multipleOf is written to
+# JSON Schema's keywords that hold schemas: by name, in a list, or one.
+SCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions")
+SCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+SCHEMA_VALUES = ("items", "additionalProperties", "not", "if", "then", "else", "contains")
 
 
 class GrammarError(ValueError):
@@ -40,7 +46,7 @@ def json_schema_grammar(schema: Any, strict: bool = False) -> str:
     """The grammar of JSON documents that validate against ``schema``.
 
     An object schema that does not say whether it takes other properties takes none here
-    (:func:`closed_objects`): JSON Schema's default, any other property with any value, would
+    (:func:`bounded_schema`): JSON Schema's default, any other property with any value, would
     invite a model to invent keys and write on without end. XGrammar, which vLLM and SGLang
     use, closes objects by default in the same way (its ``strict_mode``). ``strict`` is OpenAI's
     structured-outputs switch: there, a strict schema's every property is required, so here
@@ -85,26 +91,47 @@ def json_object_grammar() -> str:
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _compiled_schema(canonical: str, strict: bool) -> str:
-    schema = closed_objects(json.loads(canonical), require_all=strict)
+    schema = bounded_schema(json.loads(canonical), require_all=strict)
     grammar = llguidance.LLMatcher.grammar_from_json_schema(schema, defaults=JSON_OPTIONS)
     return _checked(grammar)
 
 
-def closed_objects(schema: Any, require_all: bool = False) -> Any:
-    """``schema`` with ``additionalProperties: false`` on every object schema that does not
-    say (one with ``properties``, or ``type: "object"``), wherever it is nested; with
-    ``require_all``, every listed property also required."""
-    if isinstance(schema, list):
-        return [closed_objects(item, require_all) for item in schema]
+def bounded_schema(schema: Any, require_all: bool = False) -> Any:
+    """``schema`` narrowed so that every output ends, wherever a subschema does not say:
+
+    - an object (one with ``properties``, or ``type: "object"``) takes no other property
+      (``additionalProperties: false``);
+    - a number lies in JSON's exact-integer range, +-(2**53 - 1), and has at most six
+      decimals (``multipleOf: 1e-6``): otherwise its digits never have to end, and a small
+      model writes ``2101010101...`` up to max_tokens.
+
+    Every output still validates against the original schema. With ``require_all``, every
+    listed property is also required (OpenAI's strict mode).
+    """
     if not isinstance(schema, dict):
         return schema
-    closed = {key: closed_objects(value, require_all) for key, value in schema.items()}
-    if ("properties" in schema or schema.get("type") == "object") \
-            and "additionalProperties" not in schema:
-        closed["additionalProperties"] = False
+    bounded = dict(schema)
+    for key, value in schema.items():  # the keywords whose values are schemas, and no other
+        if key in SCHEMA_MAPS and isinstance(value, dict):
+            bounded[key] = {name: bounded_schema(sub, require_all) for name, sub in value.items()}
+        elif key in SCHEMA_LISTS and isinstance(value, list):
+            bounded[key] = [bounded_schema(sub, require_all) for sub in value]
+        elif key in SCHEMA_VALUES:
+            bounded[key] = bounded_schema(value, require_all)
+    types = schema.get("type")
+    types = types if isinstance(types, list) else [types]
+    if ("properties" in schema or "object" in types) and "additionalProperties" not in schema:
+        bounded["additionalProperties"] = False
     if require_all and isinstance(schema.get("properties"), dict):
-        closed["required"] = list(schema["properties"])
-    return closed
+        bounded["required"] = list(schema["properties"])
+    if "integer" in types or "number" in types:
+        if "minimum" not in schema and "exclusiveMinimum" not in schema:
+            bounded["minimum"] = -MAX_EXACT_INT
+        if "maximum" not in schema and "exclusiveMaximum" not in schema:
+            bounded["maximum"] = MAX_EXACT_INT
+        if "number" in types and "multipleOf" not in schema:
+            bounded["multipleOf"] = NUMBER_STEP
+    return bounded
 
 
 def tool_call_grammar(functions: Sequence[tuple[str, Any]], parallel: bool = True) -> str:
@@ -117,7 +144,8 @@ def tool_call_grammar(functions: Sequence[tuple[str, Any]], parallel: bool = Tru
     where NAME is one of ``functions`` (``(name, parameters schema)`` pairs) and the arguments
     validate against that function's parameters (absent or empty: an object without
     properties; objects closed as in :func:`json_schema_grammar`). ``parallel``: several
-    calls, one after another.
+    calls, one after another. The tags are tokens of Qwen3's vocabulary (and of the book's
+    tiny models): a model without them cannot start the grammar (the scheduler says so).
     """
     if not functions:
         raise GrammarError("no function to call")
@@ -127,15 +155,17 @@ def tool_call_grammar(functions: Sequence[tuple[str, Any]], parallel: bool = Tru
 
 @functools.lru_cache(maxsize=CACHE_SIZE)
 def _compiled_tools(canonical: str, parallel: bool) -> str:
-    calls = [{"type": "object", "properties": {"name": {"const": name},
-                                               "arguments": closed_objects(params or {"type": "object"})},
+    calls = [{"type": "object",
+              "properties": {"name": {"const": name},
+                             "arguments": bounded_schema(params or {"type": "object"})},
               "required": ["name", "arguments"], "additionalProperties": False}
              for name, params in json.loads(canonical)]
     call_schema = {"anyOf": calls} if len(calls) > 1 else calls[0]
     call_schema["x-guidance"] = JSON_OPTIONS
     lark = "\n".join([
         'start: call ("\\n" call)*' if parallel else "start: call",
-        'call: "<tool_call>\\n" body "\\n</tool_call>"',
+        # the tags are tokens of Qwen3's vocabulary: named as tokens, not spelled as text
+        'call: <tool_call> "\\n" body "\\n" </tool_call>',
         f"body: %json {json.dumps(call_schema)}",
     ])
     return _checked(llguidance.LLMatcher.grammar_from_lark(lark))

@@ -25,7 +25,7 @@ from contextlib import aclosing
 from dataclasses import dataclass
 from typing import Any
 
-from minisgl.grammar.compile import GrammarError, closed_objects, tool_call_grammar
+from minisgl.grammar.compile import GrammarError, bounded_schema, tool_call_grammar
 from minisgl.message import TokenUsage, UserReply
 from minisgl.server.protocol import APIError
 from minisgl.server.responses import (SSE_DONE, ResponseMeta, chunk, sse_event, total_usage,
@@ -67,7 +67,7 @@ class ToolChoice:
             return None
         chosen = [f for f in self.functions if self.choice in ("required", f.name)]
         # strict, as in response_format: every listed argument is given
-        pairs = [(f.name, closed_objects(f.parameters, require_all=True) if f.strict
+        pairs = [(f.name, bounded_schema(f.parameters, require_all=True) if f.strict
                   else f.parameters) for f in chosen]
         try:
             return tool_call_grammar(pairs, parallel=self.parallel)
