@@ -15,8 +15,6 @@
 from __future__ import annotations
 
 import json
-import os
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -25,11 +23,11 @@ from minisgl.core import SamplingParams
 from minisgl.grammar import json_object_grammar, json_schema_grammar
 from minisgl.grammar.automaton import allowed_tokens, integer_field_dfa
 
-from conftest import ROOT
+# The trained tiny model, served by ``python -m minisgl --device cpu`` as model "m".
+from test_clients import MODEL_DIR, server  # noqa: F401  (a fixture)
 
 jsonschema = pytest.importorskip("jsonschema")
 
-MODEL_DIR = ROOT / "models" / "tiny-shakespeare"
 MAX_TOKENS = 1000  # every grammar below ends well before: the test fails if one does not
 
 SCHEMAS: list[dict[str, Any]] = [
@@ -134,16 +132,6 @@ def test_the_automatons_mask_equals_brute_force_on_a_toy_vocabulary() -> None:
 
 
 # =========================================================================== the server
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from server_process import ServerProcess  # tools/, see conftest.py
-
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with ServerProcess(MODEL_DIR, device="cpu", log_path=log,
-                       args=("--served-model-name", "m")) as running:
-        yield running
-
-
 @pytest.fixture(scope="module")
 def client(server: Any) -> Any:
     openai = pytest.importorskip("openai")
