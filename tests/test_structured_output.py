@@ -200,6 +200,7 @@ def test_objects_are_closed_and_strict_gives_every_property(client: Any) -> None
 @pytest.mark.parametrize("response_format, problem", [
     (schema_format({"type": "objectx"}), "objectx"),
     (schema_format({"type": "string", "format": "no-such-format"}), "no-such-format"),
+    (schema_format({"type": "array", "uniqueItems": True}), "uniqueItems"),  # unsupported
     ({"type": "json_schema", "json_schema": {"name": "x"}}, "schema"),
     ({"type": "yaml"}, "yaml"),
 ])

@@ -1,14 +1,16 @@
 """Schemas to grammars: what ``response_format`` and ``tools`` ask for, as llguidance grammars.
 
 Why llguidance (https://github.com/guidance-ai/llguidance) rather than XGrammar, the library
-upstream's open pull request uses: both compute the same thing, a bitmask of the tokens a grammar
-allows next, from JSON Schema or a context-free grammar. llguidance ships wheels for Linux, macOS
-and Windows that depend on no torch version (XGrammar's builds follow torch's), so the CPU book
-installs it with the rest; it needs no ahead-of-time compilation of the grammar against the
-vocabulary: a lazy lexer and an Earley parser walk the tokenizer's trie at each step, about
-50 microseconds a mask for a 128k vocabulary by its authors' measurements, so a new schema costs
-almost nothing to start. It reads JSON Schema and Lark (with JSON Schema inline, which the tool
-calls below use) and says which keywords it does not support instead of ignoring them.
+upstream's open pull request uses: both give the same thing, a bitmask of the tokens a grammar
+allows next, from JSON Schema or a context-free grammar, and both are used by vLLM and SGLang.
+llguidance's wheel is one compiled extension that needs no torch (its torch helpers are
+optional), where XGrammar's package depends on torch, transformers and, on x86 Linux, triton.
+llguidance compiles nothing ahead: an Earley parser and a lazy lexer walk a trie of the
+vocabulary at each step, about 50 microseconds of one CPU core per mask for a 128k vocabulary by
+its authors' measurements (https://pypi.org/project/llguidance/), with negligible start-up,
+where XGrammar compiles each grammar against the vocabulary first (and caches it). llguidance
+reads JSON Schema and Lark, with JSON Schema inline (the tool calls below use that), and names
+the keywords it does not support instead of ignoring them.
 
 A grammar here is llguidance's serialized form (a string). It travels in
 :class:`~minisgl.core.SamplingParams` to the scheduler's process, which builds a matcher from it
