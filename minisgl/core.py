@@ -120,6 +120,8 @@ class SamplingParams:
     def _validate(self) -> None:
         """Reject impossible values here, at the edge, with a message that names the field,
         the value and what is allowed; deeper code can then trust every field."""
+        if self.grammar is not None and not isinstance(self.grammar, str):  # chapter 22
+            _invalid("grammar", self.grammar, "None or a grammar's text (minisgl.grammar)")
         _check_real("temperature", self.temperature)
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             _invalid("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")

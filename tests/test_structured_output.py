@@ -379,7 +379,11 @@ def generate(prompts: list[str], params: list[SamplingParams], overlap: bool) ->
     from minisgl.llm import LLM
 
     with LLM(MODEL_DIR, device="cpu", dtype="float32", overlap=overlap) as llm:
-        return llm.generate(prompts, params)
+        outputs = llm.generate(prompts, params)
+        # A run without a grammar never allocates the bitmask: it pays nothing for it.
+        constrained = any(p.grammar is not None for p in params)
+        assert ("grammar_bitmask" in vars(llm.engine)) == constrained
+        return outputs
 
 
 def test_requests_without_a_grammar_are_untouched_beside_constrained_ones() -> None:
@@ -412,3 +416,14 @@ def test_a_finished_grammar_stops_even_under_ignore_eos() -> None:
     out = generate(["Color:"], [params], overlap=True)[0]
     assert out["finish_reason"] == "stop" and len(out["token_ids"]) < 20
     jsonschema.validate(json.loads(out["text"]), SCHEMAS[3])
+
+
+def test_the_cost_benchmark_runs_every_share(tiny_model_dir: Any) -> None:
+    from conftest import load_repo_script
+
+    bench = load_repo_script("benchmark/structured_cost.py")
+    rows = bench.main(["--model", str(tiny_model_dir), "--device", "cpu", "--num-requests",
+                       "4", "--min-len", "4", "--max-len", "8"])
+    assert [(r["constrained"], r["overlap"]) for r in rows] == \
+        [(share, overlap) for overlap in (True, False) for share in bench.SHARES]
+    assert all(r["tokens"] > 0 and r["tok_per_s"] > 0 for r in rows)
