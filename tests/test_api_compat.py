@@ -498,3 +498,15 @@ def test_a_schema_driven_fuzzer_finds_nothing(server: DefaultServer, tmp_path: P
     failures = fuzz.run(server.url, max_examples=30, report=tmp_path / "fuzz.txt",
                         phases=("examples", "fuzzing", "stateful"))
     assert failures == [], "\n".join(failures)
+
+
+def test_content_may_be_null_only_on_an_assistant_turn_that_calls_tools(
+        client: TestClient) -> None:
+    """Chapter 22: an assistant turn with tool_calls may leave content null; no other turn."""
+    missing = client.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages.0"
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+    assert client.post("/v1/chat/completions", json={"messages": history}).status_code == 200

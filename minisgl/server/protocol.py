@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from minisgl.core import MAX_TOP_LOGPROBS, SamplingParams
 from minisgl.message import RequestError
@@ -174,6 +174,14 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        # Only an assistant turn that calls tools may come without content, as in OpenAI's API.
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant turn with tool_calls may "
+                             "leave it null)")
+        return self
 
     def as_dict(self) -> dict[str, Any]:
         """The turn as the chat template expects it: role and plain-text content (and the
