@@ -18,7 +18,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from minisgl.utils.checks import check_int, is_int, is_number
 
@@ -77,6 +77,9 @@ class SamplingParams:
         prompt_logprobs: None, or the same for every prompt token but the first (each given
             the tokens before it); a request that asks computes its whole prompt, without the
             prefix cache.
+        grammar: None, or a grammar every output must follow (llguidance's serialized form,
+            from :mod:`minisgl.grammar.compile`): each token is drawn from those it allows next,
+            and the request ends (``"stop"``) once the grammar is complete (chapter 22).
 
     The five before ``logprobs`` adjust the logits before temperature and the filters, in that order
     (chapter 21); greedy requests take the argmax of the adjusted logits.
@@ -98,6 +101,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    grammar: str | None = None  # chapter 22
     # Whether the next token is always the argmax: temperature 0 by definition, and top_k 1 at
     # any temperature (only the most likely token survives the filter). Derived, not given.
     is_greedy: bool = field(init=False, repr=False, compare=False)
@@ -116,6 +120,8 @@ class SamplingParams:
     def _validate(self) -> None:
         """Reject impossible values here, at the edge, with a message that names the field,
         the value and what is allowed; deeper code can then trust every field."""
+        if self.grammar is not None and not isinstance(self.grammar, str):  # chapter 22
+            _invalid("grammar", self.grammar, "None or a grammar's text (minisgl.grammar)")
         _check_real("temperature", self.temperature)
         if not (math.isfinite(self.temperature) and self.temperature >= 0.0):
             _invalid("temperature", self.temperature, "a finite number >= 0 (0 means greedy)")
@@ -251,6 +257,8 @@ class Req:
         output_logprobs: with ``params.logprobs`` set, one entry per token of ``output_ids``.
         prompt_logprobs: with ``params.prompt_logprobs`` set, one entry per prompt token from
             the second on, filled as the prompt's chunks are computed.
+        grammar: with ``params.grammar`` set, the request's place in its grammar (a
+            :class:`~minisgl.grammar.states.GrammarState`, made by the scheduler; chapter 22).
     """
 
     uid: int
@@ -264,6 +272,7 @@ class Req:
     in_flight: int = 0
     output_logprobs: list[TokenLogprobs] = field(default_factory=list)  # chapter 21
     prompt_logprobs: list[TokenLogprobs] = field(default_factory=list)  # chapter 21
+    grammar: Any = field(default=None, repr=False)  # chapter 22
 
     def __post_init__(self) -> None:
         # Accept any sequence of ids, or a 1-D tensor; store a plain list of ints.

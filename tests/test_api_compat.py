@@ -5,7 +5,7 @@ What these tests pin down (each failed before the server learnt it):
 - ``model``: an unknown one is 404 ``model_not_found``; the served name and the path the server
   was started with both answer; ``GET /v1/models/{id}`` the same way;
 - OpenAI's fields this server does not implement are accepted at their neutral values
-  (``logprobs: false``, ``tools: []``, ``response_format: {"type": "text"}``, ...) and refused
+  (``store: false``, ``service_tier: "auto"``, ``best_of: 1``, ...) and refused
   otherwise with a 400 that names the field and says it is not supported;
 - a message's ``name`` and the ``developer`` role are accepted; a role the server does not
   support is refused in OpenAI's error shape, not pydantic's words; ``/v1/completions`` takes
@@ -113,9 +113,6 @@ def test_neutral_values_of_unsupported_fields_are_accepted(client: TestClient, f
 
 
 @pytest.mark.parametrize("path, field, value", [
-    ("/v1/chat/completions", "tools", [{"type": "function", "function": {"name": "f"}}]),
-    ("/v1/chat/completions", "tool_choice", "required"),
-    ("/v1/chat/completions", "response_format", {"type": "json_object"}),
     ("/v1/completions", "best_of", 3),
     ("/v1/completions", "suffix", "end"),
 ])
@@ -142,11 +139,11 @@ def test_a_name_and_the_developer_role_are_accepted(client: TestClient) -> None:
 
 def test_an_unsupported_role_is_refused_in_openai_words(client: TestClient) -> None:
     response = client.post("/v1/chat/completions",
-                           json={"messages": [{"role": "tool", "content": "x"}]})
+                           json={"messages": [{"role": "function", "content": "x"}]})
     assert response.status_code == 400
     error = response.json()["error"]
     assert error["param"] == "messages.0.role" and "Input should" not in error["message"]
-    assert "'developer'" in error["message"] and '"tool"' in error["message"]
+    assert "'developer'" in error["message"] and '"function"' in error["message"]
 
 
 def test_a_list_of_prompts_gets_one_choice_each(client: TestClient) -> None:
@@ -501,3 +498,15 @@ def test_a_schema_driven_fuzzer_finds_nothing(server: DefaultServer, tmp_path: P
     failures = fuzz.run(server.url, max_examples=30, report=tmp_path / "fuzz.txt",
                         phases=("examples", "fuzzing", "stateful"))
     assert failures == [], "\n".join(failures)
+
+
+def test_content_may_be_null_only_on_an_assistant_turn_that_calls_tools(
+        client: TestClient) -> None:
+    """Chapter 22: an assistant turn with tool_calls may leave content null; no other turn."""
+    missing = client.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
+    assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages.0"
+    call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
+    history = [{"role": "user", "content": "x"},
+               {"role": "assistant", "content": None, "tool_calls": [call]},
+               {"role": "tool", "tool_call_id": "call_1", "content": "done"}]
+    assert client.post("/v1/chat/completions", json={"messages": history}).status_code == 200

@@ -31,9 +31,12 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "minisgl"
 #   reads; the engine owns one of each; the scheduler decides who gets which pages.
 # - ``shell`` drives a server's frontend from a terminal, so it sits above ``server``;
 #   ``__main__`` chooses between the two. ``llm`` (the offline API) needs only the scheduler.
+# - ``grammar`` (chapter 22) compiles schemas to grammars and holds each request's matcher and
+#   the bitmask: the engine masks logits with it, the scheduler feeds it the sampled tokens and
+#   the server compiles with it, so it sits below the engine; it needs only core and utils.
 PACKAGE_ORDER = (
     "env", "utils", "kernel", "core", "distributed", "message", "layers", "moe", "models",
-    "kvcache", "attention", "engine", "scheduler", "tokenizer", "server", "shell", "llm",
+    "kvcache", "attention", "grammar", "engine", "scheduler", "tokenizer", "server", "shell", "llm",
     "__main__",
 )
 

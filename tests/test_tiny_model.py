@@ -401,10 +401,14 @@ def test_chat_unknown_role_is_an_error(hf_tokenizer) -> None:
         render(hf_tokenizer, [{"role": "narrator", "content": "Once upon a time"}])
 
 
-def test_chat_tool_definitions_are_refused(hf_tokenizer) -> None:
+def test_chat_tool_definitions_are_rendered_as_qwen3_does(hf_tokenizer) -> None:
     tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {}}}]
-    with pytest.raises(Exception, match="does not render tool definitions"):
-        render(hf_tokenizer, SYSTEM_AND_USER, tools=tools)
+    text = render(hf_tokenizer, SYSTEM_AND_USER, tools=tools)
+    system = SYSTEM_AND_USER[0]["content"]
+    assert text.startswith(f"<|im_start|>system\n{system}\n\n# Tools\n")
+    assert "<tools>\n" + json.dumps(tools[0]) + "\n</tools>" in text
+    assert text.count("<|im_start|>system") == 1  # the system text went into the tools turn
+    assert '<tool_call>\n{"name": <function-name>, "arguments": <args-json-object>}' in text
 
 
 # ---------------------------------------------------------------------------------------------

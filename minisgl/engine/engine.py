@@ -13,6 +13,7 @@ share of the heads; rank 0's samples are everyone's. Chapter 7 tells the story.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import gc
 from dataclasses import dataclass
 
@@ -29,6 +30,7 @@ from minisgl.engine.adjustments import adjust_logits
 from minisgl.engine.logprobs import PromptRows, batch_logprobs
 from minisgl.engine.sample import make_generator, sample_batch
 from minisgl.engine.token_pool import TokenPool
+from minisgl.grammar.states import TokenBitmask
 from minisgl.kvcache import MHAKVPool, RequestPages
 from minisgl.kvcache.page_table import pages_for
 from minisgl.layers.attention import use_attention_backend
@@ -325,6 +327,8 @@ class Engine:
                     req.generator = make_generator(req.params.seed, self.device)
             if any(req.params.adjusts_logits for req in batch.reqs):  # chapter 21
                 logits = adjust_logits(logits, batch, self.token_pool, self.eos_token_ids)
+            if any(req.grammar is not None for req in batch.reqs):  # chapter 22: last, it wins
+                logits = self.grammar_bitmask.apply(logits, [req.grammar for req in batch.reqs])
             tokens = sample_batch(logits, [req.params for req in batch.reqs],
                                   [req.generator for req in batch.reqs])
         else:
@@ -333,6 +337,13 @@ class Engine:
             tokens = broadcast_from_rank0(tokens)
         self.token_pool.store_samples(batch, tokens)
         return tokens
+
+    @functools.cached_property
+    def grammar_bitmask(self) -> TokenBitmask:
+        """The allowed-token bits of a batch's constrained rows (chapter 22), allocated at the
+        first one: an engine that never sees a grammar never holds it."""
+        return TokenBitmask(self.token_pool.ids.shape[0], self.model_config.vocab_size,
+                            self.device)
 
     # ----------------------------------------------------------------------- bookkeeping
     def __repr__(self) -> str:

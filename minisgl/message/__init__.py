@@ -110,6 +110,8 @@ class TokenizeRequest(TokenizerMessage):
         messages: a chat conversation, ``[{"role": "user", "content": "..."}, ...]``.
         strict_max_tokens: the client chose ``max_tokens`` (passed on to the
             scheduler's :class:`UserRequest`).
+        tools: with ``messages``, the functions the chat template shows the model
+            (OpenAI's ``tools``; chapter 22).
     """
 
     uid: int
@@ -118,6 +120,7 @@ class TokenizeRequest(TokenizerMessage):
     input_ids: list[int] | None = None
     messages: list[dict[str, Any]] | None = None
     strict_max_tokens: bool = False
+    tools: list[dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         given = [name for name in ("text", "input_ids", "messages")

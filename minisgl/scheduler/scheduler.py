@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING
 from minisgl.core import Batch, Phase, Req
 from minisgl.engine.engine import Engine
 from minisgl.engine.logprobs import unpack_logprobs
+from minisgl.grammar.states import Grammars
 from minisgl.scheduler.cache import PREFIX_CACHES, CacheManager
 from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import HostTokens, InFlight
@@ -109,6 +110,9 @@ class Scheduler:
         self._in_flight: InFlight | None = None  # launched, tokens not read (overlap only)
         self._host_tokens = HostTokens(self.engine.device, config.max_running_reqs)
         self._decode_owed = False  # the last prefill cut a prompt: the running requests go next
+        # Chapter 22: the matchers of requests with a grammar (built at the first one).
+        self.grammars = Grammars(config.model_path, self.engine.model_config.vocab_size,
+                                 self.eos_token_ids)
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, req: Req) -> None:
@@ -139,6 +143,8 @@ class Scheduler:
             logger.warning("request %d: max_tokens %d lowered to %d to fit max_seq_len %d",
                            req.uid, req.params.max_tokens, room, self.max_seq_len)
             req.params = dataclasses.replace(req.params, max_tokens=room)
+        if req.params.grammar is not None:  # chapter 22
+            req.grammar = self.grammars.start(req.params.grammar)
         self._live_uids.add(req.uid)
         self.prefill.waiting.append(req)
 
@@ -182,6 +188,7 @@ class Scheduler:
         if self.followers is not None:
             self.followers.stepping(self.num_steps)
         try:
+            early = self._read_constrained_early()  # chapter 22
             batch = self.schedule_next_batch()
             new_pages, launched = 0, None
             if batch is not None:
@@ -195,7 +202,7 @@ class Scheduler:
                 due, self._in_flight = self._in_flight, launched
             else:
                 due = launched
-            read = [] if due is None else self._read(due)
+            read = early + ([] if due is None else self._read(due))
             return StepResult(
                 step=self.num_steps - (batch is not None),
                 phase=None if batch is None else batch.phase,
@@ -275,6 +282,17 @@ class Scheduler:
             logprobs = logprobs.to_host()
         return InFlight(batch, *self._host_tokens.copy(tokens), logprobs)
 
+    def _read_constrained_early(self) -> list[Req]:
+        """With overlap, read the batch in flight now, before the next is formed, when a
+        request with a grammar sampled in it: its next mask depends on that token (chapter 22).
+        Batches without such a request keep the overlap."""
+        flight = self._in_flight
+        if flight is None or not any(req.grammar is not None and complete for req, complete
+                                     in zip(flight.batch.reqs, flight.batch.completes)):
+            return []
+        self._in_flight = None
+        return self._read(flight)
+
     def _read(self, flight: InFlight) -> list[Req]:
         """Append ``flight``'s tokens to their requests and retire the finished; returns the
         requests that took a token.
@@ -302,7 +320,10 @@ class Scheduler:
             read.append(req)
             if i in logprobs:
                 req.output_logprobs.append(logprobs[i])
-            if req.append_token(token, self.eos_token_ids) is None:
+            finished = req.append_token(token, self.eos_token_ids) is not None
+            if req.grammar is not None:  # chapter 22: a complete grammar ends the request
+                finished = req.grammar.advance(req, token)
+            if not finished:
                 continue
             self.running.pop(req.uid, None)
             logger.debug("request %d finished (%s) after %d token(s)", req.uid,

@@ -49,6 +49,9 @@ from minisgl.server.protocol import (
 )
 from minisgl.server.responses import ResponseMeta, completion_body, stream_completion
 from minisgl.server.streaming import SSEResponse
+from minisgl.server.structured import response_format_grammar
+from minisgl.server.tools import (ToolChoice, attach_tool_calls, parse_tool_choice,
+                                  stream_tool_calls)
 from minisgl.utils.logger import get_logger
 
 logger = get_logger(__name__)
@@ -98,9 +101,12 @@ async def chat_completions(body: ChatCompletionRequest, request: Request):
             raise APIError(400, f"max_tokens is {body.max_tokens}, but this server serves at "
                                 f"most {limit} tokens per request", "max_tokens",
                            code="context_length_exceeded")
+    tools = parse_tool_choice(body.tools, body.tool_choice, body.parallel_tool_calls)  # ch. 22
+    params = constrained(params, body.response_format, tools)
     messages = [m.as_dict() for m in body.messages]
-    uids = await submit_prompts(frontend, [messages], params, max_tokens is not None, body.n)
-    return await answer(request, body, uids, "chatcmpl")
+    uids = await submit_prompts(frontend, [messages], params, max_tokens is not None, body.n,
+                                tools=tools.template_tools() if tools else None)
+    return await answer(request, body, uids, "chatcmpl", tools)
 
 
 @router.post("/v1/completions", responses=GENERATION_RESPONSES)
@@ -109,16 +115,28 @@ async def completions(body: CompletionRequest, request: Request):
     prompts is answered with one choice per prompt, ``index`` in the order given."""
     frontend: RequestRouter = request.app.state.frontend
     params = checked_params(request, body, body.max_tokens, DEFAULT_COMPLETION_MAX_TOKENS)
+    params = constrained(params, body.response_format, None)  # chapter 22
     uids = await submit_prompts(frontend, body.prompts(), params, body.max_tokens is not None,
                                 body.n)
     return await answer(request, body, uids, "cmpl")
 
 
+def constrained(params: SamplingParams, response_format: dict[str, Any] | None,
+                tools: ToolChoice | None) -> SamplingParams:
+    """``params`` with the grammar the request asks for (chapter 22): calls that ``tool_choice``
+    requires win over ``response_format``, which still shapes a turn that may call or not."""
+    grammar = tools.grammar() if tools is not None else None
+    grammar = grammar or response_format_grammar(response_format)
+    return params if grammar is None else dataclasses.replace(params, grammar=grammar)
+
+
 async def answer(request: Request, body: ChatCompletionRequest | CompletionRequest,
-                 uids: list[int], id_prefix: str) -> Response | dict[str, Any]:
+                 uids: list[int], id_prefix: str, tools: ToolChoice | None = None
+                 ) -> Response | dict[str, Any]:
     """Answer requests ``uids`` (one per prompt; a chat turn has one): as a stream, or as one
     body once all are complete. The response's id is random, as OpenAI's are (unique across
-    restarts); the access log's line pairs it with the uids."""
+    restarts); the access log's line pairs it with the uids. ``tools``: a chat turn's calls
+    are read from its text (chapter 22)."""
     frontend: RequestRouter = request.app.state.frontend
     chat = isinstance(body, ChatCompletionRequest)
     prompt_param = "messages" if chat else "prompt"
@@ -128,22 +146,27 @@ async def answer(request: Request, body: ChatCompletionRequest | CompletionReque
     if body.stream:
         streams = await first_replies_then_rest(request, frontend, uids, prompt_param)
         merged = merge_replies(streams, record)
+        if tools is not None and tools.parses_calls:  # chapter 22
+            return SSEResponse(stream_tool_calls(merged, meta, len(uids), body.include_usage,
+                                                 n=body.n))
         return SSEResponse(stream_completion(merged, meta, len(uids), body.include_usage, chat,
                                              logprobs=body.logprobs_asked() is not None,
                                              n=body.n))
     answers = await whole_answers(request, frontend, uids, prompt_param)
     for _, last, _ in answers:
         record.add(last)
-    return completion_body(meta, answers, chat, logprobs=body.logprobs_asked() is not None,
-                           n=body.n)
+    whole = completion_body(meta, answers, chat, logprobs=body.logprobs_asked() is not None,
+                            n=body.n)
+    return attach_tool_calls(whole) if tools is not None and tools.parses_calls else whole
 
 
 async def submit_prompts(frontend: RequestRouter, prompts: Sequence[Any],
-                         params: SamplingParams, strict_max_tokens: bool, n: int = 1
-                         ) -> list[int]:
+                         params: SamplingParams, strict_max_tokens: bool, n: int = 1,
+                         tools: list[dict[str, Any]] | None = None) -> list[int]:
     """Send every prompt as ``n`` requests of its own (text, token ids, or a chat's messages;
     choice ``j`` of a seeded request gets ``seed + j``, chapter 21); if one cannot be sent,
-    abort the others. The uids are in choice order: prompt by prompt, choice by choice."""
+    abort the others. The uids are in choice order: prompt by prompt, choice by choice.
+    ``tools``: a chat's functions, for its template (chapter 22)."""
     uids: list[int] = []
     try:
         for prompt, choice in itertools.product(prompts, range(n)):
@@ -152,7 +175,7 @@ async def submit_prompts(frontend: RequestRouter, prompts: Sequence[Any],
             if isinstance(prompt, str):
                 source: dict[str, Any] = {"text": prompt}
             elif prompt and isinstance(prompt[0], dict):
-                source = {"messages": prompt}
+                source = {"messages": prompt, "tools": tools}
             else:
                 source = {"input_ids": list(prompt)}
             uids.append(await frontend.submit(seeded, strict_max_tokens=strict_max_tokens,

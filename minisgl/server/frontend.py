@@ -150,12 +150,14 @@ class RequestRouter:
     async def submit(self, params: SamplingParams, *, text: str | None = None,
                      input_ids: list[int] | None = None,
                      messages: list[dict[str, Any]] | None = None,
-                     strict_max_tokens: bool = False) -> int:
+                     strict_max_tokens: bool = False,
+                     tools: list[dict[str, Any]] | None = None) -> int:
         """Number a new request, send it to its tokenizer and return its uid.
 
         Exactly one of ``text``, ``input_ids`` and ``messages`` is the prompt. Read the replies
         with :meth:`replies` (or :meth:`collect`). ``strict_max_tokens``: the client chose
         ``params.max_tokens``, so a prompt that leaves less room is refused, not shortened.
+        ``tools``: with ``messages``, the functions the chat template presents (chapter 22).
 
         Raises:
             APIError: the server cannot serve (a worker died, it is shutting down: 503).
@@ -165,7 +167,7 @@ class RequestRouter:
         self.start()
         uid, self._next_uid = self._next_uid, self._next_uid + 1
         request = TokenizeRequest(uid, params, text=text, input_ids=input_ids, messages=messages,
-                                  strict_max_tokens=strict_max_tokens)
+                                  strict_max_tokens=strict_max_tokens, tools=tools)
         # The buffer exists before the request leaves, so no reply can find it missing.
         self._pending[uid] = ReplyBuffer(self.reply_buffer_size)
         try:

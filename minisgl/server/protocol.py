@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
 
 from minisgl.core import MAX_TOP_LOGPROBS, SamplingParams
 from minisgl.message import RequestError
@@ -147,22 +147,55 @@ class TextPart(BaseModel):
     text: str
 
 
-class ChatMessage(BaseModel):
-    """One turn of a conversation. ``developer`` is OpenAI's newer name for ``system``; a
-    ``name`` is passed on to the chat template, which may use it or not."""
+class ToolCallFunction(BaseModel):
+    model_config = STRICT_BODY
+    name: str
+    arguments: str  # JSON text, as OpenAI sends it
+
+
+class ToolCall(BaseModel):
+    """A call an earlier assistant turn made (chapter 22)."""
 
     model_config = STRICT_BODY
-    role: Literal["system", "user", "assistant", "developer"]
-    content: str | list[TextPart]
-    name: str | None = None
+    id: str
+    type: Literal["function"] = "function"
+    function: ToolCallFunction
 
-    def as_dict(self) -> dict[str, str]:
-        """The turn as the chat template expects it: role and plain-text content."""
+
+class ChatMessage(BaseModel):
+    """One turn of a conversation. ``developer`` is OpenAI's newer name for ``system``; a
+    ``name`` is passed on to the chat template, which may use it or not. Chapter 22: an
+    assistant turn may carry ``tool_calls`` (its content then may be null), and a ``tool``
+    turn answers one (``tool_call_id``)."""
+
+    model_config = STRICT_BODY
+    role: Literal["system", "user", "assistant", "developer", "tool"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+
+    @model_validator(mode="after")
+    def _has_content(self) -> ChatMessage:
+        # Only an assistant turn that calls tools may come without content, as in OpenAI's API.
+        if self.content is None and not (self.role == "assistant" and self.tool_calls):
+            raise ValueError("content is required (only an assistant turn with tool_calls may "
+                             "leave it null)")
+        return self
+
+    def as_dict(self) -> dict[str, Any]:
+        """The turn as the chat template expects it: role and plain-text content (and the
+        calls or the call answered, chapter 22)."""
         text = self.content if isinstance(self.content, str) else "".join(
-            part.text for part in self.content)
-        turn = {"role": "system" if self.role == "developer" else self.role, "content": text}
+            part.text for part in self.content or [])
+        turn: dict[str, Any] = {"role": "system" if self.role == "developer" else self.role,
+                                "content": text}
         if self.name is not None:
             turn["name"] = self.name
+        if self.tool_calls:
+            turn["tool_calls"] = [call.model_dump() for call in self.tool_calls]
+        if self.tool_call_id is not None:
+            turn["tool_call_id"] = self.tool_call_id
         return turn
 
 
@@ -311,12 +344,11 @@ class ChatCompletionRequest(_GenerationBody):
     max_completion_tokens: Int64 | None = _documented(minimum=1)  # OpenAI's newer max_tokens
     logprobs: bool | None = None  # chapter 21
     top_logprobs: Int64 | None = _documented(minimum=0, maximum=MAX_TOP_LOGPROBS)
-    tools: list[Any] | None = _neutral(None, [], shown="[]")
-    tool_choice: str | dict[str, Any] | None = _neutral(
-        None, "none", "auto", shown='"none" or "auto" (there are no tools)')
-    parallel_tool_calls: bool | None = None  # either way: there are no tools to call
-    response_format: dict[str, Any] | None = _neutral(None, {"type": "text"},
-                                                      shown='{"type": "text"}')
+    # Chapter 22: checked by minisgl.server.tools and minisgl.server.structured
+    tools: list[Any] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    response_format: dict[str, Any] | None = None
 
     def logprobs_asked(self) -> int | None:
         if self.top_logprobs and not self.logprobs:  # 0 asks for nothing: let it pass
@@ -354,6 +386,7 @@ class CompletionRequest(_GenerationBody):
     best_of: Int64 | None = _neutral(None, 1, shown="1")
     echo: bool = False  # chapter 21: the prompt comes back before the completion
     suffix: str | None = _neutral(None, "", shown='null or ""')
+    response_format: dict[str, Any] | None = None  # chapter 22 (minisgl.server.structured)
 
     def logprobs_asked(self) -> int | None:
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_COMPLETION_LOGPROBS:

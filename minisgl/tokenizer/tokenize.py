@@ -52,7 +52,7 @@ class TokenizeManager:
         if request.text is not None:
             ids = self.tokenizer.encode(request.text)
         elif request.messages is not None:
-            ids = self.apply_chat_template(request.messages)
+            ids = self.apply_chat_template(request.messages, request.tools)
         else:
             ids = request.input_ids
         if not ids:
@@ -60,11 +60,12 @@ class TokenizeManager:
         return UserRequest(request.uid, list(ids), request.sampling_params,
                            strict_max_tokens=request.strict_max_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> list[int]:
+    def apply_chat_template(self, messages: list[dict[str, Any]],
+                            tools: list[dict[str, Any]] | None = None) -> list[int]:
         """The token ids of ``messages`` rendered by the chat template, ending with an open
-        assistant turn."""
+        assistant turn; ``tools``: the functions the template presents (chapter 22)."""
         try:
-            ids = self.tokenizer.apply_chat_template(messages, tokenize=True,
+            ids = self.tokenizer.apply_chat_template(messages, tools=tools or None, tokenize=True,
                                                      add_generation_prompt=True)
         except Exception as exc:  # jinja's errors (an unknown role, a template's own raise)
             raise ValueError(f"the chat template cannot render these messages: {exc}") from exc
