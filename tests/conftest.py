@@ -102,3 +102,18 @@ def load_repo_script(relative: str) -> ModuleType:
 def repo_script() -> Callable[[str], ModuleType]:
     """:func:`load_repo_script`, for tests that import a script of the repository."""
     return load_repo_script
+
+
+SHAKESPEARE_DIR = ROOT / "models" / "tiny-shakespeare"  # the trained tiny model, committed
+
+
+@pytest.fixture(scope="module")
+def shakespeare_server(tmp_path_factory: pytest.TempPathFactory) -> Any:
+    """``python -m minisgl --device cpu`` serving the trained tiny model as model ``"m"``, for
+    the tests of chapter 15 on (the harness, tools/server_process.py, comes with chapter 15)."""
+    from server_process import ServerProcess
+
+    log = tmp_path_factory.mktemp("server") / "server.log"
+    with ServerProcess(SHAKESPEARE_DIR, device="cpu", log_path=log,
+                       args=("--served-model-name", "m")) as running:
+        yield running

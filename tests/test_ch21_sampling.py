@@ -260,13 +260,8 @@ def test_logprobs_travel_to_the_api_server_as_text(shakespeare_model_dir: Path) 
 
 
 @pytest.fixture(scope="module")
-def server(shakespeare_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from server_process import ServerProcess  # tools/, see conftest.py
-
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with ServerProcess(shakespeare_model_dir, device="cpu", log_path=log,
-                       args=("--served-model-name", "m")) as running:
-        yield running
+def server(shakespeare_server: Any) -> Any:
+    return shakespeare_server
 
 
 def test_the_openai_client_gets_logprobs_equal_to_transformers(server: Any, hf: Any) -> None:

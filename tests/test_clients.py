@@ -30,13 +30,8 @@ OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TOKENIZERS_PARALL
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from server_process import ServerProcess  # tools/, see conftest.py
-
-    log = tmp_path_factory.mktemp("server") / "server.log"
-    with ServerProcess(MODEL_DIR, device="cpu", log_path=log,
-                       args=("--served-model-name", "m")) as running:
-        yield running
+def server(shakespeare_server: Any) -> Any:
+    return shakespeare_server
 
 
 @pytest.fixture(scope="module")

@@ -23,8 +23,7 @@ from minisgl.core import SamplingParams
 from minisgl.grammar import json_object_grammar, json_schema_grammar
 from minisgl.grammar.automaton import allowed_tokens, integer_field_dfa
 
-# The trained tiny model, served by ``python -m minisgl --device cpu`` as model "m".
-from test_clients import MODEL_DIR, server  # noqa: F401  (a fixture)
+from conftest import SHAKESPEARE_DIR as MODEL_DIR
 
 jsonschema = pytest.importorskip("jsonschema")
 
@@ -136,6 +135,12 @@ def test_the_automatons_mask_equals_brute_force_on_a_toy_vocabulary() -> None:
 def client(server: Any) -> Any:
     openai = pytest.importorskip("openai")
     return openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def server(shakespeare_server: Any) -> Any:
+    """The trained tiny model, served by ``python -m minisgl --device cpu`` as model "m"."""
+    return shakespeare_server
 
 
 def schema_format(schema: dict[str, Any], strict: bool = False) -> dict[str, Any]:
