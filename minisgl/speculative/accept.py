@@ -86,7 +86,7 @@ def accept_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     ``p`` with ``x`` removed, renormalised. A greedy row (one-hot ``p``) comes out greedy.
 
     Args:
-        draft_tokens: ``[B, k]`` int64 proposed tokens.
+        draft_tokens: ``[B, k]`` int64 proposed tokens (anything past a row's count is ignored).
         draft_probs: ``[B, k, V]`` the draft's distribution each guess was drawn from, or None
             for a deterministic proposer (one-hot at each guess).
         target_probs: ``[B, k + 1, V]`` the distributions the target samples from at each
@@ -106,12 +106,14 @@ def accept_sampled(draft_tokens: torch.Tensor, draft_probs: torch.Tensor | None,
     uniforms, noise = _random_draws(batch, k, vocab, target_probs, generator)
 
     # Keep a guess when u < p(x) / q(x), written u * q(x) < p(x): no division, and a guess the
-    # target gives probability 0 is never kept (not even when u = 0).
+    # target gives probability 0 is never kept (not even when u = 0). Positions past a row's
+    # proposals may hold padding (say -1): read token 0 there instead, and never keep it.
+    proposed = _proposed_mask(draft_tokens, num_proposed)
+    draft_tokens = draft_tokens.masked_fill(~proposed, 0)
     index = draft_tokens.unsqueeze(-1)
     p_x = target_probs[:, :k].gather(-1, index).squeeze(-1).float()
     q_x = (torch.ones_like(p_x) if draft_probs is None
            else draft_probs.gather(-1, index).squeeze(-1).float())
-    proposed = _proposed_mask(draft_tokens, num_proposed)
     accepted = _prefix_length((uniforms * q_x < p_x) & proposed)
 
     # The last token comes from position j = accepted: the residual if the guess there was
