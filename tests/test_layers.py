@@ -27,6 +27,8 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "minisgl"
 #   the two. ``message`` (the messages between processes and their codec) needs only core.
 # - ``moe`` holds the mixture-of-experts layer that a model's blocks are built from, so it
 #   sits below ``models``, not above.
+# - ``speculative`` (verifying proposed tokens, prompt lookup) is arithmetic on tensors and
+#   token lists that the engine calls; it needs nothing but torch, ``core`` and ``utils``.
 # - ``kvcache`` (the pool, the page allocator and the page table) is state that attention
 #   reads; the engine owns one of each; the scheduler decides who gets which pages.
 # - ``shell`` drives a server's frontend from a terminal, so it sits above ``server``;
@@ -35,8 +37,9 @@ PACKAGE_ROOT = Path(__file__).resolve().parents[1] / "minisgl"
 #   the bitmask: the engine masks logits with it, the scheduler feeds it the sampled tokens and
 #   the server compiles with it, so it sits below the engine; it needs only core and utils.
 PACKAGE_ORDER = (
-    "env", "utils", "kernel", "core", "distributed", "message", "layers", "moe", "models",
-    "kvcache", "attention", "grammar", "engine", "scheduler", "tokenizer", "server", "shell", "llm",
+    "env", "utils", "kernel", "core", "speculative", "distributed", "message", "layers", "moe",
+    "models", "kvcache", "attention", "grammar", "engine", "scheduler", "tokenizer", "server",
+    "shell", "llm",
     "__main__",
 )
 
