@@ -262,11 +262,15 @@ class Scheduler:
         finishes whatever it samples, so it must not run again. A prefilled request that
         goes on joins the running set.
         """
+        # chapter 21: logprobs are computed only for a batch in which a request asks
+        asks = any(req.params.logprobs is not None or req.params.prompt_logprobs is not None
+                   for req in batch.reqs)
         if batch.is_prefill:  # a cut chunk's sample is thrown away: its generator stays put
             with unsampled(cut_reqs(batch)):
-                tokens, logprobs = self.engine.forward(batch, return_logprobs=True)
+                out = self.engine.forward(batch, return_logprobs=asks)
         else:
-            tokens, logprobs = self.engine.forward(batch, return_logprobs=True)
+            out = self.engine.forward(batch, return_logprobs=asks)
+        tokens, logprobs = out if asks else (out, None)
         batch.advance()  # lengths are the scheduler's: the engine only computed
         for req, complete in zip(batch.reqs, batch.completes):
             if not complete:  # only a chunk of its prompt ran
@@ -304,7 +308,8 @@ class Scheduler:
         if flight.ready is not None:  # the host's one wait; bounded: a dead peer's collective
             flight.ready.synchronize()  # is aborted (chapter 17)
         read: list[Req] = []
-        logprobs, prompt_logprobs = unpack_logprobs(flight.logprobs, flight.batch)  # ch. 21
+        logprobs, prompt_logprobs = ({}, {}) if flight.logprobs is None else unpack_logprobs(
+            flight.logprobs, flight.batch)  # chapter 21
         for i, entries in prompt_logprobs.items():  # every chunk's, whether cut or not
             flight.batch.reqs[i].prompt_logprobs.extend(entries)
         for i, (req, complete, token) in enumerate(zip(
