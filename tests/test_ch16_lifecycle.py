@@ -499,7 +499,7 @@ def test_a_worker_failure_is_a_500_or_an_error_event_mid_stream(
     (b'{"prompt": "x", "stop": [""]}', 400, "stop must be a sequence of non-empty strings",
      "stop"),
     (b'{"messages": []}', 400, "List should have at least 1 item", "messages"),
-    (b'{"messages": [{"role": "tool", "content": "x"}]}', 400, "must be one of 'system'",
+    (b'{"messages": [{"role": "robot", "content": "x"}]}', 400, "must be one of 'system'",
      "messages.0.role"),
     (b'{"messages": [{"role": "user", "content": 5}]}', 400, "Input should be a valid",
      "messages.0.content"),

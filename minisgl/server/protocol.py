@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from typing import Annotated, Any, Literal
 
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, model_validator
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from minisgl.core import MAX_TOP_LOGPROBS, SamplingParams
 from minisgl.message import RequestError
@@ -165,8 +165,9 @@ class ToolCall(BaseModel):
 class ChatMessage(BaseModel):
     """One turn of a conversation. ``developer`` is OpenAI's newer name for ``system``; a
     ``name`` is passed on to the chat template, which may use it or not. Chapter 22: an
-    assistant turn may carry ``tool_calls`` (its content then may be null), and a ``tool``
-    turn answers one (``tool_call_id``)."""
+    assistant turn may carry ``tool_calls``, and a ``tool`` turn answers one
+    (``tool_call_id``). A turn without content (an assistant's that only calls tools) reads
+    as empty text."""
 
     model_config = STRICT_BODY
     role: Literal["system", "user", "assistant", "developer", "tool"]
@@ -174,14 +175,6 @@ class ChatMessage(BaseModel):
     name: str | None = None
     tool_calls: list[ToolCall] | None = None
     tool_call_id: str | None = None
-
-    @model_validator(mode="after")
-    def _has_content(self) -> ChatMessage:
-        # Only an assistant turn that calls tools may come without content, as in OpenAI's API.
-        if self.content is None and not (self.role == "assistant" and self.tool_calls):
-            raise ValueError("content is required (only an assistant turn with tool_calls may "
-                             "leave it null)")
-        return self
 
     def as_dict(self) -> dict[str, Any]:
         """The turn as the chat template expects it: role and plain-text content (and the
