@@ -500,11 +500,11 @@ def test_a_schema_driven_fuzzer_finds_nothing(server: DefaultServer, tmp_path: P
     assert failures == [], "\n".join(failures)
 
 
-def test_content_may_be_null_only_on_an_assistant_turn_that_calls_tools(
-        client: TestClient) -> None:
-    """Chapter 22: an assistant turn with tool_calls may leave content null; no other turn."""
+def test_a_turn_without_content_reads_as_empty_text(client: TestClient) -> None:
+    """Chapter 22: an assistant turn with tool_calls leaves content null; any turn without
+    content is accepted as the API's schema allows, and reads as empty text."""
     missing = client.post("/v1/chat/completions", json={"messages": [{"role": "user"}]})
-    assert missing.status_code == 400 and missing.json()["error"]["param"] == "messages.0"
+    assert missing.status_code == 200, missing.text
     call = {"id": "call_1", "type": "function", "function": {"name": "f", "arguments": "{}"}}
     history = [{"role": "user", "content": "x"},
                {"role": "assistant", "content": None, "tool_calls": [call]},
