@@ -331,7 +331,9 @@ def test_fused_kernels_are_on_for_bfloat16_cuda_tensors(cuda_bf16: None) -> None
                                  (norm.weight[:BIG_HEAD_DIM],) * 2), kernel_status()
     assert gemv.can_gemv(x[:1], torch.randn(8, BIG_HIDDEN)), kernel_status()
     assert gemv.can_mm_float32(x, torch.float32), kernel_status()
-    assert set(kernel_status().values()) == {"on"}, kernel_status()
+    # pdl has its own trial, run by the first graph that launches with it (tested below)
+    assert {op: state for op, state in kernel_status().items() if op != "pdl"} == {
+        op: "on" for op in kernel_status() if op != "pdl"}
     assert not flashinfer_ops.available(x.float()), "float32 has no FlashInfer kernel: PyTorch code"
     with use_fused(False):
         assert not flashinfer_ops.can_rmsnorm(x, norm.weight)
@@ -703,7 +705,16 @@ def test_normed_row_matmul_equals_add_norm_then_the_product(
     got, new_residual = normed_linear(norm, layer, x, residual)
     assert fast.paths.normed_matmul(x, residual, norm.weight, norm.eps, layer.weight) is not None
     assert_close_bf16(new_residual, expected_residual, "the new residual")
-    assert_close_bf16(got, expected, "the normed product")
+    # The plain path rounds the normed row to bf16 before the product; the kernel keeps it in
+    # float32. Both are judged against the exact (float64) computation: the kernel may not be
+    # further from it than the plain path, with room for the output's own rounding.
+    h = x.double() + (0 if residual is None else residual.double())
+    exact = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.eps) * norm.weight.double()
+             ) @ layer.weight.double().T
+    ours, plain = (got.double() - exact).abs().max(), (expected.double() - exact).abs().max()
+    rounding = 2.0 ** -8 * exact.abs().max()
+    assert ours <= plain + rounding, (f"the normed product is {ours:.3e} from exact, the plain "
+                                      f"path {plain:.3e}")
     if residual is None:
         assert new_residual is x, "without a residual the input is the residual"
 

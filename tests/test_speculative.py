@@ -1,4 +1,4 @@
-"""Speculative decoding's pieces: the verification rules and the prompt-lookup proposer.
+"""Speculative decoding: the verification rules, the prompt-lookup proposer, and the engine.
 
 The greedy rule on constructed cases, exact; the sampling rule statistically: whatever the draft
 proposes, the first token emitted is distributed as the target's ``p`` and a guess is kept with
@@ -8,10 +8,18 @@ two deliberately wrong rules fail. Then prompt lookup.
 
 from __future__ import annotations
 
+import json
+import shutil
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
+from conftest import SHAKESPEARE_DIR
 
+from minisgl.core import Req, SamplingParams
+from minisgl.scheduler.config import SchedulerConfig, Speculation
+from minisgl.scheduler.scheduler import Scheduler
 from minisgl.speculative.accept import PAD, accept_greedy, accept_sampled
 from minisgl.speculative.ngram import TokenHistory, propose_ngram
 
@@ -240,3 +248,216 @@ def test_lookup_on_a_long_history_is_fast() -> None:
     for _ in range(20):
         propose_ngram(history, k=4)
     assert (time.perf_counter() - start) / 20 < 0.01
+
+
+# --------------------------------------------------------------------------- in the engine
+# Speculative decode steps through the scheduler: the trained tiny model is the target; the
+# drafts are prompt lookup and a model cut from it (its first two layers and its head), which
+# agrees often but not always, so rejections and roll-backs happen in every run.
+
+PROMPTS = [
+    "To be, or not to be, that is the question:",
+    "ROMEO. But soft, what light through yonder window breaks?",
+    "First Citizen. Before we proceed any further, hear me speak.",
+    "KING. Now is the winter of our discontent made glorious summer",
+    "O",
+    "HAMLET. HAMLET. HAMLET. HAMLET. HAMLET.",
+]
+
+
+@pytest.fixture(scope="module")
+def cut_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """tiny-shakespeare's first two layers, embedding, final norm and head: a draft that
+    shares the tokenizer and agrees with the whole model only part of the time."""
+    from safetensors.torch import load_file, save_file
+
+    out = tmp_path_factory.mktemp("draft")
+    for f in SHAKESPEARE_DIR.iterdir():
+        if f.name != "model.safetensors":
+            shutil.copy(f, out / f.name)
+    config = json.loads((out / "config.json").read_text())
+    config["num_hidden_layers"] = 2
+    config["max_window_layers"] = 2
+    (out / "config.json").write_text(json.dumps(config))
+    weights = load_file(SHAKESPEARE_DIR / "model.safetensors")
+    kept = {name: w for name, w in weights.items()
+            if not name.startswith("model.layers.") or int(name.split(".")[2]) < 2}
+    save_file(kept, out / "model.safetensors")
+    return out
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(SHAKESPEARE_DIR)
+
+
+def run_all(reqs: list[Req], speculative: str | None, **config) -> Scheduler:
+    """Run ``reqs`` to the end on a CPU scheduler, checking the bookkeeping every step."""
+    scheduler = Scheduler(SchedulerConfig(SHAKESPEARE_DIR, device="cpu", num_pages=4096,
+                                          max_running_reqs=8, speculative=speculative,
+                                          overlap=False, **config))
+    for req in reqs:
+        scheduler.add(req)
+    while scheduler.has_work:
+        scheduler.step()
+        scheduler.check_integrity()
+    assert all(req.is_finished for req in reqs)
+    return scheduler
+
+
+def fresh(prompts_ids: list[list[int]], params: list[SamplingParams]) -> list[Req]:
+    return [Req(i, ids, p) for i, (ids, p) in enumerate(zip(prompts_ids, params))]
+
+
+@pytest.fixture(scope="module")
+def prompt_ids(tokenizer) -> list[list[int]]:
+    return [tokenizer.encode(p) for p in PROMPTS]
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    """Different lengths, so requests finish at different steps and batches change."""
+    return [SamplingParams(max_tokens=12 + 7 * i, ignore_eos=i % 2 == 0) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def plain_outputs(prompt_ids) -> list[list[int]]:
+    reqs = fresh(prompt_ids, mixed_params(len(prompt_ids)))
+    run_all(reqs, None)
+    return [req.output_ids for req in reqs]
+
+
+@pytest.mark.parametrize("proposer", ["ngram", "ngram,k=1", "draft", "draft,k=6"])
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_greedy_output_is_token_identical_and_every_page_returns(
+        proposer, page_size, prompt_ids, plain_outputs, cut_draft) -> None:
+    spec = proposer.replace("draft", f"draft={cut_draft}")
+    reqs = fresh(prompt_ids, mixed_params(len(prompt_ids)))
+    scheduler = run_all(reqs, spec, page_size=page_size)
+    assert [req.output_ids for req in reqs] == plain_outputs
+    speculator = scheduler.speculator
+    assert 0 < speculator.num_accepted < speculator.num_proposed  # kept some, rejected some
+    assert scheduler.cache.pages_in_use == 0  # every page of every request came back
+    if speculator.draft is not None:  # and the draft's copies of them, and their pages
+        assert speculator.draft.num_copies == 0
+        assert speculator.draft.engine.pages.num_used == 0
+
+
+def test_a_speculative_step_makes_several_tokens(prompt_ids, cut_draft) -> None:
+    """With a draft that is the target itself every guess is kept: k + 1 tokens a step."""
+    req = Req(0, prompt_ids[0], SamplingParams(max_tokens=21, ignore_eos=True))
+    scheduler = run_all([req], f"draft={SHAKESPEARE_DIR},k=4")
+    assert scheduler.num_steps == 1 + 4  # a prefill, then 5 + 5 + 5 + 5 tokens after its first
+    assert scheduler.speculator.num_accepted == scheduler.speculator.num_proposed == 16
+
+
+def test_the_radix_cache_is_given_only_kept_tokens(prompt_ids, cut_draft) -> None:
+    """Requests that speculated leave their pages to the radix cache; new requests that
+    continue those sequences reuse them, and must decode exactly as from a cold cache: K/V
+    that a rejected guess wrote never reaches the cache."""
+    def continuations(reqs: list[Req]) -> list[Req]:
+        return fresh([req.token_ids[:-1] for req in reqs],
+                     [SamplingParams(max_tokens=10, ignore_eos=True) for _ in reqs])
+
+    first = fresh(prompt_ids, mixed_params(len(prompt_ids)))
+    scheduler = run_all(first, f"draft={cut_draft}", prefix_cache="radix")
+    warm = continuations(first)
+    for req in warm:
+        scheduler.add(req)
+    while scheduler.has_work:
+        scheduler.step()
+        scheduler.check_integrity()
+    assert sum(req.cached_len for req in warm) > 0
+    cold = continuations(first)
+    run_all(cold, None)
+    assert [r.output_ids for r in warm] == [r.output_ids for r in cold]
+    cache = scheduler.cache.prefix_cache
+    for req in first:  # and nothing past a request's real tokens is cached
+        wrong = req.prompt_ids + [(t + 1) % 4000 for t in req.output_ids]
+        assert len(cache.match_prefix(wrong).pages) <= len(req.prompt_ids)
+
+
+def test_requests_that_cannot_guess_decode_beside_those_that_do(prompt_ids, cut_draft) -> None:
+    params = mixed_params(len(prompt_ids))
+    params[1] = SamplingParams(max_tokens=20, logprobs=2, ignore_eos=True)
+    params[2] = SamplingParams(max_tokens=20, repetition_penalty=1.3, ignore_eos=True)
+    plain = fresh(prompt_ids, params)
+    run_all(plain, None)
+    reqs = fresh(prompt_ids, params)
+    run_all(reqs, f"draft={cut_draft}")
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in plain]
+    assert len(reqs[1].output_logprobs) == len(reqs[1].output_ids) == 20
+
+
+def test_an_end_of_sequence_among_kept_guesses_ends_the_request_there(prompt_ids) -> None:
+    """The target is its own draft, so every guess is kept; the end-of-sequence token must
+    still end the request at exactly the step decoding one token at a time ends it."""
+    plain = fresh(prompt_ids, [SamplingParams(max_tokens=200) for _ in prompt_ids])
+    run_all(plain, None)
+    stopped = [r for r in plain if r.finish_reason == "stop"]
+    assert stopped, "no prompt ends with end-of-sequence within 200 tokens: pick others"
+    reqs = fresh(prompt_ids, [SamplingParams(max_tokens=200) for _ in prompt_ids])
+    run_all(reqs, f"draft={SHAKESPEARE_DIR},k=5")
+    assert [(r.output_ids, r.finish_reason) for r in reqs] == [
+        (r.output_ids, r.finish_reason) for r in plain]
+
+
+def test_sampled_requests_are_reproducible_with_a_seed_and_valid(prompt_ids, cut_draft) -> None:
+    params = [SamplingParams(max_tokens=30, temperature=0.8, top_p=0.9, seed=i, ignore_eos=True)
+              for i in range(len(prompt_ids))]
+    first, second = fresh(prompt_ids, params), fresh(prompt_ids, params)
+    run_all(first, f"draft={cut_draft}")
+    run_all(second, f"draft={cut_draft}")
+    assert [r.output_ids for r in first] == [r.output_ids for r in second]
+    assert all(len(r.output_ids) == 30 for r in first)
+
+
+@pytest.mark.parametrize("text", ["", "draft", "draft=", "lookup", "ngram,k=0", "ngram,k=x",
+                                  "ngram,n=3"])
+def test_a_bad_setting_is_refused_naming_the_forms(text) -> None:
+    with pytest.raises(ValueError, match="ngram or draft=PATH"):
+        SchedulerConfig(SHAKESPEARE_DIR, device="cpu", speculative=text)
+
+
+def test_speculation_with_overlap_asked_for_is_refused() -> None:
+    with pytest.raises(ValueError, match="exclude each other"):
+        SchedulerConfig(SHAKESPEARE_DIR, device="cpu", speculative="ngram", overlap=True)
+    assert SchedulerConfig(SHAKESPEARE_DIR, device="cpu", speculative="ngram").overlap is False
+    assert Speculation.parse("draft=a/b,k=7") == Speculation(draft="a/b", k=7)
+
+
+def test_a_draft_with_another_vocabulary_is_refused(tiny_model_dir) -> None:
+    with pytest.raises(ValueError, match="share the target's tokenizer"):
+        Scheduler(SchedulerConfig(SHAKESPEARE_DIR, device="cpu", num_pages=64,
+                                  speculative=f"draft={tiny_model_dir}"))
+
+
+# --------------------------------------------------------------------------- through the server
+def test_the_server_speculates_with_the_same_greedy_answers(
+        shakespeare_server, cut_draft, tmp_path) -> None:
+    """``--speculative`` through the openai client, whole and streamed: the same text as the
+    server that decodes one token a step, and ``/metrics`` counts the guesses."""
+    import httpx
+    import openai
+    from server_process import ServerProcess, parse_metrics
+
+    def answers(url: str) -> list[str]:
+        client = openai.OpenAI(base_url=url + "/v1", api_key="none")
+        out = []
+        for prompt in PROMPTS[:4]:
+            out.append(client.completions.create(model="m", prompt=prompt, max_tokens=24,
+                                                 temperature=0).choices[0].text)
+            stream = client.completions.create(model="m", prompt=prompt, max_tokens=24,
+                                               temperature=0, stream=True)
+            out.append("".join(chunk.choices[0].text for chunk in stream if chunk.choices))
+        return out
+
+    expected = answers(shakespeare_server.url)
+    with ServerProcess(SHAKESPEARE_DIR, device="cpu", log_path=tmp_path / "server.log",
+                       args=("--served-model-name", "m",
+                             "--speculative", f"draft={cut_draft},k=3")) as spec:
+        assert answers(spec.url) == expected
+        metrics = parse_metrics(httpx.get(spec.url + "/metrics").text)
+    proposed = metrics["minisgl_spec_proposed_tokens_total"]
+    accepted = metrics["minisgl_spec_accepted_tokens_total"]
+    assert 0 < accepted < proposed, metrics

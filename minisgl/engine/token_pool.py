@@ -10,9 +10,11 @@ scheduling needs. Chapter 12 tells the story.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
-from minisgl.core import Batch
+from minisgl.core import Batch, Req
 from minisgl.utils.torch_utils import host_to_device
 
 
@@ -73,3 +75,18 @@ class TokenPool:
         tokens = tokens.to(self.ids.device, non_blocking=True)
         self._flat[lists[:len(dst)]] = tokens[lists[len(dst):]]
 
+
+    def write(self, reqs: Sequence[Req], starts: Sequence[int],
+              tokens: Sequence[Sequence[int]]) -> None:
+        """Write ``tokens[i]``, a list on the host, at positions ``starts[i]`` on of
+        ``reqs[i]``'s row, in one copy to the device (chapter 23: the guesses a verify pass
+        feeds)."""
+        dst: list[int] = []
+        values: list[int] = []
+        for req, start, ids in zip(reqs, starts, tokens, strict=True):
+            row = req.table_row * self.row_len
+            dst += range(row + start, row + start + len(ids))
+            values += ids
+        if dst:
+            lists = host_to_device(torch.tensor(dst + values, dtype=torch.int64), self.ids.device)
+            self._flat[lists[:len(dst)]] = lists[len(dst):]

@@ -25,10 +25,12 @@ from minisgl.kernel.trials import enabled, on_gpu_16bit, ready, same_place
 from minisgl.kernel.triton_compat import tl, triton
 
 
-# Measured on the H200 for Qwen3-0.6B's projections (N 1,024 to 6,144, K 1,024 to 3,072):
-# 16 rows of 512 columns per step, four warps, was the fastest of six tilings for each.
-# benchmark/gemv_tiling.py times every tiling of a model's shapes with the weights not in L2.
-TILES = (16, 512, 4)  # (BLOCK_N, BLOCK_K, num_warps)
+# Two rows per program, 1,024 columns per step, four warps. benchmark/gemv_tiling.py times
+# every tiling of a model's batch-1 products with the weights out of L2; on the H200 for
+# Qwen3-0.6B's shapes this one was within 15% of each product's fastest (two to four rows per
+# program and 1,024 columns won everywhere: more programs than SMs, long coalesced reads),
+# where 16 rows of 512 columns took up to 1.8 times as long.
+TILES = (2, 1024, 4)  # (BLOCK_N, BLOCK_K, num_warps)
 
 
 if triton is not None:

@@ -102,6 +102,20 @@ class PageTable:
         self._free_rows.append(row)
         return pages
 
+    def truncate_row(self, row: int, num_pages: int) -> list[int]:
+        """Keep only the first ``num_pages`` pages of ``row``; returns the pages dropped, in
+        order, still in use (chapter 23: the pages of rejected guesses go back).
+
+        As with :meth:`free_row`, giving them back is the caller's decision.
+        """
+        held = self._held[self._checked(row)]
+        if not 0 <= num_pages <= held:
+            raise ValueError(f"row {row} holds {held} pages; it cannot keep {num_pages}")
+        dropped = self.page_ids[row, num_pages:held].tolist()
+        self.page_ids[row, num_pages:held] = NO_PAGE
+        self._held[row] = num_pages
+        return dropped
+
     @property
     def num_free_rows(self) -> int:
         return len(self._free_rows)

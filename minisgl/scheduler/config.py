@@ -8,7 +8,9 @@ builds its engine from it) with a few more fields:
 - ``chunked_prefill``: make the token budget a hard limit by cutting long prompts
   into chunks computed over several steps;
 - ``overlap``: let the host plan the next step while the device runs this one
-  (read by :class:`~minisgl.scheduler.scheduler.Scheduler`).
+  (read by :class:`~minisgl.scheduler.scheduler.Scheduler`);
+- ``speculative``: guess several tokens per decode step and verify them in one pass
+  (chapter 23; :class:`Speculation` reads the setting).
 
 The engine's ``max_running_reqs`` (rows of the page table) is also the scheduler's limit on
 requests running at once: a request needs a row to hold pages.
@@ -26,6 +28,41 @@ from minisgl.utils.checks import check_int
 # Upstream mini-sglang's default per-step token budget. A prefill of this many tokens keeps a
 # large GPU busy; more only makes the decoding requests that wait behind it wait longer.
 DEFAULT_MAX_PREFILL_TOKENS = 8192
+
+
+@dataclass(frozen=True)
+class Speculation:
+    """How decode steps guess ahead (chapter 23), read from ``SchedulerConfig.speculative``.
+
+    The setting is ``ngram`` (prompt lookup: no model) or ``draft=PATH`` (a small model of
+    the same tokenizer), optionally followed by ``,k=N``: at most ``N`` guesses a step
+    (default 4).
+
+    Attributes:
+        draft: the draft model's checkpoint, or None for prompt lookup.
+        k: the most tokens guessed per request and step.
+    """
+
+    draft: str | None
+    k: int = 4
+
+    @classmethod
+    def parse(cls, text: str) -> Speculation:
+        head, *options = [part.strip() for part in str(text).split(",")]
+        usage = "ngram or draft=PATH, optionally followed by ,k=N"
+        if head == "ngram":
+            draft = None
+        elif head.startswith("draft=") and head[len("draft="):]:
+            draft = head[len("draft="):]
+        else:
+            raise ValueError(f"speculative must be {usage}; got {text!r}")
+        k = 4
+        for option in options:
+            name, _, value = option.partition("=")
+            if name != "k" or not value.isdigit() or int(value) < 1:
+                raise ValueError(f"speculative must be {usage} with N >= 1; got {text!r}")
+            k = int(value)
+        return cls(draft=draft, k=k)
 
 
 @dataclass(frozen=True)
@@ -52,9 +89,19 @@ class SchedulerConfig(EngineConfig):
     # next step overlaps the device's for this one (scheduler/overlap.py). None (the default)
     # means on, unless MINISGL_DISABLE_OVERLAP is set; the config then holds True or False.
     overlap: bool | None = None
+    # Chapter 23: None (off), "ngram" or "draft=PATH", with ",k=N" for N guesses a step
+    # (:class:`Speculation`). A verify step reads its tokens at once, so overlap is off then.
+    speculative: str | None = None
 
     def __post_init__(self) -> None:
         super().__post_init__()  # the engine's fields first
+        if self.speculative is not None:
+            Speculation.parse(self.speculative)  # raises naming what is wrong
+            if self.overlap:
+                raise ValueError("overlap scheduling and speculative decoding exclude each "
+                                 "other: a step's guesses need the token the step before "
+                                 "sampled; leave overlap unset or set it to False")
+            object.__setattr__(self, "overlap", False)
         check_int("max_prefill_tokens", self.max_prefill_tokens, at_least=1)
         if not isinstance(self.chunked_prefill, bool):
             raise TypeError(f"chunked_prefill must be True or False, got {self.chunked_prefill!r}")

@@ -13,6 +13,7 @@ errors and tensor parallelism.
 from __future__ import annotations
 
 import multiprocessing
+from collections import Counter
 
 from minisgl.core import Req
 from minisgl.message import (AbortRequest, BackendMessage, DetokenizeRequest, DetokenizerMessage,
@@ -33,7 +34,7 @@ logger = get_logger(__name__)
 # What the scheduler publishes after each step. running / waiting / kv_pages_in_use are the
 # state now; prompt_tokens and generation_tokens are totals since start-up.
 SCHEDULER_COUNTERS = ("running", "waiting", "kv_pages_in_use", "prompt_tokens",
-                      "generation_tokens")
+                      "generation_tokens", "spec_proposed_tokens", "spec_accepted_tokens")
 
 
 def scheduler_counters() -> SharedCounters:
@@ -130,7 +131,14 @@ class SchedulerIO:
         live = list(self.live)
         try:
             read = self.scheduler.step().read
-            messages = [self._new_token(req) for req in read if self.live.get(req.uid) is req]
+            # A request appears once per token it took: once a step, or more under speculative
+            # decoding (chapter 23), where its n-th of k entries is its (k - n)-th last token.
+            after = Counter(read)
+            messages = []
+            for req in read:
+                after[req] -= 1
+                if self.live.get(req.uid) is req:
+                    messages.append(self._new_token(req, back=after[req]))
             self._failed_steps = 0
             self.generation_tokens += len(messages)  # one message per token
             self.prompt_tokens += sum(m.prompt_tokens for m in messages)
@@ -141,19 +149,21 @@ class SchedulerIO:
                               generation_tokens=self.generation_tokens)
         return messages
 
-    def _new_token(self, req: Req) -> DetokenizeRequest:
-        """The message for ``req``'s newest token: its first carries the stop strings and the
-        prompt's length, its last the finish reason and usage."""
-        num_prompt, num_output = len(req.prompt_ids), len(req.output_ids)
-        first, last = num_output == 1, req.finish_reason is not None
+    def _new_token(self, req: Req, back: int = 0) -> DetokenizeRequest:
+        """The message for ``req``'s token ``back`` places before its newest: its first
+        carries the stop strings and the prompt's length, its last the finish reason and
+        usage."""
+        num_prompt, num_output = len(req.prompt_ids), len(req.output_ids) - back
+        first, last = num_output == 1, req.finish_reason is not None and back == 0
         if last:
             del self.live[req.uid]
-        return DetokenizeRequest(req.uid, req.output_ids[-1], finish_reason=req.finish_reason,
+        return DetokenizeRequest(req.uid, req.output_ids[num_output - 1],
+                                 finish_reason=req.finish_reason if last else None,
                                  usage=TokenUsage(num_prompt, num_output) if last else None,
                                  stop=req.params.stop if first else (),
                                  prompt_tokens=num_prompt if first else 0,
-                                 logprobs=req.output_logprobs[-1] if req.output_logprobs
-                                 else None,  # chapter 21
+                                 logprobs=req.output_logprobs[num_output - 1]
+                                 if req.output_logprobs else None,  # chapter 21
                                  **({"prompt_ids": tuple(req.prompt_ids),
                                      "prompt_logprobs": tuple(req.prompt_logprobs)}
                                     if first and req.params.prompt_logprobs is not None else {}))

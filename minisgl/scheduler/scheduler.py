@@ -7,7 +7,8 @@ both ways of running: synchronously, the host reads a batch's tokens right after
 with ``overlap`` (chapter 12) it reads them one step later, while the device runs the next batch
 (``overlap.py``: the batch in flight and its copy to the host). Under tensor parallelism rank 0's
 scheduler tells its ``followers`` every input, so that every rank runs the same steps
-(chapter 17).
+(chapter 17). With ``speculative`` set, a decode step guesses ahead and verifies the guesses in
+one pass (``speculative.py``, chapter 23).
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from minisgl.scheduler.config import SchedulerConfig
 from minisgl.scheduler.overlap import HostTokens, InFlight
 from minisgl.scheduler.prefill import (ChunkedPrefillBudget, PrefillBudget, PrefillManager,
                                        cut_reqs, lifetime_pages, output_room, unsampled)
+from minisgl.scheduler.speculative import SpeculativeStep, Speculator, takes
 from minisgl.utils.logger import get_logger
 
 if TYPE_CHECKING:  # tp.py builds on this module
@@ -113,6 +115,12 @@ class Scheduler:
         # Chapter 22: the matchers of requests with a grammar (built at the first one).
         self.grammars = Grammars(config.model_path, self.engine.model_config.vocab_size,
                                  self.eos_token_ids)
+        self.speculator: Speculator | None = None  # chapter 23
+        if config.speculative is not None:
+            if self.engine.tp.size > 1:
+                raise ValueError("speculative decoding runs on one rank: it cannot be combined "
+                                 "with tensor parallelism")
+            self.speculator = Speculator(config, self.engine, self.cache)
 
     # ------------------------------------------------------------------ requests in and out
     def add(self, req: Req) -> None:
@@ -190,10 +198,16 @@ class Scheduler:
         try:
             early = self._read_constrained_early()  # chapter 22
             batch = self.schedule_next_batch()
-            new_pages, launched = 0, None
+            new_pages, launched, guessed, fed = 0, None, [], 0
             if batch is not None:
-                new_pages = self.cache.reserve(batch.reqs)
-                launched = self._launch(batch)
+                ran: Batch | None = batch
+                if batch.is_decode and self.speculator is not None:  # chapter 23
+                    ran, spec = self._decode_speculatively(batch)
+                    guessed, new_pages, fed = spec.read, spec.new_pages, spec.num_tokens
+                if ran is not None:
+                    new_pages += self.cache.reserve(ran.reqs)
+                    launched = self._launch(ran)
+                    fed += ran.num_tokens
                 self.num_steps += 1
             elif self._in_flight is None and self.prefill.waiting:
                 raise RuntimeError(f"{self.num_waiting} request(s) wait but none can be admitted "
@@ -202,18 +216,18 @@ class Scheduler:
                 due, self._in_flight = self._in_flight, launched
             else:
                 due = launched
-            read = early + ([] if due is None else self._read(due))
+            read = early + guessed + ([] if due is None else self._read(due))
             return StepResult(
                 step=self.num_steps - (batch is not None),
                 phase=None if batch is None else batch.phase,
                 uids=() if batch is None else tuple(req.uid for req in batch.reqs),
-                num_tokens=0 if batch is None else batch.num_tokens,
+                num_tokens=fed,
                 new_pages=new_pages,
                 pages_in_use=self.cache.pages_in_use,
                 num_pages=self.cache.num_pages,
                 waiting=tuple(req.uid for req in self.prefill.waiting),
                 running=tuple(self.running),
-                finished=tuple(req for req in read if req.finish_reason is not None),
+                finished=tuple(dict.fromkeys(req for req in read if req.finish_reason)),
                 new_lens=() if batch is None else tuple(batch.new_lens),
                 read=tuple(read),
             )
@@ -286,6 +300,22 @@ class Scheduler:
             logprobs = logprobs.to_host()
         return InFlight(batch, *self._host_tokens.copy(tokens), logprobs)
 
+    def _decode_speculatively(self, batch: Batch) -> tuple[Batch | None, SpeculativeStep]:
+        """Chapter 23: decode with guesses the requests of ``batch`` that may
+        (:func:`~minisgl.scheduler.speculative.takes`), and retire those that finished.
+
+        Returns the others as a decode batch (None if there are none), and what the
+        speculative step did.
+        """
+        rest = [req for req in batch.reqs if not takes(req)]
+        step = self.speculator.decode([req for req in batch.reqs if takes(req)],
+                                      self.eos_token_ids)
+        for req in dict.fromkeys(step.read):
+            if req.finish_reason is not None:
+                self.running.pop(req.uid, None)
+                self._release(req)
+        return (Batch(rest, "decode") if rest else None), step
+
     def _read_constrained_early(self) -> list[Req]:
         """With overlap, read the batch in flight now, before the next is formed, when a
         request with a grammar sampled in it: its next mask depends on that token (chapter 22).
@@ -341,6 +371,8 @@ class Scheduler:
 
     def _release(self, req: Req) -> None:
         self._retiring.pop(req.uid, None)
+        if self.speculator is not None:  # chapter 23: the draft's copy goes too
+            self.speculator.release(req)
         if req.table_row is not None:  # it held a row: running, or partly prefilled
             self.cache.release(req)
         self._live_uids.discard(req.uid)
@@ -350,8 +382,12 @@ class Scheduler:
         """The state ``/metrics`` shows, under counter names that start with ``prefix``; pages
         the prefix cache could evict count as free."""
         in_use = self.cache.pages_in_use - self.cache.prefix_cache.num_evictable_pages
-        return {f"{prefix}running": len(self.running),
-                f"{prefix}waiting": len(self.prefill.waiting), f"{prefix}kv_pages_in_use": in_use}
+        gauges = {f"{prefix}running": len(self.running),
+                  f"{prefix}waiting": len(self.prefill.waiting),
+                  f"{prefix}kv_pages_in_use": in_use}
+        if self.speculator is not None:  # chapter 23: guesses made and kept
+            gauges.update(self.speculator.counters(prefix))
+        return gauges
 
     def check_integrity(self) -> None:
         """Check that no page, row or uid is lost or counted twice, and that every request's

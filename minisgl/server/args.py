@@ -45,6 +45,9 @@ ENGINE_OPTIONS: dict[str, str] = {
     "cuda_graph": "capture decode steps as CUDA graphs (CUDA only)",
     "cuda_graph_max_bs": "the largest decode batch replayed as a CUDA graph",
     "overlap": "overlap scheduling (default: on unless MINISGL_DISABLE_OVERLAP is set)",
+    "speculative": "speculative decoding: ngram (prompt lookup) or draft=PATH (a draft model "
+                   "with the same tokenizer), each optionally followed by ,k=N guesses a step "
+                   "(default: off)",
 }
 
 
@@ -203,7 +206,8 @@ def _add_engine_option(group: argparse._ArgumentGroup, name: str, help_text: str
                            help=shown)
         return
     # Integers, unless said otherwise (some default to None: sized by the engine).
-    kind, metavar = {"cpu_kv_memory": (_mem_bytes, "SIZE"), "memory_fraction": (float, "F")}.get(
+    kind, metavar = {"cpu_kv_memory": (_mem_bytes, "SIZE"), "memory_fraction": (float, "F"),
+                     "speculative": (str, "SPEC")}.get(
         name, (str, "NAME") if isinstance(default, str) else (int, "N"))
     group.add_argument(flag, type=kind, default=None, metavar=metavar, help=shown)
 

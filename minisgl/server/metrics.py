@@ -19,6 +19,11 @@ WORKER_METRICS: dict[str, tuple[str, str, str]] = {
                         "KV pages held by requests (not counting the prefix cache)."),
     "prompt_tokens": ("minisgl_prompt_tokens_total", "counter", "Prompt tokens admitted."),
     "generation_tokens": ("minisgl_generation_tokens_total", "counter", "Tokens generated."),
+    # chapter 23: with --speculative, the guesses made and those the target kept
+    "spec_proposed_tokens": ("minisgl_spec_proposed_tokens_total", "counter",
+                             "Tokens guessed by speculative decoding."),
+    "spec_accepted_tokens": ("minisgl_spec_accepted_tokens_total", "counter",
+                             "Guessed tokens the target model kept."),
     "live_states": ("minisgl_detokenizer_live_states", "gauge",
                     "Requests the detokenizer holds text state for."),
 }

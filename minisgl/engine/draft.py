@@ -1,0 +1,145 @@
+"""A draft model: a small model that guesses what the target will write next (chapter 23).
+
+The draft runs on its own :class:`~minisgl.engine.engine.Engine`, with its own KV pool, pages and
+token pool, and keeps its own copy of every request it guesses for: a
+:class:`~minisgl.core.Req` whose prompt is everything the target has confirmed so far. Each
+round the copy is brought up to date (the confirmed tokens it lacks are written from the host,
+its cache is cut back to the guesses the target kept), then it decodes greedily, one token a
+step, as an ordinary request would: its decode steps are the engine's, CUDA graphs included.
+
+It runs one step more than it guesses, so that its cache also holds its last guess: whatever
+the target keeps, the copy then has exactly one confirmed token to feed at the next round.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from minisgl.core import Batch, Req, SamplingParams
+from minisgl.engine.config import EngineConfig
+from minisgl.engine.engine import Engine
+from minisgl.kvcache import OutOfPagesError
+from minisgl.utils.logger import get_logger
+
+logger = get_logger(__name__)
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=1)  # the draft's tokens are only guesses
+
+
+class DraftModel:
+    """Guesses up to ``k`` tokens per request with a small model of the same vocabulary.
+
+    Args:
+        config: the draft's engine settings (the target's, with the draft's checkpoint).
+        vocab_size: the target's vocabulary size; the draft's must equal it (the two must share
+            a tokenizer: a guess is a token id of the target's).
+
+    Attributes:
+        engine: the draft's engine.
+    """
+
+    def __init__(self, config: EngineConfig, vocab_size: int) -> None:
+        self.engine = Engine(config)
+        if self.engine.model_config.vocab_size != vocab_size:
+            raise ValueError(f"the draft model {config.model_path} has a vocabulary of "
+                             f"{self.engine.model_config.vocab_size} tokens, the target "
+                             f"{vocab_size}: a draft must share the target's tokenizer")
+        self._copies: dict[int, _Copy] = {}
+
+    def propose(self, reqs: Sequence[Req], counts: Sequence[int]) -> list[list[int]]:
+        """Up to ``counts[i]`` guesses for the tokens after ``reqs[i]``'s confirmed ones.
+
+        Every request must have read its last sample (nothing in flight). Returns one list per
+        request; a request with a count of 0 gets none and its copy is left as it is.
+        """
+        want = {req.uid: n for req, n in zip(reqs, counts, strict=True) if n > 0}
+        copies = [self._bring_up_to_date(req) for req in reqs if req.uid in want]
+        try:
+            steps = self._decode(copies, [want[c.req.uid] for c in copies])
+        except OutOfPagesError:  # the draft has no prefix cache: its pool can fill first
+            logger.warning("the draft's KV pool is full: no guesses this round")
+            for copy in copies:
+                self.release(copy.req.uid)
+            return [[] for _ in reqs]
+        for copy, guessed in zip(copies, steps):
+            copy.guesses = guessed[:want[copy.req.uid]]
+        return [self._copies[req.uid].guesses if req.uid in want else [] for req in reqs]
+
+    def release(self, uid: int) -> None:
+        """Forget request ``uid`` (it finished or was aborted): its copy's pages go back."""
+        copy = self._copies.pop(uid, None)
+        if copy is not None and copy.req.table_row is not None:
+            self.engine.pages.release(copy.req)
+
+    @property
+    def num_copies(self) -> int:
+        """Requests the draft holds a copy of."""
+        return len(self._copies)
+
+    def _bring_up_to_date(self, req: Req) -> _Copy:
+        """``req``'s copy, its prompt the confirmed tokens, its cache cut back to what is
+        still true of them."""
+        tokens = req.token_ids
+        copy = self._copies.get(req.uid)
+        if copy is None:
+            copy = self._copies[req.uid] = _Copy(Req(req.uid, tokens, params=GREEDY))
+        else:
+            # Its cache holds the tokens confirmed last round, then its guesses: those still
+            # match as far as the target kept them.
+            kept = 0
+            for guess, token in zip(copy.guesses, tokens[copy.base:]):
+                if guess != token:
+                    break
+                kept += 1
+            copy.req.prompt_ids = tokens
+            copy.req.in_flight = 0
+            # (never the last confirmed token: the copy feeds that one next)
+            copy.req.cached_len = min(copy.req.cached_len, copy.base + kept, len(tokens) - 1)
+            self.engine.pages.shrink(copy.req)
+        copy.base, copy.guesses = len(tokens), []
+        return copy
+
+    def _decode(self, copies: list[_Copy], counts: list[int]) -> list[list[int]]:
+        """Catch every copy up to its last confirmed token, then decode ``count + 1`` steps
+        each; returns each copy's tokens."""
+        engine = self.engine
+        behind = [c.req for c in copies if c.req.new_len > 1]  # new, or skipped a round
+        if behind:  # compute all but the last confirmed token; its sample is not wanted
+            batch = Batch(behind, "prefill", chunk_lens=[req.new_len - 1 for req in behind])
+            engine.pages.reserve(*behind)
+            engine.forward(batch)
+            batch.advance()
+        sampled: list[list[torch.Tensor]] = [[] for _ in copies]
+        for step in range(max(counts, default=-1) + 1):
+            active = [i for i, n in enumerate(counts) if n >= step]
+            batch = Batch([copies[i].req for i in active], "decode")
+            engine.pages.reserve(*batch.reqs)
+            tokens = engine.forward(batch)
+            batch.advance()
+            for row, i in enumerate(active):
+                sampled[i].append(tokens[row:row + 1])
+        if not copies:
+            return []
+        flat = torch.cat([t for per_copy in sampled for t in per_copy]).tolist()  # one wait
+        out, start = [], 0
+        for per_copy in sampled:
+            out.append(flat[start:start + len(per_copy)])
+            start += len(per_copy)
+        return out
+
+
+class _Copy:
+    """The draft's copy of one request, and what it guessed last.
+
+    Attributes:
+        req: the copy: its prompt is the target's confirmed tokens, its samples its guesses.
+        base: how many tokens were confirmed when it last guessed.
+        guesses: the guesses it made then (the tokens after ``base``).
+    """
+
+    def __init__(self, req: Req) -> None:
+        self.req = req
+        self.base = 0
+        self.guesses: list[int] = []
