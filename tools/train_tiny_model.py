@@ -640,7 +640,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "into --cache)")
     p.add_argument("--cache", type=Path, default=ROOT / "models" / ".corpus",
                    help="where the downloaded archive is kept (default: models/.corpus)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu or cuda (default: %(default)s: CUDA where there is a GPU; "
+                        "--readability alone measures on the CPU unless --device names "
+                        "another)")
     p.add_argument("--batch-size", type=int, default=None,
                    help=f"windows per step {default('batch_size')}")
     p.add_argument("--seq-len", type=int, default=None,
@@ -737,7 +740,8 @@ def main(argv: list[str] | None = None) -> int:
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
     if args.readability is not None:
-        print("\n".join(readability_report(args.readability)))
+        where = torch.device("cpu" if args.device == "auto" else args.device)
+        print("\n".join(readability_report(args.readability, where)))
         return 0
     recipe = RECIPES[args.shape]
     settings = settings_from(args, recipe.settings)
