@@ -461,3 +461,16 @@ def test_the_server_speculates_with_the_same_greedy_answers(
     proposed = metrics["minisgl_spec_proposed_tokens_total"]
     accepted = metrics["minisgl_spec_accepted_tokens_total"]
     assert 0 < accepted < proposed, metrics
+
+
+def test_the_speedup_benchmark_compares_each_proposer_with_plain_decoding(repo_script) -> None:
+    """benchmark/speculative.py's plumbing on the CPU: every row's tokens equal plain
+    decoding's (its speedups mean something only on a GPU, with a target worth speeding up)."""
+    bench = repo_script("benchmark/speculative.py")
+    table = bench.main(["--model", str(SHAKESPEARE_DIR), "--device", "cpu", "--batch-sizes",
+                        "1", "3", "--max-tokens", "12", "--speculative",
+                        f"draft={SHAKESPEARE_DIR},k=3", "ngram"])
+    assert set(table) == {"plain", f"draft={SHAKESPEARE_DIR},k=3", "ngram"}
+    for setting in ("ngram", f"draft={SHAKESPEARE_DIR},k=3"):
+        assert all(row["same_tokens"] for row in table[setting].values())
+    assert all(row["kept"] == 1.0 for row in table[f"draft={SHAKESPEARE_DIR},k=3"].values())

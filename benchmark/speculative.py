@@ -1,0 +1,104 @@
+"""Speculative decoding's speedup: output tokens per second with and without guessing, in one run.
+
+For each batch size, the same held-out prompts (lines of the plays the trained models never saw,
+``models/tiny-shakespeare/readability_prompts.json``) run to a fixed length, greedy, first with
+plain decode steps and then with each proposer; the table gives output tokens per second, the
+share of guesses the target kept, and the speedup over plain decoding at that batch size. Every
+speculative run's tokens are compared with the plain run's: greedy speculation must not change
+one.
+
+    python benchmark/speculative.py --model models/shakespeare-target \\
+        --speculative draft=models/tiny-shakespeare,k=4 ngram --batch-sizes 1 8 32 128
+    python benchmark/speculative.py --model models/tiny-shakespeare --device cpu --batch-sizes 1 4
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+try:
+    import minisgl  # noqa: F401
+except ImportError:  # run from a checkout that was not pip-installed
+    sys.path.insert(0, str(HERE.parent))
+
+PROMPTS = HERE.parent / "models" / "tiny-shakespeare" / "readability_prompts.json"
+
+
+def held_out_prompts(count: int) -> list[str]:
+    """``count`` prompts, the held-out ones repeated as needed."""
+    prompts = json.loads(PROMPTS.read_text(encoding="utf-8"))
+    return [prompts[i % len(prompts)] for i in range(count)]
+
+
+def measure(model: str, device: str, speculative: str | None, batch_sizes: Sequence[int],
+            max_tokens: int) -> dict[int, dict[str, Any]]:
+    """Per batch size: tokens per second, tokens, and the share of guesses kept."""
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    rows: dict[int, dict[str, Any]] = {}
+    with LLM(model, device=device, speculative=speculative,
+             max_running_reqs=max(batch_sizes)) as llm:
+        llm.generate(held_out_prompts(1), params, progress=False)  # warm-up
+        speculator = llm.scheduler.speculator
+        for size in batch_sizes:
+            before = (0, 0) if speculator is None else (speculator.num_proposed,
+                                                        speculator.num_accepted)
+            start = time.perf_counter()
+            out = llm.generate(held_out_prompts(size), params, progress=False)
+            seconds = time.perf_counter() - start
+            row = {"tok_s": size * max_tokens / seconds,
+                   "tokens": [o["token_ids"] for o in out]}
+            if speculator is not None:
+                proposed = speculator.num_proposed - before[0]
+                row["kept"] = (speculator.num_accepted - before[1]) / max(1, proposed)
+            rows[size] = row
+    return rows
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(prog="python benchmark/speculative.py",
+                                     description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="models/tiny-shakespeare", help="the target")
+    parser.add_argument("--device", default="auto", help="auto, cpu or cuda")
+    parser.add_argument("--speculative", nargs="+",
+                        default=["draft=models/tiny-shakespeare,k=4", "ngram"],
+                        help="the proposers to compare (--speculative settings)")
+    parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 32, 128])
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--out", type=Path, default=None, help="write the table as JSON")
+    args = parser.parse_args(argv)
+    if min(args.batch_sizes) < 1 or args.max_tokens < 2:
+        parser.error("batch sizes must be >= 1 and --max-tokens >= 2")
+
+    plain = measure(args.model, args.device, None, args.batch_sizes, args.max_tokens)
+    table: dict[str, Any] = {"plain": {b: r["tok_s"] for b, r in plain.items()}}
+    print(f"target {args.model}, {args.max_tokens} tokens per request, greedy")
+    print(f"{'proposer':<40} {'batch':>5} {'tok/s':>9} {'kept':>6} {'speedup':>8}  same tokens")
+    for size, row in plain.items():
+        print(f"{'(none)':<40} {size:>5} {row['tok_s']:>9.1f} {'':>6} {1.0:>7.2f}x")
+    for setting in args.speculative:
+        rows = measure(args.model, args.device, setting, args.batch_sizes, args.max_tokens)
+        table[setting] = {}
+        for size, row in rows.items():
+            speedup = row["tok_s"] / plain[size]["tok_s"]
+            same = row["tokens"] == plain[size]["tokens"]
+            table[setting][size] = {"tok_s": row["tok_s"], "kept": row["kept"],
+                                    "speedup": speedup, "same_tokens": same}
+            print(f"{setting:<40} {size:>5} {row['tok_s']:>9.1f} {row['kept']:>6.2f} "
+                  f"{speedup:>7.2f}x  {'yes' if same else 'NO'}")
+    if args.out is not None:
+        args.out.write_text(json.dumps(table, indent=2), encoding="utf-8")
+    return table
+
+
+if __name__ == "__main__":
+    main()
