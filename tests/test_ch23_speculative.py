@@ -8,8 +8,6 @@ two deliberately wrong rules fail. Then prompt lookup.
 
 from __future__ import annotations
 
-import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -269,21 +267,9 @@ PROMPTS = [
 def cut_draft(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """tiny-shakespeare's first two layers, embedding, final norm and head: a draft that
     shares the tokenizer and agrees with the whole model only part of the time."""
-    from safetensors.torch import load_file, save_file
+    from cut_model import cut_layers
 
-    out = tmp_path_factory.mktemp("draft")
-    for f in SHAKESPEARE_DIR.iterdir():
-        if f.name != "model.safetensors":
-            shutil.copy(f, out / f.name)
-    config = json.loads((out / "config.json").read_text())
-    config["num_hidden_layers"] = 2
-    config["max_window_layers"] = 2
-    (out / "config.json").write_text(json.dumps(config))
-    weights = load_file(SHAKESPEARE_DIR / "model.safetensors")
-    kept = {name: w for name, w in weights.items()
-            if not name.startswith("model.layers.") or int(name.split(".")[2]) < 2}
-    save_file(kept, out / "model.safetensors")
-    return out
+    return cut_layers(SHAKESPEARE_DIR, 2, tmp_path_factory.mktemp("draft"))
 
 
 @pytest.fixture(scope="module")
