@@ -6,9 +6,15 @@ figures are brought up to date.
 """
 from __future__ import annotations
 
+import ast
+import json
 import math
 import re
+from collections.abc import Callable
+from decimal import ROUND_HALF_UP, Decimal
+from fractions import Fraction
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -56,6 +62,13 @@ def number(text: str, pattern: str) -> int:
     m = re.search(pattern, text)
     assert m, f"{pattern!r} not found in the recording"
     return int(m.group(1).replace(",", ""))
+
+
+def found(text: str, pattern: str, flags: int = 0) -> tuple[str, ...]:
+    """The groups the first match of `pattern` in `text` captures, as printed."""
+    m = re.search(pattern, text, flags)
+    assert m, f"{pattern!r} not found in the recording"
+    return m.groups()
 
 
 def assert_on_page(chapter: str, *figures: str) -> None:
@@ -782,6 +795,74 @@ def test_ch16_every_scene_ends_with_nothing_held() -> None:
     assert "10.3 s" not in page("ch16"), "chapter 16 quotes a time no current recording gives"
 
 
+# --------------------------------------------------------------------------- chapter 17
+def in_words(n: int) -> str:
+    """A small count as the pages spell it in prose: `8` -> `"eight"`."""
+    words = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine",
+             "ten", "eleven", "twelve", "thirteen", "fourteen", "fifteen", "sixteen",
+             "seventeen", "eighteen", "nineteen", "twenty")
+    assert 0 <= n < len(words), f"no word for {n}"
+    return words[n]
+
+
+def test_ch17_what_each_rank_holds_of_the_tiny_model() -> None:
+    text = recording("ch17_tp-cpu")
+    ranks = {int(m.group(1)): [int(g) for g in m.groups()[1:]] for m in rows(
+        text, r"\s+(\d+)\s+(\d+)\.\.(\d+)\s+(\d+)\.\.(\d+)\s+(\d+)\.\.(\d+)\s+(\d+)\.\.(\d+)\s+"
+              r"(\d+)$")}
+    whole = re.search(r"\(whole model: (\d+) q heads, (\d+) kv heads, (\d+) mlp cols, (\d+) "
+                      r"vocab rows, (\d+) KV bytes/token in float32\)", text)
+    assert sorted(ranks) == [0, 1] and whole, "the recording's split table changed shape"
+    q, kv, mlp, vocab, kv_bytes = (int(g) for g in whole.groups())
+    (q0, q1, kv0, kv1, m0, m1, v0, v1, rank_kv), second = ranks[0], ranks[1]
+    assert q0 == m0 == v0 == kv0 == kv1 == 0  # rank 0 starts every range, with one KV head
+    # rank 1 holds the rest of every range, and each rank's KV is half the model's
+    assert second[:8] == [q1 + 1, q - 1, kv1 + 1, kv - 1, m1 + 1, mlp - 1, v1 + 1, vocab - 1]
+    assert second[8] == rank_kv and 2 * rank_kv == kv_bytes
+    assert_on_page(
+        "ch17",
+        f"Rank 0 holds query heads {q0} and {q1}, KV head {kv0}, the first {m1 + 1} of the MLP's "
+        f"{mlp} columns and vocabulary rows {v0} to {v1:,}; rank 1 the rest",
+        f"Each rank's KV costs {rank_kv:,} bytes per token, half of the whole model's "
+        f"{kv_bytes:,}",
+        # the table's tiny-model column, whole model and each of 2 ranks
+        f"| query heads (Qwen3-0.6B / tiny) | 16 / {q} | 8 / {q1 - q0 + 1} |",
+        f"| KV heads | 8 / {kv} | 4 / {kv1 - kv0 + 1} |",
+        f"| MLP width | 3,072 / {mlp} | 1,536 / {m1 - m0 + 1} |",
+        f"| vocabulary rows | 151,936 / {vocab:,} | 75,968 / {v1 - v0 + 1:,} |",
+        f"/ {kv_bytes:,} (fp32) | 57,344 / {rank_kv:,} |",
+    )
+
+
+def test_ch17_same_outputs_and_half_the_page_at_tp2() -> None:
+    text = recording("ch17_tp-cpu")
+    prompts = number(text, r"(\d+) prompts, \d+ greedy tokens each")
+    tokens = number(text, r"\d+ prompts, (\d+) greedy tokens each")
+    same = [m.group(1) for m in rows(text, r".*\d+, \.\.\.\s+(yes|no)$")]
+    assert same == ["yes"] * prompts
+    assert f"identical outputs: {prompts} of {prompts}" in text
+    pools = {int(tp): (int(n), int(b)) for tp, n, b in re.findall(
+        r"KV pool, TP=(\d): (\d+) pages x (\d+) B per rank", text)}
+    kv_bytes = number(text, r"(\d+) KV bytes/token")
+    (pages1, bytes1), (pages2, bytes2) = pools[1], pools[2]
+    assert pages1 == pages2 and 2 * bytes2 == bytes1
+    assert_on_page(
+        "ch17",
+        f"Then {in_words(prompts)} prompts, {in_words(tokens)} greedy tokens each",
+        f"all {in_words(prompts)} outputs are the same at TP=2 as at TP=1",
+        f"the same {pages1} pages of {bytes1 // kv_bytes} tokens",
+        f"a TP=2 page is {bytes2:,} bytes per rank, half a TP=1 page",
+    )
+
+
+def test_ch17_time_of_the_batch_at_both_sizes() -> None:
+    tp1, tp2 = found(recording("ch17_tp-cpu"), r"time for the batch: TP=1 ([\d.]+) s, "
+                                               r"TP=2 ([\d.]+) s")
+    assert float(tp2) > float(tp1), "the page says halving the tiny model's matrices does not pay"
+    assert_on_page("ch17", f"TP=2 took {tp2} s to TP=1's {tp1} s")
+
+
+# --------------------------------------------------------------------------- chapter 18
 def test_ch18_moe_paths_on_the_h200() -> None:
     rows = {}
     for line in recording("ch18_moe_paths-cuda").splitlines():
@@ -820,6 +901,76 @@ def test_ch18_hbm_floor_states_which_bandwidth_it_divides_by() -> None:
                    f"{active_gb / measured * 1e3:.2f} ms")
 
 
+def test_ch18_every_family_matches_and_the_tiny_moe_mixes_layers() -> None:
+    text = recording("ch18_models-cpu")
+    families = re.findall(r"^(\S+): (\w+) -> (\w+), [\d,]+ parameters", text, re.M)
+    continuations = rows(text, r"\s+'.*'\s+-> .*(transformers \w+, server \w+)$")
+    assert [f[0] for f in families] == ["llama", "qwen2", "qwen3", "qwen3-moe"]
+    assert all(config == built for _, config, built in families)
+    assert len(continuations) == 3 * len(families)
+    assert all(m.group(1) == "transformers same, server same" for m in continuations)
+    assert "every family the same as transformers and through the server: True" in text
+    experts, per_token, dense = found(
+        text, r"(\d+) experts, (\d+) per token; sparse layers \[[\d, ]+\], dense layers \[(\d+)\]")
+    assert_on_page("ch18", f"the tiny Qwen3-MoE has {experts} experts, {per_token} per token, and "
+                           f"layer {dense} listed in `mlp_only_layers`",
+                   "each is the same as `transformers`' continuation and the same through the "
+                   "server")
+
+
+def test_ch18_qwen3_30b_bytes_and_experts_touched() -> None:
+    text = recording("ch18_models-cpu")
+    experts, top_k = (int(g) for g in found(text, r"(\d+) experts, (\d+) per token, "
+                                                  r"moe_intermediate"))
+    total, = _floats("ch18_models-cpu", r"all weights:\s+([\d.]+) GB")
+    active, share = _floats("ch18_models-cpu", r"read per decode token:\s+([\d.]+) GB \(([\d.]+)% ")
+    dense_ms, = _floats("ch18_models-cpu", r"dense, every expert read: ([\d.]+) ms per step")
+    touched = {int(b): float(n) for b, n in re.findall(
+        r"batch\s+(\d+): about\s+([\d.]+) of \d+ experts read", text)}
+    # the page's formula is the recording's: 128 (1 - (1 - 8/128)^B)
+    assert all(abs(experts * (1 - (1 - top_k / experts) ** b) - n) < 0.05
+               for b, n in touched.items())
+    assert round(100 * active / total) == round(share)
+    assert_on_page(
+        "ch18",
+        f"stores {total} GB of bfloat16 weights, but a decode token at batch 1 reads {active} GB "
+        f"of them, {round(share)}%",
+        f"against {dense_ms:.1f} ms if every expert were read",
+        f"Each token picks {top_k} of {experts} experts",
+        f"`{experts} (1 - (1 - {top_k}/{experts})^B)` experts per layer: {touched[1]:.0f} at "
+        f"batch 1, {touched[16]:.0f} at batch 16, {touched[64]:.0f} at batch 64",
+        f"{active} GB of Qwen3-30B-A3B's {total} GB",
+    )
+
+
+def test_ch18_moe_offline_run_on_the_h200() -> None:
+    name = "ch18_moe_offline-cuda"
+    text = recording(name)
+    params = number(text, r"([\d,]+) parameters;")
+    mib, = _floats(name, r"model\.safetensors ([\d.]+) MiB")
+    layers, kv_heads, head_dim = (int(g) for g in found(
+        text, r"layers (\d+), hidden \d+, heads \d+ q / (\d+) kv x (\d+)"))
+    experts, top_k = (int(g) for g in found(text, r"experts (\d+), (\d+) per token"))
+    kv_token = number(text, r"tokens x (\d+) bytes")
+    assert kv_token == 2 * layers * kv_heads * head_dim * 2  # K and V, bfloat16
+    tok_s, steps, decode, batch, floor, share = _floats(
+        name, r"^minisgl \(overlap, radix\): .* = ([\d.]+) tok/s; .* (\d+) decode steps ([\d.]+) s "
+              r"\(mean batch ([\d.]+)\), HBM floor ([\d.]+) s = ([\d.]+)%")
+    hf_tok_s, = _floats(name, r"^transformers \(padded batches of 256\): .* = ([\d.]+) tok/s")
+    assert abs(100 * floor / decode - share) < 0.2  # of figures printed to 0.01 s
+    touched = experts * (1 - (1 - top_k / experts) ** int(batch))
+    assert_on_page(
+        "ch18",
+        f"{params / 1e9:.2f} B parameters, {mib:,.0f} MiB: at a mean batch of {batch} every layer "
+        f"touches `{experts} (1 - (1 - {top_k}/{experts})^{int(batch)})` ≈ {touched:.0f} experts",
+        f"({kv_token:,} bytes a token)",
+        f"{floor} s over {steps:,.0f} steps, {floor / steps * 1e3:.2f} ms a step",
+        f"took {decode} s, {decode / steps * 1e3:.2f} ms a step: {share}% of the floor",
+        f"{hf_tok_s:,} tokens a second against {tok_s:,}, {round(tok_s / hf_tok_s)} times fewer",
+    )
+
+
+# --------------------------------------------------------------------------- chapter 19
 def test_ch19_decode_step_profile_and_latency_on_the_h200() -> None:
     rec = recording("ch19_profile-cuda")
     busy = [(float(m.group(1)), int(m.group(2)))
@@ -846,6 +997,556 @@ def test_ch19_host_step_on_the_cpu() -> None:
     assert round(lane / ms) == 7, "the page calls the host's share a seventh of the lane"
     assert_on_page("ch19", f"costs the host {ms:.2f} ms, {per_request:.1f} µs a request",
                    f"a seventh of the device's {lane:.2f} ms")
+
+
+def half_up(text: str, places: int = 0) -> Decimal:
+    """A figure the recording prints (`"3858.5"`) rounded as the pages round it, half up
+    (`Decimal("3859")`), where Python's `round` and format would round half to even."""
+    return Decimal(text.replace(",", "")).quantize(Decimal(1).scaleb(-places), ROUND_HALF_UP)
+
+
+def ch19_arm(arm: str) -> dict[str, str]:
+    """One arm of chapter 19's ablations, e.g. `"graphs off"`: its tok/s, prompt tokens
+    computed and offered, TTFT p50 and p99 and ITL p50, p99 and max, as printed."""
+    m = re.search(rf"^[\w-]+ \[{re.escape(arm)}\]: \d+ output tokens in [\d.]+ s = ([\d.]+) tok/s; "
+                  r"(\d+) of (\d+) prompt tokens computed, \d+ decode steps;.*TTFT p50/p99 "
+                  r"([\d.]+)/([\d.]+) ms; ITL p50/p99/max ([\d.]+)/([\d.]+)/([\d.]+) ms",
+                  recording("ch19_ablations-cuda"), re.M)
+    assert m, f"no arm {arm!r} in chapter 19's ablations"
+    keys = ("tok_s", "computed", "prompt", "ttft_p50", "ttft_p99", "itl_p50", "itl_p99", "itl_max")
+    return dict(zip(keys, m.groups()))
+
+
+def test_ch19_each_feature_switched_off_alone() -> None:
+    full, graphs, overlap, fused = (ch19_arm(a) for a in ("graphs on", "graphs off",
+                                                          "overlap off", "fused off"))
+    hf, = _floats("ch19_ablations-cuda", r"\[transformers\]: \d+ output tokens in [\d.]+ s = "
+                                         r"([\d.]+) tok/s")
+    tok_s = float(full["tok_s"])
+    slower = {name: tok_s / float(arm["tok_s"])
+              for name, arm in (("graphs", graphs), ("overlap", overlap), ("fused", fused))}
+    assert_on_page(
+        "ch19",
+        f"Without CUDA graphs, {half_up(graphs['tok_s']):,} ({slower['graphs']:.1f}× slower), the "
+        f"median token gap up from {full['itl_p50']} to {graphs['itl_p50']} ms",
+        f"Without overlap, {half_up(overlap['tok_s']):,} ({slower['overlap']:.2f}×)",
+        f"Without fused kernels, {half_up(fused['tok_s']):,} ({slower['fused']:.2f}×)",
+        f"on one padded batch: {hf} tok/s, {tok_s / hf:.1f} times slower",
+        # "How to explain it" and the summary round to one decimal, transformers to a whole
+        f"graphs {slower['graphs']:.1f}×, fused kernels {slower['fused']:.1f}×, overlap "
+        f"{slower['overlap']:.1f}×",
+        f"{slower['graphs']:.1f}× less without graphs, {slower['fused']:.1f}× without fused "
+        f"kernels, {slower['overlap']:.1f}× without overlap, {round(tok_s / hf)}× less with "
+        f"`transformers`",
+    )
+
+
+def test_ch19_prefix_cache_saves_exactly_the_predicted_tokens() -> None:
+    text = recording("ch19_ablations-cuda")
+    requests, prompts, prefix = (int(g) for g in found(
+        text, r"shared-prefix: (\d+) requests over (\d+) system prompts of (\d+) tokens"))
+    base, radix, naive = ch19_arm("graphs on"), ch19_arm("radix"), ch19_arm("naive")
+    suffixes, total, computed = int(base["prompt"]), int(radix["prompt"]), int(radix["computed"])
+    saved, predicted = (int(g) for g in found(text, r"saved (\d+) \(predicted (\d+)\)"))
+    assert total == int(naive["computed"]) == suffixes + requests * prefix
+    assert computed == suffixes + prompts * prefix
+    assert saved == predicted == total - computed == (requests - prompts) * prefix
+    assert_on_page(
+        "ch19",
+        f"The same {suffixes:,} suffix tokens behind {prompts} system prompts of {prefix:,}: "
+        f"{total:,} prompt tokens. The radix cache computes {computed:,} (the seeds' {prompts} × "
+        f"{prefix:,} and the suffixes): the saving, {saved:,}, is exactly ({requests} − "
+        f"{prompts}) × {prefix:,}. TTFT p50 falls from {naive['ttft_p50']} to "
+        f"{radix['ttft_p50']} ms (p99 {half_up(naive['ttft_p99'])} to "
+        f"{half_up(radix['ttft_p99'])})",
+        f"queue behind {saved:,} more prompt tokens",
+        f"radix arm's TTFT p99 ({half_up(radix['ttft_p99'])} ms) still exceed the base arm's on "
+        f"the random workload ({base['ttft_p99']} ms)",
+        f"radix TTFT {half_up(radix['ttft_p50'])} against {half_up(naive['ttft_p50'])} ms",
+    )
+
+
+def test_ch19_chunked_prefill_against_unchunked() -> None:
+    text = recording("ch19_ablations-cuda")
+    short, out, long, long_len, after, every, budget = (int(g) for g in found(
+        text, r"short-long: (\d+) short requests \(prompts in \[\d+, \d+\], (\d+) tokens out\), "
+              r"joined by (\d+) prompts of (\d+) tokens after (\d+) decode steps and every (\d+) "
+              r"after; prefill budget (\d+) tokens a step"))
+    chunked, unchunked = ch19_arm("chunked"), ch19_arm("unchunked")
+    cost = 1 - float(chunked["tok_s"]) / float(unchunked["tok_s"])
+    halved = float(unchunked["itl_p99"]) / float(chunked["itl_p99"])
+    assert round(halved) == 2, "the summary says chunking halves the running ITL p99"
+    assert_on_page(
+        "ch19",
+        f"{short} short requests decode {out} tokens while {long} prompts of {long_len:,} tokens "
+        f"join, after {after} decode steps and every {every} after; both arms have a "
+        f"{budget:,}-token budget",
+        f"ITL p99 is {unchunked['itl_p99']} ms, the largest gap {unchunked['itl_max']}. Chunked, "
+        f"{in_words(long_len // budget)} steps with decoding between them: "
+        f"{chunked['itl_p99']} and {chunked['itl_max']} ms",
+        f"the long prompts' TTFT p50, {chunked['ttft_p50']} ms instead of "
+        f"{unchunked['ttft_p50']}, and {round(100 * cost)}% of throughput",
+    )
+
+
+def ch19_online_rows() -> dict[str, list[str]]:
+    """Chapter 19's online summary table: rate -> requests, errors, duration, req/s, output
+    tok/s, TTFT p50/p90/p99, TPOT p50/p90/p99, ITL p50/p90/p99, E2E p50/p99, good req/s."""
+    table = rows(recording("ch19_online-cuda"), r"\s+(\d+|inf)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+"
+                                                r"([\d.]+)\s+([\d.]+)\s+([\d./]+)\s+([\d./]+)\s+"
+                                                r"([\d./]+)\s+([\d./]+)\s+([\d.]+)$")
+    return {m.group(1): [v for g in m.groups()[1:] for v in g.split("/")] for m in table}
+
+
+def test_ch19_online_curve_as_the_page_reads_it() -> None:
+    text = recording("ch19_online-cuda")
+    table = ch19_online_rows()
+    assert list(table) == ["8", "16", "32", "64", "inf"]
+    ttft = {rate: r[5:8] for rate, r in table.items()}
+    tpot = {rate: r[8:11] for rate, r in table.items()}
+    itl = {rate: r[11:14] for rate, r in table.items()}
+    n, low, high, out_low, out_high = (int(g) for g in found(
+        text, r"workload: (\d+) requests per rate .* prompts uniform in \[(\d+), (\d+)\] tokens, "
+              r"outputs in \[(\d+), (\d+)\]"))
+    assert (low, high) == (out_low, out_high)
+    # the server keeps up to 32 req/s: nothing ever waited
+    assert re.findall(r"waiting max (\d+)", text) == ["0", "0", "0"]
+    assert min(table, key=lambda rate: float(table[rate][2])) == "inf", "all at once ends fastest"
+    bound_ttft, bound_tpot = found(text, r"goodput objectives: TTFT <= (\d+) ms and TPOT <= "
+                                         r"(\d+) ms")
+    assert re.findall(r"goodput: (\d+) of (\d+) requests met", text) == [(str(n), str(n))] * 5
+    assert "WARNING: the client sent a request" in text
+    assert itl["64"][0] == itl["inf"][0] == "0.0"
+    assert_on_page(
+        "ch19",
+        f"{n} requests per rate, prompts and outputs of {low} to {high} tokens",
+        f"TTFT p50 grows from {half_up(ttft['8'][0])} to {half_up(ttft['32'][0])} ms, TPOT from "
+        f"{tpot['8'][0]} to {tpot['32'][0]} ms. At 64 req/s the TTFT p99 reaches "
+        f"{half_up(ttft['64'][2])} ms",
+        f"(TPOT {tpot['inf'][0]} ms, {half_up(table['inf'][4]):,} tok/s), while everyone pays "
+        f"the prefill in TTFT ({half_up(ttft['inf'][0])} ms). From 64 req/s the ITL p50 is "
+        f"{itl['64'][0]} ms",
+        f"Everyone met the default objectives (TTFT ≤ {bound_ttft} ms, TPOT ≤ {bound_tpot} ms)",
+    )
+
+
+def test_ch19_goodput_under_tight_objectives_from_the_json(
+        repo_script: Callable[[str], ModuleType]) -> None:
+    measure = repo_script("benchmark/measure.py")
+    run = json.loads((ROOT / "docs" / "recorded" / "ch19_online-cuda.json").read_text("utf-8"))
+    ttft, tpot = found(page("ch19"), r"Tighter ones, TTFT ≤ (\d+) ms and TPOT ≤ (\d+) ms, read "
+                                     r"from the same JSON")
+    objectives = measure.parse_objectives(f"ttft={ttft},tpot={tpot}")
+    table = ch19_online_rows()
+    per_s = {}
+    for result in run["results"]:
+        rate = "inf" if result["rate"] == "inf" else f"{result['rate']:g}"
+        done = [(r["ttft_s"], r["tpot_s"], r["e2e_s"]) for r in result["requests"]
+                if r["error"] is None]
+        good = measure.goodput(done, result["num_requests"], objectives, result["duration_s"])
+        assert f"{result['request_throughput']:.2f}" == table[rate][3], f"rate {rate}: req/s"
+        per_s[rate] = good["per_s"]
+        assert_on_page("ch19", f"| {rate} | {table[rate][3]} | {good['met']} of "
+                               f"{result['num_requests']} | {good['per_s']:.2f} |")
+    # "goodput flattens from 32 req/s, peaks at 64 and collapses when everything arrives at once"
+    assert max(per_s, key=per_s.__getitem__) == "64" and min(per_s.values()) == per_s["inf"]
+
+
+Kernels = dict[str, tuple[int, float]]
+
+
+def ch19_profile(batch: int) -> tuple[str, Kernels, Kernels]:
+    """One batch size's part of chapter 19's profile: its text, and its kernel families and
+    kernels as name -> (calls, µs per step)."""
+    block = recording("ch19_profile-cuda").split(f"\nbatch {batch} (")[1].split("\nbatch ")[0]
+    families, kernels = (
+        {m.group(1): (int(m.group(2)), float(m.group(3))) for m in rows(
+            part, r"\s+(.*?)\s+(\d+)\s+([\d.]+)\s+[\d.]+%$")}
+        for part in block.split("kernel family (device)")[1].split("host operator")[0]
+        .split("kernel (device)"))
+    return block, families, kernels
+
+
+def ch19_kernel(kernels: Kernels, piece: str) -> float:
+    """The µs per step of the one kernel whose name holds `piece`."""
+    (us,) = [us for name, (_, us) in kernels.items() if piece in name]
+    return us
+
+
+def test_ch19_batch_1_step_against_its_floor() -> None:
+    block, families, kernels = ch19_profile(1)
+    floor, weights, kv = _floats("ch19_profile-cuda", r"^batch 1 \(.* HBM floor ([\d.]+) ms "
+                                                      r"\(weights (\d+) MiB \+ KV (\d+) MiB\)")
+    graph, = _floats("ch19_profile-cuda", r"^batch 1 \(.*step graph ([\d.]+) ms")
+    bandwidth, = _floats("ch19_profile-cuda", r"device copy bandwidth: (\d+) GB/s")
+    busy, count = (float(g) for g in found(block, r"device busy ([\d.]+) ms in (\d+) kernels"))
+    latency, = _floats("ch19_decode_latency-cuda", r": ([\d.]+) ms per step")
+    layers = families["qk-norm + RoPE + K/V store"][0]  # one qk kernel per layer
+    per_layer = sum(families[f][0] for f in ("GEMMs", "attention", "norms",
+                                             "qk-norm + RoPE + K/V store",
+                                             "SiLU and multiply")) // layers
+    around = int(count) - per_layer * layers
+    gemm_calls, gemm_us = families["GEMMs"]
+    assert gemm_calls == 4 * layers + 1, "four products per layer and the LM head"
+    decode, merge = ch19_kernel(kernels, "BatchDecode"), ch19_kernel(kernels, "MergeStates")
+    assert abs(decode + merge - families["attention"][1]) < 0.05
+    rest = sum(families[f][1] for f in ("SiLU and multiply", "copies and indexing", "other"))
+    weights_ms = weights * 2**20 / (bandwidth * 1e9) * 1e3
+    assert round(2 * gemm_us / 1e3 / weights_ms) / 2 == 2.5, "two and a half times"
+    assert_on_page(
+        "ch19",
+        f"The floor is the weights ({weights:,.0f} MiB) and one context's KV ({kv:.0f} MiB): "
+        f"{floor:.2f} ms",
+        f"in {count:.0f} kernels: {in_words(per_layer)} per layer, and {in_words(around)} around "
+        f"them",
+        f"the decode kernel ({decode:.0f}) and the merge of its split parts ({merge:.0f})",
+        f"| norms | {families['norms'][1]:.0f} |",
+        f"| qk-norm + RoPE + K/V store | {families['qk-norm + RoPE + K/V store'][1]:.0f} |",
+        f"| SiLU, copies, argmax | {rest:.0f} |",
+        f"two and a half times the weights' {weights_ms:.2f} ms",
+        f"the {gemm_calls} products average {gemm_us / gemm_calls:.0f} µs",
+        f"Attention reads {kv * 2**20 / layers / 1e6:.1f} MB a layer in "
+        f"{families['attention'][1] / layers:.0f} µs",
+        f"The graph step is {graph} ms on the host clock",
+        f"{latency:.2f} ms a step, near the device's own {busy:.2f}",
+        f"At batch 1: {kv * 2**20 / 1e9:.2f} + {weights * 2**20 / 1e9:.2f} GB, so {floor:.2f} ms",
+    )
+
+
+def test_ch19_batch_128_step_against_its_floor() -> None:
+    block, families, kernels = ch19_profile(128)
+    contexts, floor, weights, kv = _floats(
+        "ch19_profile-cuda", r"^batch 128 \((\d+) context tokens\): .* HBM floor ([\d.]+) ms "
+                             r"\(weights (\d+) MiB \+ KV (\d+) MiB\)")
+    bandwidth, = _floats("ch19_profile-cuda", r"device copy bandwidth: (\d+) GB/s")
+    busy = float(found(block, r"device busy ([\d.]+) ms")[0])
+    layers = families["qk-norm + RoPE + K/V store"][0]
+    per_token = layers * 2 * 8 * 128 * 2  # the page's K and V of 8 heads of 128, bfloat16
+    assert abs(kv * 2**20 / contexts - per_token) < 2**19 / contexts, "KV bytes per token"
+    attention, share = (float(g) for g in found(
+        block, r"^  attention\s+\d+\s+([\d.]+)\s+([\d.]+)%", re.M))
+    merge = ch19_kernel(kernels, "_merge_pieces")
+    named = ("GEMMs", "norms", "qk-norm + RoPE + K/V store")
+    rest = busy * 1e3 - attention - merge - sum(families[f][1] for f in named)
+    kv_gb, weights_gb = kv * 2**20 / 1e9, weights * 2**20 / 1e9
+    rate = kv * 2**20 / (attention * 1e-6)
+    assert rate / (bandwidth * 1e9) > 0.9, "attention reads near the copy bandwidth"
+    weights_ms = weights * 2**20 / (bandwidth * 1e9) * 1e3
+    gemm = families["GEMMs"][1] / 1e3
+    spare = round(gemm, 2) - round(weights_ms, 2)
+    assert round(busy / spare) == 10, "about a tenth of the device lane"
+    assert_on_page(
+        "ch19",
+        f"about {contexts / 128:,.0f} tokens, at {per_token:,} bytes of KV each ({layers} layers "
+        f"× 2 × 8 heads × 128 × 2 bytes): {kv_gb:.1f} GB a step, against {weights_gb:.2f} GB of "
+        f"weights. The floor is {floor:.2f} ms",
+        f"attention {attention / 1e3:.2f} ms ({share:.0f}%), {kv_gb:.1f} GB at {rate / 1e12:.1f} "
+        f"TB/s, near the copy bandwidth, and {merge / 1e3:.2f} ms more to merge its pieces; "
+        f"matrix products {gemm:.2f} ms (the weights need {weights_ms:.2f}); norms "
+        f"{families['norms'][1] / 1e3:.2f} ms; the qk kernel "
+        f"{families['qk-norm + RoPE + K/V store'][1] / 1e3:.2f} ms; the rest {rest / 1e3:.2f} ms",
+        f"The lane is within {math.ceil(10 * busy / floor) / 10} times its floor",
+        f"128 contexts hold {kv_gb:.1f} GB against {weights_gb:.2f} GB of weights",
+        f"At most {gemm:.2f} − {weights_ms:.2f} = {spare:.2f} ms ({weights_gb:.2f} GB at full "
+        f"bandwidth is {weights_ms:.2f} ms): about a tenth of the {busy:.2f} ms device lane",
+    )
+
+
+def test_ch19_whole_engine_against_transformers_and_the_floor() -> None:
+    tok_s, decode, floor, share = _floats(
+        "offline_bench-cuda", r"^minisgl \(overlap, radix\): .* = ([\d.]+) tok/s; .* decode steps "
+                              r"([\d.]+) s .* HBM floor ([\d.]+) s = ([\d.]+)%")
+    sync, = _floats("offline_bench-cuda", r"^minisgl \(sync, radix\): .* = ([\d.]+) tok/s")
+    useful, hf, computed = _floats(
+        "offline_bench-cuda", r"^transformers \(padded batches of 256\): (\d+) output tokens in "
+                              r"[\d.]+ s = ([\d.]+) tok/s \((\d+) tokens computed\)")
+    ablation = float(ch19_arm("graphs on")["tok_s"]) / float(ch19_arm("overlap off")["tok_s"])
+    overlap = tok_s / sync
+    assert_on_page(
+        "ch19",
+        f"{tok_s / hf:.1f} times `transformers` on one padded batch (which computes "
+        f"{computed:,.0f} tokens for {useful:,.0f} useful ones)",
+        f"Without overlap, {half_up(str(sync)):,} ({overlap:.2f}×; {ablation:.2f}× in the "
+        f"ablations",
+        f"The floor is {share}% of the decode steps' time, {floor} s against {decode}",
+        f"overlap {overlap:.2f}×",
+    )
+
+
+# --------------------------------------------------------------------------- chapter 21
+def signed(figure: str) -> str:
+    """A negative figure as the pages typeset it: `"-12.6650"` -> `"−12.6650"`."""
+    return figure.replace("-", "−")
+
+
+def test_ch21_sampler_cost_on_the_h200() -> None:
+    top_p = "sampled (temperature 1, top-p 0.9)"
+    greedy1, sampled1 = _sampler_ms("greedy", 1), _sampler_ms(top_p, 1)
+    greedy128, sampled128 = _sampler_ms("greedy", 128), _sampler_ms(top_p, 128)
+    more = {option: _sampler_ms(f"sampled + {option}", 1) - sampled1
+            for option in ("penalties", "logit_bias (8 tokens)", "logprobs (top 5)")}
+    at_128 = {f"{_sampler_ms(f'sampled + {option}', 128) - sampled128:.1f}"
+              for option in ("penalties", "logprobs (top 5)")}
+    assert len(at_128) == 1, f"penalties and logprobs no longer cost about the same: {at_128}"
+    assert_on_page(
+        "ch21",
+        f"a greedy step at batch 1 takes {greedy1:.2f} ms and top-p sampling adds "
+        f"{sampled1 - greedy1:.2f} ms; penalties add {more['penalties']:.2f} ms more, the bias "
+        f"{more['logit_bias (8 tokens)']:.2f} ms, logprobs {more['logprobs (top 5)']:.2f} ms",
+        f"At batch 128 sampling takes the {greedy128:.1f} ms greedy step to {sampled128:.1f} ms, "
+        f"and penalties and logprobs add about {at_128.pop()} ms each",
+    )
+
+
+def ch21_part1() -> dict[str, tuple[str, dict[str, int]]]:
+    """Part 1 of chapter 21's CPU recording: each setting -> (its text, the tokens it used
+    twice or more with their counts)."""
+    settings = re.findall(r"^  (\S.*)\n    (['\"].*['\"])\n    repeated: (\{.*\})$",
+                          recording("ch21_sampling-cpu"), re.M)
+    return {label: (ast.literal_eval(said), ast.literal_eval(repeated))
+            for label, said, repeated in settings}
+
+
+def test_ch21_penalties_bias_and_min_tokens() -> None:
+    text = recording("ch21_sampling-cpu")
+    part1 = ch21_part1()
+    assert len(part1) == 5, sorted(part1)
+    tokens = number(text, r"greedy, (\d+) tokens after")
+    _, plain = part1["plain"]
+    times = {1: "once", 2: "twice"}
+    repetition = next(label for label in part1 if label.startswith("repetition_penalty="))
+    assert part1[repetition][1] == {}, "the repetition penalty no longer stops every repeat"
+    strength = {name: next(label.split("=")[1] for label in part1
+                           if label.startswith(f"{name}_penalty="))
+                for name in ("frequency", "presence")}
+    assert strength["frequency"] == strength["presence"]
+    frequency = part1[f"frequency_penalty={strength['frequency']}"]
+    presence = part1[f"presence_penalty={strength['presence']}"]
+    assert frequency == presence, "the two penalties no longer give one and the same text"
+    (last, count), = frequency[1].items()
+    assert count == 2 and frequency[0].endswith(last), "a repeat before the last token"
+    bias_label = next(label for label in part1 if label.startswith("logit_bias="))
+    token_id, bias, banned = found(bias_label, r"^logit_bias=\{(\d+): (-?\d+)\} \('(.*)'\)")
+    biased, biased_repeats = part1[bias_label]
+    assert banned not in biased
+    stopped = number(text, r"plain: (\d+) tokens, 'stop'")
+    least, ran = (int(g) for g in found(text, r"\{'min_tokens': (\d+)\}: (\d+) tokens, 'length'"))
+    assert ran == tokens
+    assert_on_page(
+        "ch21",
+        f"says `{' sir'!r}` {in_words(plain[' sir'])} times and `'LEONATO'` "
+        f"{times[plain['LEONATO']]}",
+        f"With `{repetition}` no token repeats in {tokens}",
+        f"The frequency and presence penalties at {strength['frequency']} give one and the same "
+        f"text",
+        f"no token reaches a count of {count} before the last one (`{last!r}`)",
+        f"A bias of {signed(bias)} on `{banned!r}` (id {token_id}) removes it, and `' gentleman'` "
+        f"comes {in_words(biased_repeats[' gentleman'])} times instead",
+        f"the answer stops at {stopped} tokens; with `min_tokens={least}` it runs to {ran}",
+    )
+
+
+def test_ch21_n_choices_compute_and_hold_the_prompt_once() -> None:
+    text = recording("ch21_sampling-cpu")
+    prompt, each = (int(g) for g in found(text, r"n choices of one (\d+)-token prompt, (\d+) "
+                                                r"tokens each"))
+    one, one_pages = (int(g) for g in found(text, r"n=1: prompt tokens each prefill computed "
+                                                  r"\[(\d+)\]; KV pages held at most (\d+)"))
+    m = re.search(r"n=3: prompt tokens each prefill computed \[([\d, ]+)\]; KV pages held at most "
+                  r"(\d+) \(unshared: 3 x (\d+) = (\d+)\)", text)
+    assert m, "no n=3 line in chapter 21's recording"
+    computed = [int(n) for n in m.group(1).split(", ")]
+    three_pages, unshared = int(m.group(2)), int(m.group(4))
+    stored = each - 1  # the last sample is never stored
+    assert one == prompt and one_pages == prompt + stored
+    assert three_pages == prompt + 3 * stored and unshared == 3 * one_pages
+    usage = re.search(r"usage: (\d+) prompt tokens \(counted once\), (\d+) completion tokens; "
+                      r"the same texts as offline: True", text)
+    assert usage and (int(usage.group(1)), int(usage.group(2))) == (prompt, 3 * each)
+    assert_on_page(
+        "ch21",
+        f"One choice of the {prompt}-token prompt computes {one} tokens and holds at most "
+        f"{one_pages} pages ({prompt} for the prompt, {stored} for the stored outputs",
+        f"Three choices compute {computed[0]}, {computed[1]} and {computed[2]} tokens and hold at "
+        f"most {three_pages} pages, {prompt} + 3 × {stored}, against {unshared} for three separate "
+        f"copies",
+        "The server's `n=3` choices are the offline ones; the usage counts the prompt once",
+    )
+
+
+def test_ch21_logprobs_are_raw_and_loglikelihoods_sum() -> None:
+    text = recording("ch21_sampling-cpu")
+    greedy = rows(text, r"\s+'(.*?)'\s+(-[\d.]+)\s+best 3: ('.*)$")
+    assert len(greedy) == 4
+    assert all(m.group(3).startswith(f"'{m.group(1)}' {m.group(2)},") for m in greedy), \
+        "a greedy token is not the first of its best three"
+    forced, best = found(text, r"forces '!': logprob (-[\d.]+), best 3: (.*)$", re.M)
+    reference, = found(text, r"transformers' log_softmax there: .*'!' (-[\d.]+)")
+    assert forced == reference and best == greedy[0].group(3)
+    sums = {}
+    for ending in ("Romeo", "Juliet"):
+        a, b, total = found(text, rf"' {ending}\?': .*\[(-[\d.]+), (-[\d.]+)\], sum (-[\d.]+)")
+        assert abs(float(a) + float(b) - float(total)) < 2e-4
+        sums[ending] = total
+    assert_on_page(
+        "ch21",
+        f"with the logprob {signed(forced)}, exactly `transformers`' log-softmax there",
+        "Its best three are the unbiased request's",
+        f"`' Romeo?'` sums to {signed(sums['Romeo'])} against {signed(sums['Juliet'])} for "
+        f"`' Juliet?'`",
+    )
+
+
+# --------------------------------------------------------------------------- chapter 22
+def test_ch22_tokens_the_automaton_allows() -> None:
+    text = recording("ch22_structured-cpu")
+    vocab = number(text, r"over the model's ([\d,]+) tokens")
+    allowed = {after: (int(n), said) for after, n, said in re.findall(
+        r"after '(.*?)'\s+state\s+\d+:\s+(\d+) tokens allowed, (.*)$", text, re.M)}
+    start, quote, digits, one_digit, closed = (allowed[a] for a in (
+        "", '{"', '{"age": ', '{"age": 4', '{"age": 42}'))
+    assert start[1] == "e.g. '{'"
+    assert set(re.findall(r"'(\w+)'", quote[1])) == {"a", "ag", "age"} and quote[0] == 3
+    assert closed[1].endswith("only the ends of sequence, as the state accepts")
+    assert one_digit[0] == digits[0] + 1, "a written digit adds the closing brace"
+    assert_on_page(
+        "ch22",
+        f"over the trained tiny model's {vocab:,} tokens. At the start {in_words(start[0])} token "
+        f"is allowed, `{{`; after `{{\"age\": ` the {in_words(digits[0])} digits; after "
+        f"`{{\"age\": 4` {in_words(one_digit[0])} tokens, the digits and `}}`; after the closing "
+        f"brace only the {in_words(closed[0])} end-of-sequence tokens",
+        "after `{\"` the tokens `a`, `ag` and `age`",
+        f"after the colon and its space the {in_words(digits[0])} digits",
+        f"nothing is left but the {in_words(closed[0])} end-of-sequence tokens",
+    )
+
+
+def test_ch22_constrained_answers_parse_and_stop() -> None:
+    text = recording("ch22_structured-cpu")
+    assert "parses as JSON: False" in text, "the free answer is no longer refused by a parser"
+    answer, _, finish = found(text, r"with schema: '(.*)' \((\d+) tokens, finish (\w+)\)\n\s+"
+                                    r"parses and validates against the schema")
+    properties = list(json.loads(answer))
+    assert re.search(r"json_schema \(strict\): '.*', validates", text)
+    raw = re.search(r"json_object \(\d+ tokens, finish 'stop'\): ('.*'), parses: True", text)
+    assert raw, "no json_object line in chapter 22's recording"
+    pairs = json.loads(ast.literal_eval(raw.group(1)), object_pairs_hook=list)
+    keys = [k for k, _ in pairs]
+    assert len(set(keys)) < len(keys) and all(not v.strip() for _, v in pairs), \
+        "the json_object answer no longer repeats keys with whitespace strings"
+    reason, name, arguments = found(text, r"tools, tool_choice='required': finish_reason "
+                                          r"'(\w+)', (\w+)\((\{.*?\})\)")
+    (argument,) = json.loads(arguments)
+    assert_on_page(
+        "ch22",
+        f"writes an object with the {in_words(len(properties))} properties in order",
+        f"stops by itself with `\"{finish}\"`",
+        "fills the grammar's bounds with repeated keys and whitespace strings, valid JSON",
+        f"the answer is a call to `{name}` with a `{argument}` that validates against the tool's "
+        f"parameters, under `finish_reason \"{reason}\"`",
+    )
+
+
+# --------------------------------------------------------------------------- chapter 23
+def test_ch23_acceptance_rule_over_four_tokens() -> None:
+    text = recording("ch23_speculative-cpu")
+    trials = number(text, r"([\d,]+) trials of one guess")
+
+    def line(label: str) -> list[Fraction]:
+        m = re.search(rf"^  {label}\s+([\d.]+(?:\s+[\d.]+)*)", text, re.M)
+        assert m, f"no {label!r} line in chapter 23's recording"
+        return [Fraction(v) for v in m.group(1).split()]
+
+    p, q = line(r"p \(target\)"), line(r"q \(draft\)")
+    first, residual = line("first token"), line("residual")
+    kept, recorded_accept = _floats("ch23_speculative-cpu", r"kept\s+([\d.]+)\s+\(sum of min\(p, "
+                                                           r"q\) = ([\d.]+)\)")
+    mins = [min(a, b) for a, b in zip(p, q)]
+    accept = sum(mins)
+    assert float(accept) == recorded_accept
+    excess = [max(Fraction(0), a - b) for a, b in zip(p, q)]
+    assert residual == [e / sum(excess) for e in excess]
+    # "within sampling noise": four standard deviations of the trials' share
+    assert abs(kept - accept) < 4 * math.sqrt(accept * (1 - accept) / trials)
+    assert all(abs(f - a) < 4 * math.sqrt(a * (1 - a) / trials) for f, a in zip(first, p))
+    assert p[0] == mins[0] + (1 - accept) * residual[0], "token 0 comes out as p(0)"
+
+    def listed(values: list[Fraction]) -> str:
+        return "[" + ", ".join(f"{float(v):g}" for v in values) + "]"
+
+    assert trials == 100_000, "the page says a hundred thousand guesses"
+    assert_on_page(
+        "ch23",
+        f"`p = {listed(p)}` and `q = {listed(q)}`",
+        f"Token 0 is proposed {float(100 * q[0]):g}% of the time and always kept: "
+        f"{float(mins[0]):g}",
+        f"`Σ min(p, q) = {' + '.join(f'{float(m):g}' for m in mins)} = {float(accept):g}`, so a "
+        f"rejection happens {float(100 * (1 - accept)):g}% of the time",
+        f"`max(0, p − q) = {listed(excess)}`, normalised, is `{listed(residual)}`",
+        f"{float(mins[0]):g} + {float(1 - accept):g} × {float(residual[0]):g} = "
+        f"{float(p[0]):g}, which is `p(0)`",
+        "a hundred thousand guesses drawn from `q`",
+        f"`q` proposed token {q.index(Fraction(1, 2))} half the time",
+        f"The residual line is the worked example's `{listed(residual)}`",
+    )
+
+
+def test_ch23_prompt_lookup_on_the_worked_history() -> None:
+    text = recording("ch23_speculative-cpu")
+    history, tail, proposed = (found(text, pattern)[0].split(", ") for pattern in (
+        r"history \[([\d, ]+)\]", r"its tail \[([\d, ]+)\] occurred at the start",
+        r"proposes \[([\d, ]+)\], the four tokens"))
+    assert history[:len(tail)] == tail == history[-len(tail):]
+    assert proposed == history[len(tail):len(tail) + len(proposed)]
+    assert_on_page("ch23", f"With history `{' '.join(history)}` the tail `{' '.join(tail)}` "
+                           f"occurred at the start, followed by `{' '.join(proposed)}`")
+
+
+def test_ch23_passes_guesses_and_kept_tokens_of_each_proposer() -> None:
+    text = recording("ch23_speculative-cpu")
+    prompts, tokens = (int(g) for g in found(text, r"offline, (\d+) prompts, (\d+) greedy tokens"))
+    table = {m.group(1): m.groups()[1:] for m in rows(
+        text, r"\s+(off|ngram|draft)\s+(\d+)\s+(\d+)\s+(\d+)\s+([\d.]+)\s+(\w+)\s+(\d+)$")}
+    assert list(table) == ["off", "ngram", "draft"]
+    assert all(same == "True" and pages == "0" for *_, same, pages in table.values())
+    passes = {name: int(row[0]) for name, row in table.items()}
+    for name, (_, _, _, per_pass, _, _) in table.items():
+        # the prefill makes each request's first token; every other one comes from a pass
+        assert f"{(tokens - 1) / passes[name]:.2f}" == per_pass, name
+    draft_layers = number(text, r"draft: its first (\d+) layers")
+    config = json.loads((ROOT / "models" / "tiny-shakespeare" / "config.json").read_text("utf-8"))
+    assert Fraction(draft_layers, config["num_hidden_layers"]) == Fraction(2, 3)
+    _, ngram_guesses, ngram_kept, *_ = table["ngram"]
+    _, draft_guesses, draft_kept, draft_per_pass, *_ = table["draft"]
+    assert_on_page(
+        "ch23",
+        f"Part 3 runs the same {in_words(prompts)} prompts {in_words(len(table))} times",
+        f"the model's own first {in_words(draft_layers)} layers",
+        f"Prompt lookup guessed {ngram_guesses} tokens and the target kept {ngram_kept}",
+        f"{passes['ngram']} passes instead of {passes['off']}",
+        f"The draft guessed at every step, {draft_guesses} tokens, and the {draft_kept} it got "
+        f"right cut the passes to {passes['draft']}, {draft_per_pass} tokens per request and pass",
+        "the cut draft costs two thirds of the target",
+    )
+
+
+def test_ch23_server_answers_begin_as_the_offline_text() -> None:
+    from minisgl.tokenizer.tokenize import load_tokenizer
+
+    text = recording("ch23_speculative-cpu")
+    offline = ast.literal_eval(found(text, r"first prompt: (\".*\"|'.*')$", re.M)[0])
+    served = [ast.literal_eval(m.group(1)) for m in rows(text, r"\s+'.*'\.\.\. -> (\".*\"|'.*')$")]
+    assert served and served[0].startswith(offline)
+    tokenizer = load_tokenizer(ROOT / "models" / "tiny-shakespeare")
+    (count,) = {len(tokenizer.encode(answer)) for answer in served}
+    spec, = found(text, r"the server, (--speculative \S+), through")
+    assert "same text both times: True" in text
+    assert_on_page(
+        "ch23",
+        f"the server started with `{spec}`",
+        f"begin as part 3's texts do (the same greedy tokens, {count} of them)",
+        "two runs give the same text",
+    )
 
 
 # --------------------------------------------------------------------------- chapter 17 onwards

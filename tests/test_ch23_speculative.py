@@ -15,7 +15,7 @@ import pytest
 import torch
 from conftest import SHAKESPEARE_DIR
 
-from minisgl.core import Req, SamplingParams
+from minisgl.core import Batch, Req, SamplingParams
 from minisgl.scheduler.config import SchedulerConfig, Speculation
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.speculative.accept import PAD, accept_greedy, accept_sampled
@@ -416,6 +416,96 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_model_dir) -> None:
     with pytest.raises(ValueError, match="share the target's tokenizer"):
         Scheduler(SchedulerConfig(SHAKESPEARE_DIR, device="cpu", num_pages=64,
                                   speculative=f"draft={tiny_model_dir}"))
+
+
+# ------------------------------------------------------------- the verify pass, decode-shaped
+def fed_batch(engine, prompts: list[list[int]], guesses: list[list[int]]) -> Batch:
+    """Requests prefilled on ``engine``, each sampled once, that then feed that sample and
+    their ``guesses`` in one prefill-phase batch, as a speculative step sets it up."""
+    reqs = [Req(i, ids, SamplingParams(max_tokens=64, ignore_eos=True))
+            for i, ids in enumerate(prompts)]
+    engine.pages.reserve(*reqs)
+    prefill = Batch(reqs, "prefill")
+    first = engine.forward(prefill).tolist()
+    prefill.advance()
+    for req, token, guessed in zip(reqs, first, guesses):
+        req.append_token(token)
+        engine.token_pool.write([req], [req.num_tokens], [guessed])
+        req.in_flight = len(guessed)
+    engine.pages.reserve(*reqs)
+    return Batch(reqs, "prefill")
+
+
+def prefill_shaped_logits(engine, batch: Batch) -> torch.Tensor:
+    """Every fed token's logits from one eager prefill-shaped pass: the reference."""
+    logits = engine.logits(batch, use_graph=False, extra_rows=list(range(batch.num_tokens)))
+    return logits[batch.size:]
+
+
+@pytest.mark.parametrize("device", [pytest.param("cpu"),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_each_fed_token_decoding_as_an_entry_scores_as_a_prefill_would(
+        device, prompt_ids) -> None:
+    """The verify pass feeds each request's tokens as decode entries on its page-table row
+    (``EachTokenDecodes``): every row of logits must equal the causal prefill's over the same
+    tokens, for requests with several guesses, one and none in one batch, and the K/V it
+    stored must be the prefill's. On a GPU the pass is a replay of a captured decode graph."""
+    from minisgl.engine.config import EngineConfig
+    from minisgl.engine.engine import Engine
+    from minisgl.engine.verify import EachTokenDecodes
+
+    engine = Engine(EngineConfig(SHAKESPEARE_DIR, device=device, dtype="float32",
+                                 num_pages=1024, max_running_reqs=8))
+    guesses = [[11, 12, 13], [], [21, 22]]
+    batch = fed_batch(engine, prompt_ids[:3], guesses)
+    layout = EachTokenDecodes.of(batch)
+    assert layout.size == batch.num_tokens == 4 + 1 + 3
+    assert layout.cached_lens[:4] == list(range(batch.cached_lens[0], batch.cached_lens[0] + 4))
+    graph_size = engine.graph_runner.size_for(layout)
+    assert (graph_size is not None) == (device == "cuda"), "a GPU replays a decode graph here"
+    ours = engine.layout_logits(layout, engine.input_ids(batch)).clone()
+    stored = stored_kv(engine, layout)
+    reference = prefill_shaped_logits(engine, batch)  # it stores the same tokens' K/V again
+    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
+    assert ours.argmax(-1).tolist() == reference.argmax(-1).tolist()
+    torch.testing.assert_close(stored, stored_kv(engine, layout), rtol=1e-4, atol=1e-4)
+
+
+def stored_kv(engine, layout) -> torch.Tensor:
+    """The K and V every layer holds for the layout's new tokens, stacked."""
+    ends = [c + n for c, n in zip(layout.cached_lens, layout.new_lens)]
+    _, slots = engine.pages.table.locate(layout.rows, layout.cached_lens, ends)
+    slots = torch.from_numpy(slots).to(engine.device)
+    return torch.stack([torch.stack([k[slots], v[slots]]) for k, v in (
+        engine.kv_pool.kv_cache(layer) for layer in range(engine.kv_pool.num_layers))]).clone()
+
+
+@pytest.mark.gpu
+def test_on_cuda_greedy_speculation_is_token_identical_through_graphs(
+        prompt_ids, cut_draft) -> None:
+    """On a GPU, in float32 so that rounding cannot pick another argmax: the verify pass and the
+    draft's steps replay captured decode graphs, and the tokens are plain decoding's."""
+    def run(speculative: str | None) -> tuple[list[list[int]], Scheduler]:
+        scheduler = Scheduler(SchedulerConfig(SHAKESPEARE_DIR, device="cuda", dtype="float32",
+                                              num_pages=4096, max_running_reqs=8,
+                                              speculative=speculative, overlap=False))
+        replayed = []
+        replay = scheduler.engine.replay
+        scheduler.engine.replay = lambda *a, **kw: replayed.append(1) or replay(*a, **kw)
+        reqs = fresh(prompt_ids, mixed_params(len(prompt_ids)))
+        for req in reqs:
+            scheduler.add(req)
+        while scheduler.has_work:
+            scheduler.step()
+        assert scheduler.cache.pages_in_use == 0
+        assert replayed, "nothing replayed a CUDA graph"
+        return [req.output_ids for req in reqs], scheduler
+
+    plain, _ = run(None)
+    for spec in (f"draft={cut_draft},k=4", "ngram"):
+        tokens, scheduler = run(spec)
+        assert tokens == plain, spec
+        assert scheduler.speculator.num_accepted > 0
 
 
 # --------------------------------------------------------------------------- through the server

@@ -19,7 +19,8 @@ from dataclasses import dataclass
 
 import torch
 
-from minisgl.attention import create_attention_backend, pad_batch, resolve_attention_backend
+from minisgl.attention import (BatchLayout, create_attention_backend, pad_batch,
+                               resolve_attention_backend)
 from minisgl.core import Batch
 from minisgl.distributed import get_tp_info
 from minisgl.distributed.group import broadcast_from_rank0, device_for_rank, min_over_ranks
@@ -261,10 +262,21 @@ class Engine:
             if req.table_row is None:
                 raise ValueError(f"request {req.uid} has no pages for its {req.num_tokens} "
                                  "tokens: call engine.pages.reserve(req) before running it")
-        input_ids = self.token_pool.input_ids(batch)
-        if use_graph and (bs := self.graph_runner.size_for(batch)) is not None:
-            return self.replay(batch, input_ids, bs=bs)
-        meta = self.attn_backend.prepare(batch)
+        return self.layout_logits(batch, self.token_pool.input_ids(batch), use_graph,
+                                  extra_rows)
+
+    @torch.no_grad()
+    def layout_logits(self, layout: BatchLayout, input_ids: torch.Tensor, use_graph: bool = True,
+                      extra_rows: list[int] | None = None) -> torch.Tensor:
+        """:meth:`logits` of any :class:`~minisgl.attention.BatchLayout` fed ``input_ids``.
+
+        A :class:`~minisgl.core.Batch` is one layout; chapter 23's verify pass is another,
+        a decode-shaped layout in which every token it checks is an entry of its own, so that
+        the decode graphs serve it too.
+        """
+        if use_graph and (bs := self.graph_runner.size_for(layout)) is not None:
+            return self.replay(layout, input_ids, bs=bs)
+        meta = self.attn_backend.prepare(layout)
         rows = meta.last_indices
         if extra_rows:
             extra = torch.tensor(extra_rows, dtype=rows.dtype)
@@ -272,7 +284,7 @@ class Engine:
         with use_attention_backend(self.attn_backend):
             return self.model.forward(input_ids, meta.positions, rows)
 
-    def replay(self, batch: Batch, input_ids: torch.Tensor, launched: bool = False,
+    def replay(self, batch: BatchLayout, input_ids: torch.Tensor, launched: bool = False,
                bs: int | None = None) -> torch.Tensor:
         """The logits of a decode batch, from the CUDA graph captured for its padded size.
 
@@ -285,7 +297,8 @@ class Engine:
         """
         bs = bs or self.graph_runner.size_for(batch)
         if bs is None:
-            raise ValueError(f"no captured graph serves a {batch.phase} batch of {batch.size} "
+            kind = "decode" if batch.is_decode else "prefill"
+            raise ValueError(f"no captured graph serves a {kind} batch of {batch.size} "
                              f"(captured decode sizes: {self.graph_runner.batch_sizes or 'none'})")
         self._load_graph_inputs(batch, bs, input_ids)
         if launched:
@@ -294,7 +307,8 @@ class Engine:
             self.graph_runner.graphs[bs].replay()
         return self.graph_inputs.logits[: batch.size]
 
-    def _load_graph_inputs(self, batch: Batch | None, bs: int, input_ids: torch.Tensor) -> None:
+    def _load_graph_inputs(self, batch: BatchLayout | None, bs: int,
+                           input_ids: torch.Tensor) -> None:
         """Write ``batch`` (None: no requests) and its ``input_ids``, padded to ``bs``, into the
         fixed memory the graph of ``bs`` reads."""
         self.attn_backend.prepare(pad_batch(batch, bs, self.pad_row),

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 from tqdm import tqdm
 
-from minisgl.core import Batch
+from minisgl.attention import BatchLayout
 from minisgl.engine.config import EngineConfig
 from minisgl.utils.logger import get_logger
 
@@ -173,7 +173,7 @@ class GraphRunner:
                     len(self.graphs), _short_list(self.batch_sizes), self.capture_seconds,
                     used / 2**20)
 
-    def size_for(self, batch: Batch) -> int | None:
+    def size_for(self, batch: BatchLayout) -> int | None:
         """The captured size that replays ``batch``: None unless it is a decode batch no
         larger than the largest captured size."""
         if not batch.is_decode or batch.size > self.max_batch_size:  # 0 when disabled

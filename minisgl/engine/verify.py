@@ -2,16 +2,21 @@
 
 A decoding request normally feeds one token, its last sample, and gets the logits of the one
 after. Give it ``g`` guesses of the tokens that follow and it can feed ``1 + g`` tokens in the
-same pass, a prefill-shaped step over its cached past, and get ``1 + g`` rows of logits: row
-``j`` is the target's distribution after the last sample and the first ``j`` guesses. Reading
-the weights once then checks every guess, and :mod:`minisgl.speculative.accept` decides how
-many to keep.
+same pass and get ``1 + g`` rows of logits: row ``j`` is the target's distribution after the
+last sample and the first ``j`` guesses. Reading the weights once then checks every guess, and
+:mod:`minisgl.speculative.accept` decides how many to keep.
+
+The pass is shaped as a decode step: every fed token is an entry of its own, on its request's
+page-table row, that decodes after the tokens before it. Each layer stores the K/V of every
+entry before any entry attends, so entry ``j`` sees the guesses before it and its own token,
+as a causal prefill would; and a decode-shaped batch is one the CUDA graphs captured for
+decoding replay (chapter 8), while a prefill-shaped one runs eagerly, a launch per kernel.
 """
 
 from __future__ import annotations
 
-import itertools
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -23,6 +28,33 @@ from minisgl.utils.torch_utils import host_to_device
 
 if TYPE_CHECKING:  # engine.py does not import this module: no cycle at run time
     from minisgl.engine.engine import Engine
+
+
+@dataclass(frozen=True)
+class EachTokenDecodes:
+    """A batch's fed tokens as a decode-shaped :class:`~minisgl.attention.BatchLayout`.
+
+    Token ``j`` of request ``i`` is an entry on ``i``'s page-table row with
+    ``cached_lens[i] + j`` tokens before it and one new token: its K/V goes where the batch's
+    would, and it attends over the same keys its row in a prefill would.
+    """
+
+    rows: list[int]
+    cached_lens: list[int]
+    new_lens: list[int]
+    size: int
+    num_tokens: int
+    is_decode: bool = True
+
+    @classmethod
+    def of(cls, batch: Batch) -> EachTokenDecodes:
+        rows: list[int] = []
+        cached: list[int] = []
+        for row, start, count in zip(batch.rows, batch.cached_lens, batch.new_lens):
+            assert row is not None, "reserve the batch's pages before verifying it"
+            rows += [row] * count
+            cached += range(start, start + count)
+        return cls(rows, cached, [1] * len(rows), len(rows), len(rows))
 
 
 @torch.no_grad()
@@ -46,16 +78,12 @@ def verify(engine: Engine, batch: Batch, guesses: Sequence[Sequence[int]]) -> Ve
     if [1 + len(g) for g in guesses] != batch.new_lens:
         raise ValueError(f"each request must feed its last token and its guesses: it feeds "
                          f"{batch.new_lens}, the guesses need {[1 + len(g) for g in guesses]}")
-    # The engine scores each request's last fed token (row i), then any rows asked for: here
-    # every other fed token, so row j of request i is found at a known index.
-    starts = [0, *itertools.accumulate(batch.new_lens)][:-1]
-    extra = [start + j for start, n in zip(starts, batch.new_lens) for j in range(n - 1)]
-    logits = engine.logits(batch, use_graph=False, extra_rows=extra)
-    index, first_extra = [], size
-    for i, n in enumerate(batch.new_lens):
-        rows = list(range(first_extra, first_extra + n - 1)) + [i]
-        first_extra += n - 1
-        index.append(rows + [i] * (k + 1 - n))  # past its guesses: a row never read
+    logits = engine.layout_logits(EachTokenDecodes.of(batch), engine.input_ids(batch))
+    # Row j of request i is the entry of its j-th fed token; past its guesses, a row never read.
+    index, start = [], 0
+    for n in batch.new_lens:
+        index.append([start + min(j, n - 1) for j in range(k + 1)])
+        start += n
     device = logits.device
     per_position = logits[host_to_device(torch.tensor(index), device)]  # [B, k + 1, V]
     proposed = host_to_device(torch.tensor([list(g) + [PAD] * (k - len(g)) for g in guesses],
