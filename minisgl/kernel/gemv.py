@@ -2,8 +2,8 @@
 
 Both replace ``F.linear(x, weight).to(out_dtype)`` in :func:`minisgl.layers.linear.matmul`.
 At batch 1 every projection multiplies one row ``x`` ``[1, K]`` by ``W`` ``[N, K]``, bound by
-reading ``W`` once; for some shapes cuBLAS reads it at a third of the bandwidth or less (on the
-H200, Qwen3-0.6B's 1,024 x 2,048 output projection took 12.4 µs where its 4 MiB take 1). Here
+reading ``W`` once; for some shapes cuBLAS reads it well below the memory's bandwidth
+(``benchmark/gemv_tiling.py`` puts each product's time beside its bytes' read time). Here
 each program streams its own ``BLOCK_N`` rows of ``W``, ``BLOCK_K`` columns at a time, sums in
 float32 and writes its outputs once: the matrix is read exactly once, nothing is reduced
 across programs.
@@ -25,11 +25,9 @@ from minisgl.kernel.trials import enabled, on_gpu_16bit, ready, same_place
 from minisgl.kernel.triton_compat import tl, triton
 
 
-# Two rows per program, 1,024 columns per step, four warps. benchmark/gemv_tiling.py times
-# every tiling of a model's batch-1 products with the weights out of L2; on the H200 for
-# Qwen3-0.6B's shapes this one was within 15% of each product's fastest (two to four rows per
-# program and 1,024 columns won everywhere: more programs than SMs, long coalesced reads),
-# where 16 rows of 512 columns took up to 1.8 times as long.
+# Two rows per program, 1,024 columns per step, four warps: few rows per program make more
+# programs than SMs, long rows make coalesced reads. benchmark/gemv_tiling.py times every tiling
+# of a model's batch-1 products with the weights out of L2, to choose this on a new GPU.
 TILES = (2, 1024, 4)  # (BLOCK_N, BLOCK_K, num_warps)
 
 
