@@ -57,18 +57,16 @@ def leading_number(text: str) -> float:
     return float(match.group().replace(",", ""))
 
 
-def number(text: str, pattern: str) -> int:
-    """The integer the first group of `pattern` captures in `text` (commas allowed)."""
-    m = re.search(pattern, text)
-    assert m, f"{pattern!r} not found in the recording"
-    return int(m.group(1).replace(",", ""))
-
-
 def found(text: str, pattern: str, flags: int = 0) -> tuple[str, ...]:
     """The groups the first match of `pattern` in `text` captures, as printed."""
     m = re.search(pattern, text, flags)
     assert m, f"{pattern!r} not found in the recording"
     return m.groups()
+
+
+def number(text: str, pattern: str) -> int:
+    """The integer the first group of `pattern` captures in `text` (commas allowed)."""
+    return int(found(text, pattern)[0].replace(",", ""))
 
 
 def assert_on_page(chapter: str, *figures: str) -> None:
@@ -1597,9 +1595,7 @@ def decimals(figure: str) -> int:
 
 
 def _floats(name: str, pattern: str) -> tuple[float, ...]:
-    m = re.search(pattern, recording(name), re.M)
-    assert m, f"{pattern!r} not found in {name}"
-    return tuple(float(g.replace(",", "")) for g in m.groups())
+    return tuple(float(g.replace(",", "")) for g in found(recording(name), pattern, re.M))
 
 
 def _sampler_ms(config: str, batch: int) -> float:
