@@ -431,4 +431,4 @@ def test_the_cost_benchmark_runs_every_share(tiny_model_dir: Any) -> None:
                        "4", "--min-len", "4", "--max-len", "8"])
     assert [(r["constrained"], r["overlap"]) for r in rows] == \
         [(share, overlap) for overlap in (True, False) for share in bench.SHARES]
-    assert all(r["tokens"] > 0 and r["tok_per_s"] > 0 for r in rows)
+    assert all(r["tokens"] > 0 and r["tok_per_s"] > 0 and r["free_tok_per_s"] > 0 for r in rows)

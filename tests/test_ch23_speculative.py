@@ -8,6 +8,8 @@ two deliberately wrong rules fail. Then prompt lookup.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pathlib import Path
 
 import numpy as np
@@ -442,6 +444,12 @@ def prefill_shaped_logits(engine, batch: Batch) -> torch.Tensor:
     return logits[batch.size:]
 
 
+# On a GPU the graphs need FlashInfer, which runs in bfloat16: there the pass and the reference
+# round differently, so logits agree to bfloat16's precision and argmaxes where the top two are
+# further apart than that.
+BF16_LOGIT_TOL = 0.05
+
+
 @pytest.mark.parametrize("device", [pytest.param("cpu"),
                                     pytest.param("cuda", marks=pytest.mark.gpu)])
 def test_each_fed_token_decoding_as_an_entry_scores_as_a_prefill_would(
@@ -454,7 +462,8 @@ def test_each_fed_token_decoding_as_an_entry_scores_as_a_prefill_would(
     from minisgl.engine.engine import Engine
     from minisgl.engine.verify import EachTokenDecodes
 
-    engine = Engine(EngineConfig(SHAKESPEARE_DIR, device=device, dtype="float32",
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    engine = Engine(EngineConfig(SHAKESPEARE_DIR, device=device, dtype=dtype,
                                  num_pages=1024, max_running_reqs=8))
     guesses = [[11, 12, 13], [], [21, 22]]
     batch = fed_batch(engine, prompt_ids[:3], guesses)
@@ -463,12 +472,17 @@ def test_each_fed_token_decoding_as_an_entry_scores_as_a_prefill_would(
     assert layout.cached_lens[:4] == list(range(batch.cached_lens[0], batch.cached_lens[0] + 4))
     graph_size = engine.graph_runner.size_for(layout)
     assert (graph_size is not None) == (device == "cuda"), "a GPU replays a decode graph here"
-    ours = engine.layout_logits(layout, engine.input_ids(batch)).clone()
-    stored = stored_kv(engine, layout)
-    reference = prefill_shaped_logits(engine, batch)  # it stores the same tokens' K/V again
-    torch.testing.assert_close(ours, reference, rtol=1e-4, atol=1e-4)
-    assert ours.argmax(-1).tolist() == reference.argmax(-1).tolist()
-    torch.testing.assert_close(stored, stored_kv(engine, layout), rtol=1e-4, atol=1e-4)
+    ours = engine.layout_logits(layout, engine.input_ids(batch)).float().clone()
+    stored = stored_kv(engine, layout).float()
+    reference = prefill_shaped_logits(engine, batch).float()  # stores the same K/V again
+    tol = 1e-4 if device == "cpu" else BF16_LOGIT_TOL
+    torch.testing.assert_close(ours, reference, rtol=tol, atol=tol)
+    top2 = reference.topk(2, dim=-1).values
+    clear = (top2[:, 0] - top2[:, 1] > 2 * tol).tolist()
+    assert sum(clear) >= len(clear) // 2, "too few rows with a clear argmax to compare"
+    assert [a for a, c in zip(ours.argmax(-1).tolist(), clear) if c] == \
+        [a for a, c in zip(reference.argmax(-1).tolist(), clear) if c]
+    torch.testing.assert_close(stored, stored_kv(engine, layout).float(), rtol=tol, atol=tol)
 
 
 def stored_kv(engine, layout) -> torch.Tensor:
@@ -481,30 +495,42 @@ def stored_kv(engine, layout) -> torch.Tensor:
 
 
 @pytest.mark.gpu
-def test_on_cuda_greedy_speculation_is_token_identical_through_graphs(
+def test_on_cuda_greedy_speculation_follows_plain_decoding_through_graphs(
         prompt_ids, cut_draft) -> None:
-    """On a GPU, in float32 so that rounding cannot pick another argmax: the verify pass and the
-    draft's steps replay captured decode graphs, and the tokens are plain decoding's."""
-    def run(speculative: str | None) -> tuple[list[list[int]], Scheduler]:
-        scheduler = Scheduler(SchedulerConfig(SHAKESPEARE_DIR, device="cuda", dtype="float32",
+    """On a GPU, through captured graphs (the verify pass and the draft's steps replay decode
+    graphs), in bfloat16: each output is plain decoding's for as long as plain decoding's
+    choices were clear (its top two log-probabilities further apart than bfloat16's rounding
+    can move them); past a near tie, another batch shape may round to the other token, and the
+    outputs may part. The clear stretch must cover most of the tokens."""
+    def run(speculative: str | None) -> tuple[list[Req], Scheduler]:
+        scheduler = Scheduler(SchedulerConfig(SHAKESPEARE_DIR, device="cuda", dtype="bfloat16",
                                               num_pages=4096, max_running_reqs=8,
                                               speculative=speculative, overlap=False))
         replayed = []
         replay = scheduler.engine.replay
         scheduler.engine.replay = lambda *a, **kw: replayed.append(1) or replay(*a, **kw)
-        reqs = fresh(prompt_ids, mixed_params(len(prompt_ids)))
+        params = [dataclasses.replace(p, logprobs=2 if speculative is None else None)
+                  for p in mixed_params(len(prompt_ids))]
+        reqs = fresh(prompt_ids, params)
         for req in reqs:
             scheduler.add(req)
         while scheduler.has_work:
             scheduler.step()
         assert scheduler.cache.pages_in_use == 0
         assert replayed, "nothing replayed a CUDA graph"
-        return [req.output_ids for req in reqs], scheduler
+        return reqs, scheduler
 
     plain, _ = run(None)
+    clear_lens = []
+    for req in plain:  # how many leading choices were clear
+        margins = [lp.top[0][1] - lp.top[1][1] for lp in req.output_logprobs]
+        clear_lens.append(next((i for i, m in enumerate(margins) if m < 2 * BF16_LOGIT_TOL),
+                               len(margins)))
+    assert sum(clear_lens) >= 0.6 * sum(len(r.output_ids) for r in plain), clear_lens
     for spec in (f"draft={cut_draft},k=4", "ngram"):
-        tokens, scheduler = run(spec)
-        assert tokens == plain, spec
+        reqs, scheduler = run(spec)
+        for ours, theirs, n in zip(reqs, plain, clear_lens):
+            assert ours.output_ids[:n] == theirs.output_ids[:n], spec
         assert scheduler.speculator.num_accepted > 0
 
 
