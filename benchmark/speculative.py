@@ -4,8 +4,11 @@ For each batch size, the same held-out prompts (lines of the plays the trained m
 ``models/tiny-shakespeare/readability_prompts.json``) run to a fixed length, greedy, first with
 plain decode steps and then with each proposer; the table gives output tokens per second, the
 share of guesses the target kept, and the speedup over plain decoding at that batch size. Every
-speculative run's tokens are compared with the plain run's: greedy speculation must not change
-one.
+speculative run's tokens are compared with the plain run's, and the last column is the share of
+them that agree up to each request's first difference. Greedy speculation changes none in exact
+arithmetic (100% on the CPU, in float32); in bfloat16 a batch of another shape rounds
+differently, and where plain decoding's top two tokens nearly tie, the other may win and the
+text goes another way from there.
 
     python benchmark/speculative.py --model models/shakespeare-target \\
         --speculative draft=models/tiny-shakespeare,k=4 ngram --batch-sizes 1 8 32 128
@@ -64,6 +67,16 @@ def measure(model: str, device: str, speculative: str | None, batch_sizes: Seque
     return rows
 
 
+def agreeing_share(outputs: Sequence[Sequence[int]], plain: Sequence[Sequence[int]]) -> float:
+    """The share of plain decoding's tokens that ``outputs`` repeats before each request's
+    first difference."""
+    agreeing = 0
+    for ours, theirs in zip(outputs, plain, strict=True):
+        agreeing += next((i for i, (a, b) in enumerate(zip(ours, theirs)) if a != b),
+                         min(len(ours), len(theirs)))
+    return agreeing / max(1, sum(map(len, plain)))
+
+
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(prog="python benchmark/speculative.py",
                                      description=__doc__.splitlines()[0])
@@ -82,7 +95,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     plain = measure(args.model, args.device, None, args.batch_sizes, args.max_tokens)
     table: dict[str, Any] = {"plain": {b: r["tok_s"] for b, r in plain.items()}}
     print(f"target {args.model}, {args.max_tokens} tokens per request, greedy")
-    print(f"{'proposer':<40} {'batch':>5} {'tok/s':>9} {'kept':>6} {'speedup':>8}  same tokens")
+    print(f"{'proposer':<40} {'batch':>5} {'tok/s':>9} {'kept':>6} {'speedup':>8}  same")
     for size, row in plain.items():
         print(f"{'(none)':<40} {size:>5} {row['tok_s']:>9.1f} {'':>6} {1.0:>7.2f}x")
     for setting in args.speculative:
@@ -90,11 +103,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
         table[setting] = {}
         for size, row in rows.items():
             speedup = row["tok_s"] / plain[size]["tok_s"]
-            same = row["tokens"] == plain[size]["tokens"]
+            same = agreeing_share(row["tokens"], plain[size]["tokens"])
             table[setting][size] = {"tok_s": row["tok_s"], "kept": row["kept"],
-                                    "speedup": speedup, "same_tokens": same}
+                                    "speedup": speedup, "same_tokens": same == 1.0,
+                                    "agreeing_share": same}
             print(f"{setting:<40} {size:>5} {row['tok_s']:>9.1f} {row['kept']:>6.2f} "
-                  f"{speedup:>7.2f}x  {'yes' if same else 'NO'}")
+                  f"{speedup:>7.2f}x  {same:>4.0%}")
     if args.out is not None:
         args.out.write_text(json.dumps(table, indent=2), encoding="utf-8")
     return table

@@ -574,5 +574,8 @@ def test_the_speedup_benchmark_compares_each_proposer_with_plain_decoding(repo_s
                         f"draft={SHAKESPEARE_DIR},k=3", "ngram"])
     assert set(table) == {"plain", f"draft={SHAKESPEARE_DIR},k=3", "ngram"}
     for setting in ("ngram", f"draft={SHAKESPEARE_DIR},k=3"):
-        assert all(row["same_tokens"] for row in table[setting].values())
+        assert all(row["same_tokens"] and row["agreeing_share"] == 1.0
+                   for row in table[setting].values())
     assert all(row["kept"] == 1.0 for row in table[f"draft={SHAKESPEARE_DIR},k=3"].values())
+    assert bench.agreeing_share([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]]) == 4 / 5
+    assert bench.agreeing_share([[7, 2, 3]], [[1, 2, 3]]) == 0.0
