@@ -472,17 +472,20 @@ def test_each_fed_token_decoding_as_an_entry_scores_as_a_prefill_would(
     assert layout.cached_lens[:4] == list(range(batch.cached_lens[0], batch.cached_lens[0] + 4))
     graph_size = engine.graph_runner.size_for(layout)
     assert (graph_size is not None) == (device == "cuda"), "a GPU replays a decode graph here"
-    ours = engine.layout_logits(layout, engine.input_ids(batch)).float().clone()
-    stored = stored_kv(engine, layout).float()
-    reference = prefill_shaped_logits(engine, batch).float()  # stores the same K/V again
+    ours = engine.layout_logits(layout, engine.input_ids(batch)).clone()  # float32 logits
+    stored = stored_kv(engine, layout)
+    reference = prefill_shaped_logits(engine, batch)  # it stores the same tokens' K/V again
     tol = 1e-4 if device == "cpu" else BF16_LOGIT_TOL
     torch.testing.assert_close(ours, reference, rtol=tol, atol=tol)
-    top2 = reference.topk(2, dim=-1).values
-    clear = (top2[:, 0] - top2[:, 1] > 2 * tol).tolist()
-    assert sum(clear) >= len(clear) // 2, "too few rows with a clear argmax to compare"
+    if device == "cpu":  # float32 on both sides: every argmax
+        clear = [True] * len(reference)
+    else:
+        top2 = reference.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1] > 2 * tol).tolist()
+        assert sum(clear) >= len(clear) // 2, "too few rows with a clear argmax to compare"
     assert [a for a, c in zip(ours.argmax(-1).tolist(), clear) if c] == \
         [a for a, c in zip(reference.argmax(-1).tolist(), clear) if c]
-    torch.testing.assert_close(stored, stored_kv(engine, layout).float(), rtol=tol, atol=tol)
+    torch.testing.assert_close(stored, stored_kv(engine, layout), rtol=tol, atol=tol)
 
 
 def stored_kv(engine, layout) -> torch.Tensor:
@@ -574,8 +577,7 @@ def test_the_speedup_benchmark_compares_each_proposer_with_plain_decoding(repo_s
                         f"draft={SHAKESPEARE_DIR},k=3", "ngram"])
     assert set(table) == {"plain", f"draft={SHAKESPEARE_DIR},k=3", "ngram"}
     for setting in ("ngram", f"draft={SHAKESPEARE_DIR},k=3"):
-        assert all(row["same_tokens"] and row["agreeing_share"] == 1.0
-                   for row in table[setting].values())
+        assert all(row["agreeing_share"] == 1.0 for row in table[setting].values())
     assert all(row["kept"] == 1.0 for row in table[f"draft={SHAKESPEARE_DIR},k=3"].values())
     assert bench.agreeing_share([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]]) == 4 / 5
     assert bench.agreeing_share([[7, 2, 3]], [[1, 2, 3]]) == 0.0
