@@ -46,7 +46,9 @@ def measure_row(steps: Sequence[str], args: argparse.Namespace,
 
     row: dict[str, Any] = {"steps": list(steps)}
     with use_fused(steps):
-        with LLM(args.model, device=args.device) as llm:
+        # A small pool: the batch-1 measurements need little, and the offline run's engine
+        # must find the memory free while this one is being collected.
+        with LLM(args.model, device=args.device, memory_fraction=0.2) as llm:
             engine = llm.engine
             weights = sum(p.numel() * p.element_size() for p in engine.model.parameters())
             profile_args = argparse.Namespace(steps=10, profile_steps=5, seed=0,
@@ -58,10 +60,12 @@ def measure_row(steps: Sequence[str], args: argparse.Namespace,
             prompt = list(range(1, args.prompt_len + 1))
             row["decode_ms"] = statistics.median(
                 decode_step_ms(llm, prompt, args.max_tokens, repeats=3))
+            vocab_size = engine.model_config.vocab_size
+        del llm, engine  # the offline run below needs the memory this engine's pool holds
         free_device_memory(resolve_device(args.device))
         if args.offline:
             load = make_workload(args.num_requests, args.min_len, args.max_len, args.seed,
-                                 engine.model_config.vocab_size)
+                                 vocab_size)
             results: list[Any] = []
             offline_args = argparse.Namespace(model=args.model, device=args.device, dtype="auto",
                                               tp=1, no_progress=True)

@@ -44,14 +44,19 @@ def start_requests(engine: Any, batch_size: int, context_len: int, max_tokens: i
     """``batch_size`` requests with random prompts, prefilled and ready to decode."""
     import random
 
-    from minisgl.core import Batch, Req, SamplingParams
-
     rng = random.Random(f"{seed}:profile:{batch_size}")
     vocab = engine.model_config.vocab_size
+    return start_prompts(engine, [[rng.randrange(vocab) for _ in range(context_len)]
+                                  for _ in range(batch_size)], max_tokens)
+
+
+def start_prompts(engine: Any, prompts: list[list[int]], max_tokens: int) -> list[Any]:
+    """A request for each prompt, prefilled and ready to decode ``max_tokens`` tokens."""
+    from minisgl.core import Batch, Req, SamplingParams
+
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-    reqs = [Req(i, [rng.randrange(vocab) for _ in range(context_len)], params)
-            for i in range(batch_size)]
-    for first in range(0, batch_size, PREFILL_CHUNK):
+    reqs = [Req(i, prompt, params) for i, prompt in enumerate(prompts)]
+    for first in range(0, len(reqs), PREFILL_CHUNK):
         chunk = reqs[first:first + PREFILL_CHUNK]
         engine.pages.reserve(*chunk)
         batch = Batch(chunk, "prefill")

@@ -1445,6 +1445,34 @@ def test_ch22_constrained_answers_parse_and_stop() -> None:
     )
 
 
+def test_ch22_what_constraints_cost() -> None:
+    text = recording("ch22_structured_cost-cuda")
+    mask_us = number(text, r"one mask row: (\d+) us")
+    runs = {(int(share), overlap): (int(tokens), float(free_rate), float(rate), float(ratio))
+            for share, overlap, tokens, rate, free_rate, ratio in re.findall(
+                r"^\s+(\d+)%\s+(on|off)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)$", text, re.M)}
+    assert len(runs) == 6, f"chapter 22's cost table has {len(runs)} of its six runs"
+    for tokens, free_rate, rate, ratio in runs.values():
+        assert abs(rate / free_rate - ratio) <= 0.005, "a ratio is not tok/s over free tok/s"
+
+    def loss(share: int, overlap: str) -> str:
+        return f"{round(100 * (1 - runs[share, overlap][3]))}%"
+
+    half, full_on, full_off = runs[50, "on"], runs[100, "on"], runs[100, "off"]
+    assert_on_page(
+        "ch22",
+        f"the fully constrained run writes {full_on[0]:,} tokens where the free one would "
+        f"write {runs[0, 'on'][0]:,}",
+        f"At 50% the batch loses {loss(50, 'on')} with overlap on ({half[2]:,.1f} against "
+        f"{half[1]:,.1f} tok/s) and {loss(50, 'off')} with it off",
+        f"the cost is {loss(100, 'on')} with overlap on against {loss(100, 'off')} with it off",
+        f"the free run gains {full_on[1] / full_off[1]:.2f}× from overlap at these lengths "
+        f"({full_on[1]:,.1f} against {full_off[1]:,.1f} tok/s), the constrained run "
+        f"{full_on[2] / full_off[2]:.2f}×",
+        f"the mask itself, {mask_us} µs of host time a row",
+    )
+
+
 # --------------------------------------------------------------------------- chapter 23
 def test_ch23_acceptance_rule_over_four_tokens() -> None:
     text = recording("ch23_speculative-cpu")

@@ -940,6 +940,29 @@ def test_the_kernel_ablation_runs_a_row_per_step_on_the_cpu_too(tmp_path: Path) 
         assert row["offline_tok_per_s"] > 0
 
 
+def test_the_cut_over_is_where_pieces_win_from_then_on(tmp_path: Path) -> None:
+    """benchmark/pieces_cutover.py: both engines time every size (on a CPU no piece is cut,
+    only the plumbing runs), and the cut-over is the first size from which pieces always win."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("pieces_cutover", ROOT / "benchmark" /
+                                                  "pieces_cutover.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    assert module.cut_over({8: 2.0, 16: 3.0, 32: 5.0, 64: 9.0},
+                           {8: 1.9, 16: 3.1, 32: 4.0, 64: 8.0}) == 32
+    assert module.cut_over({8: 2.0, 16: 3.0}, {8: 1.0, 16: 3.5}) is None
+    assert module.cut_over({8: 2.0, 16: 3.0}, {8: 1.0, 16: 2.5}) == 8
+    lengths = module.context_lengths(64, 128, True, 0)
+    assert min(lengths) >= 16 and max(lengths) <= 256 and len(set(lengths)) > 1
+    out = tmp_path / "cutover.json"
+    result = module.main(["--model", str(tiny_checkpoint("qwen3")), "--device", "cpu",
+                          "--batch-sizes", "2,3", "--context-len", "8", "--steps", "2",
+                          "--out", str(out)])
+    assert set(result["no_pieces_ms"]) == set(result["pieces_ms"]) == {2, 3}
+    assert json.loads(out.read_text())["cut_over"] == result["cut_over"]
+
+
 def test_chapter_20s_example_runs_on_the_cpu() -> None:
     """examples/ch20_kernels.py, its last part cut to one step; the merge it shows is exact."""
     done = subprocess.run([sys.executable, str(ROOT / "examples" / "ch20_kernels.py"),
