@@ -1728,11 +1728,21 @@ def test_home_page_reading_time_follows_from_the_chapters_word_count() -> None:
     assert abs(hours - stated / rate / 60) <= 0.25, f"{stated:,} words at {rate} a minute"
 
 
-def test_home_page_names_every_chapter_with_an_h200_recording() -> None:
-    named = re.search(r"pages of chapters ([\d, and]+) were measured on one NVIDIA H200",
-                      home_page())
-    assert named, "the home page no longer says which chapters' figures need an H200"
-    stated = {int(n) for n in re.findall(r"\d+", named[1])}
-    with_gpu = {int(p.name[2:4]) for p in (ROOT / "chapters").glob("ch*_*.md")
-                if re.search(r'--8<-- "docs/recorded/[^"]*cuda', p.read_text(encoding="utf-8"))}
-    assert with_gpu <= stated, f"chapters {sorted(with_gpu - stated)} include an H200 recording"
+def test_home_page_names_the_gpu_of_every_chapter_with_a_gpu_recording() -> None:
+    """Each chapter that includes a CUDA recording is named on the home page beside the GPU
+    its recordings' headers name."""
+    text = home_page()
+    named = re.search(r"pages of chapters ([\d, and]+) were measured on one NVIDIA H200(?:, "
+                      r"those of chapters? ([\d, and]+) on one NVIDIA H100)?", text)
+    assert named, "the home page no longer says which chapters' figures need which GPU"
+    stated = {"H200": {int(n) for n in re.findall(r"\d+", named[1])},
+              "H100": {int(n) for n in re.findall(r"\d+", named[2] or "")}}
+    for path in (ROOT / "chapters").glob("ch*_*.md"):
+        included = re.findall(r'--8<-- "(docs/recorded/[^"]*cuda[^"]*)"',
+                              path.read_text(encoding="utf-8"))
+        gpus = {gpu for rel in included for gpu in ("H100", "H200")
+                if f"NVIDIA {gpu}" in (ROOT / rel).read_text(encoding="utf-8").splitlines()[0]}
+        assert gpus or not included, f"{path.name}: a CUDA recording names no GPU it was made on"
+        chapter = int(path.name[2:4])
+        for gpu in gpus:
+            assert chapter in stated[gpu], f"chapter {chapter} includes an {gpu} recording"
