@@ -42,7 +42,7 @@ def cutting(always: bool) -> Iterator[None]:
     threshold = pieces.PIECES_MIN_BATCH
     pieces.PIECES_MIN_BATCH = 1
     try:
-        with use_fused(DEFAULT_STEPS if always else DEFAULT_STEPS - {"pieces"}):
+        with use_fused(DEFAULT_STEPS | {"pieces"} if always else DEFAULT_STEPS - {"pieces"}):
             yield
     finally:
         pieces.PIECES_MIN_BATCH = threshold

@@ -1271,6 +1271,87 @@ def test_ch19_whole_engine_against_transformers_and_the_floor() -> None:
     )
 
 
+# --------------------------------------------------------------------------- chapter 20
+def _kernel_steps() -> dict[str, dict[str, float]]:
+    """Chapter 20's ablation, row name -> kernels, device ms, decode ms, tok/s, floor %."""
+    table = {}
+    for m in rows(recording("ch20_kernel_steps-cuda"),
+                  r"(plain|\+ \w+)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+(\d+)\s+([\d.]+)%"):
+        kernels, device, _, decode, tok_s, floor = (float(g) for g in m.groups()[1:])
+        table[m[1]] = {"kernels": kernels, "device": device, "decode": decode,
+                       "tok_s": tok_s, "floor": floor}
+    return table
+
+
+def test_ch20_ablation_counts_and_times() -> None:
+    t = _kernel_steps()
+    assert list(t) == ["plain", "+ flashinfer", "+ qk_prologue", "+ gemv", "+ gated",
+                       "+ normed", "+ pieces", "+ moe", "+ pdl"]
+    k = {name: int(row["kernels"]) for name, row in t.items()}
+    assert k["+ flashinfer"] - k["+ qk_prologue"] == 112, "the prologue saves 4 kernels a layer"
+    assert (k["+ gemv"], k["+ gated"], k["+ normed"]) == (298, 270, 214)
+    assert k["+ normed"] == k["+ pieces"] == k["+ moe"] == k["+ pdl"]
+    same = [t[name] for name in ("+ normed", "+ pieces", "+ moe")]
+    decode = [row["decode"] for row in same]
+    device = [row["device"] for row in same]
+    floor_ms = float(found(page("ch20"), r"This GPU's floor is ([\d.]+) ms")[0])
+    floors = [row["floor"] for row in list(t.values())[3:]]  # from the row kernel on
+    assert_on_page(
+        "ch20",
+        f"{k['plain']:,} kernels and {t['plain']['device']:.3f} ms of device time become "
+        f"{k['+ flashinfer']} and {t['+ flashinfer']['device']:.3f} ms",
+        f"Measured: {k['+ flashinfer']} kernels become {k['+ qk_prologue']}, and the device time "
+        f"falls from {t['+ flashinfer']['device']:.3f} to {t['+ qk_prologue']['device']:.3f} ms",
+        f"counts the same {k['+ gemv']}; device time falls from "
+        f"{t['+ qk_prologue']['device']:.3f} to {t['+ gemv']['device']:.3f} ms",
+        f"so measured, at {t['+ gated']['device']:.3f} and {t['+ normed']['device']:.3f} ms",
+        f"the device time rose from {t['+ moe']['device']:.3f} to {t['+ pdl']['device']:.3f} ms",
+        f"the decode time fell from {t['+ moe']['decode']:.3f} to {t['+ pdl']['decode']:.3f} ms",
+        f"batch 1 fell from {t['plain']['device']:.3f} to {t['+ normed']['device']:.3f} ms",
+        f"rose from {t['plain']['floor']}% to {min(floors):.0f}–{max(floors):.0f}% from the row "
+        f"kernel on",
+        f"spread from {min(decode):.3f} to {max(decode):.3f} ms",
+        f"the device time, {min(device):.3f} to {max(device):.3f} ms, is the steady measure",
+        f"moved from {t['+ normed']['tok_s']:,.0f} to {t['+ pieces']['tok_s']:,.0f} tok/s",
+        f"the device now runs at {100 * floor_ms / t['+ normed']['device']:.0f}% of it, the "
+        f"plain layers ran at {100 * floor_ms / t['plain']['device']:.0f}%",
+    )
+    assert t["+ pdl"]["device"] > t["+ moe"]["device"], "pdl would now pay: turn it on"
+    weights_mib, kv_mib, bandwidth = (float(g.replace(",", "")) for g in found(
+        page("ch20"), r"\(([\d,]+) MiB of weights and ([\d,]+) MiB of KV at ([\d,]+) GB/s\)"))
+    assert abs((weights_mib + kv_mib) * 2**20 / (bandwidth * 1e9) * 1e3 - floor_ms) < 0.005
+    assert f"copy bandwidth {bandwidth:.0f} GB/s" in recording("ch20_gemv_tiling-cuda")
+
+
+def test_ch20_pieces_do_not_pay() -> None:
+    ratios = []
+    for name in ("ch20_pieces_cutover-cuda", "ch20_pieces_cutover_mixed-cuda"):
+        for m in rows(recording(name), r"\s*(\d+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x$"):
+            never, cut, ratio = float(m[2]), float(m[3]), float(m[4])
+            assert abs(never / cut - ratio) < 0.006
+            ratios.append(ratio)
+    assert len(ratios) == 15
+    assert "cut-over: from batch 192" in recording("ch20_pieces_cutover_mixed-cuda")
+    assert_on_page("ch20", f"The ratios wander between {min(ratios):.2f} and {max(ratios):.2f}")
+
+
+def test_ch20_row_kernel_tilings() -> None:
+    text = recording("ch20_gemv_tiling-cuda")
+    products = {}
+    for m in rows(text, r"(\w+)(?: \(\w+\))?\s+\d+ x \d+\s+\((\d+, \d+, \d+)\)\s+([\d.]+)\s+(\d+)\s+\((.*)"):
+        fastest = float(re.match(r"\d+, \d+, \d+\) ([\d.]+) us", m[5])[1])
+        products[m[1]] = (float(m[3]), int(m[4]), fastest)
+    assert len(products) == 5
+    layers = [v for name, v in products.items() if name != "lm_head"]
+    rates = [rate for _, rate, _ in layers]
+    assert_on_page(
+        "ch20",
+        f"The LM head streams at {products['lm_head'][1]:,} GB/s",
+        f"reach {min(rates):,} to {max(rates):,} GB/s",
+        f"no tiling saves more than {max(us - fast for us, _, fast in layers):.1f} µs on one",
+    )
+
+
 # --------------------------------------------------------------------------- chapter 21
 def signed(figure: str) -> str:
     """A negative figure as the pages typeset it: `"-12.6650"` -> `"−12.6650"`."""
@@ -1649,8 +1730,34 @@ def _ch19_batch128_gb(part: str) -> float:
     return {"weights": weights, "kv": kv}[part] * 2**20 / 1e9
 
 
+def _ch19_batch1(field: str) -> float:
+    """Chapter 19's batch-1 profile, the step chapter 20 starts from."""
+    floor, weights = _floats("ch19_profile-cuda", r"^batch 1 .*HBM floor ([\d.]+) ms \(weights "
+                                                  r"(\d+) MiB")
+    busy, = _floats("ch19_profile-cuda", r"device busy ([\d.]+) ms in 298 kernels")
+    bandwidth, = _floats("ch19_profile-cuda", r"copy bandwidth: (\d+) GB/s")
+    return {"floor": floor, "weights": weights, "busy_us": busy * 1e3,
+            "bandwidth": bandwidth}[field]
+
+
+def _ch20_h100_floor_ms() -> float:
+    """Chapter 20's GPU: the weights and 1,024 tokens of KV at its measured copy bandwidth."""
+    bandwidth, = _floats("ch20_gemv_tiling-cuda", r"copy bandwidth (\d+) GB/s")
+    kv_mib = 1024 * 28 * 2 * 8 * 128 * 2 / 2**20  # Qwen3-0.6B: 28 layers, 8 KV heads of 128
+    return (_ch19_batch1("weights") + kv_mib) * 2**20 / (bandwidth * 1e9) * 1e3
+
+
 # figure on the page -> how it follows from the recordings the page includes
 DERIVED: dict[str, dict[str, object]] = {
+    "ch20": {  # chapter 19's batch-1 step, read again; this chapter's GPU's floor
+        "0.31 ms": lambda: _ch19_batch1("floor"),
+        "1,137 MiB": lambda: _ch19_batch1("weights"),
+        "4,252 GB/s": lambda: _ch19_batch1("bandwidth"),
+        "1,246 µs": lambda: _ch19_batch1("busy_us"),
+        "296.75 MiB": lambda: 151_936 * 1_024 * 2 / 2**20,  # the LM head in bfloat16
+        "15.8 GB": lambda: _ch19_batch128_gb("kv"),
+        "0.43 ms": _ch20_h100_floor_ms,
+    },
     "ch18": {
         "1.42 ms": _ch18_sparse_floor_ms,  # active bytes over the measured copy bandwidth
         "1.69 ms": lambda: _moe_step_ms("floor"),  # the floor over the decode steps
@@ -1703,7 +1810,7 @@ def test_every_measured_figure_is_in_the_pages_recordings(path: Path) -> None:
                             f"arithmetic in DERIVED:\n" + "\n".join(unrecorded))
     for figure, compute in derived.items():
         assert figure in prose, f"DERIVED lists {figure!r}, which {chapter} no longer states"
-        number_part = figure.split()[0]
+        number_part = figure.split()[0].replace(",", "")
         assert abs(compute() - float(number_part)) <= 0.5 * 10 ** -decimals(number_part) + 1e-6, (
             f"{chapter}'s {figure!r} is not what its recordings give: {compute():.4f}")
 

@@ -167,6 +167,19 @@ def test_check_fails_when_a_test_imports_a_later_chapter(made_up_repo: Path) -> 
     assert out.stdout.strip().splitlines()[-1] == "1 passed, 1 failed, 0 skipped"
 
 
+def test_a_chapter_test_may_import_an_earlier_chapters_test_helpers(made_up_repo: Path) -> None:
+    """The imported test module is copied into the checkpoint, not run there."""
+    write(made_up_repo, "tests/test_ch02_second.py", """
+        from test_ch01_first import test_early_file_is_there
+
+        def test_reuses_a_helper():
+            test_early_file_is_there()
+    """)
+    out = run_check(made_up_repo, "ch02")
+    assert out.returncode == 0, out.stdout + out.stderr
+    assert out.stdout.strip().splitlines()[-1] == "2 passed, 0 failed, 0 skipped", out.stdout
+
+
 def test_check_fails_when_an_example_imports_a_later_chapter(made_up_repo: Path) -> None:
     write(made_up_repo, "examples/ch01_first.py", "import minisgl.b\n")
     out = run_check(made_up_repo, "ch01")

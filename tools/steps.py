@@ -27,12 +27,14 @@ from __future__ import annotations
 import argparse
 import os
 import platform
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
 import xml.etree.ElementTree as ET
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -210,6 +212,24 @@ def is_stale(manifest: Manifest, chapter_id: str) -> bool:
     )
 
 
+def imported_tests(root: Path, tests: Sequence[Path]) -> list[Path]:
+    """The earlier chapters' test modules that ``tests`` import helpers from (``from
+    test_ch06_attention import ...``), and theirs in turn: copied into a checkpoint so that
+    the imports resolve, never run there."""
+    found: list[Path] = []
+    todo = list(tests)
+    while todo:
+        path = root / todo.pop()
+        if not path.exists():
+            continue
+        for name in re.findall(r"^from (test_\w+) import", path.read_text(encoding="utf-8"), re.M):
+            module = Path("tests") / f"{name}.py"
+            if module not in found and module not in tests:
+                found.append(module)
+                todo.append(module)
+    return found
+
+
 def build_checkpoint(manifest: Manifest, chapter_id: str, dest: Path) -> None:
     """Write chapter `chapter_id`'s tree, example, tests and support files into `dest`."""
     ch = manifest.chapter(chapter_id)
@@ -217,7 +237,7 @@ def build_checkpoint(manifest: Manifest, chapter_id: str, dest: Path) -> None:
     missing = [str(src) for src in wanted.values() if isinstance(src, Path) and not src.exists()]
     if missing:
         raise ManifestError(f"{ch.id}: files named by the manifest do not exist: {missing}")
-    for rel in (ch.example, *ch.tests, *SUPPORT):
+    for rel in (ch.example, *ch.tests, *imported_tests(manifest.root, ch.tests), *SUPPORT):
         if (manifest.root / rel).exists():
             wanted[str(rel)] = manifest.root / rel
     for rel, src in wanted.items():

@@ -29,13 +29,16 @@ STEPS = (
     "gemv",  # the one-row matrix kernel at batch 1, and float32 logits from cuBLAS
     "gated",  # SiLU-and-multiply folded into the down projection's read
     "normed",  # a decoder layer's add-and-norm folded into the next projection's read
-    "pieces",  # decode cut into pieces and merged by log-sum-exp, for large batches
+    # Decode cut into pieces and merged by log-sum-exp, for large batches. Off: measured, it
+    # did not pay (benchmark/pieces_cutover.py, recorded in chapter 20).
+    "pieces",
     "moe",  # the mixture of experts' grouped kernels
     # Hopper's programmatic dependent launch for the row kernel: its programs start reading
-    # their weights while the kernel before it finishes. Off until measured (kernel_steps.py).
+    # their weights while the kernel before it finishes. Off: measured, it did not pay.
     "pdl",
 )
-DEFAULT_STEPS = frozenset(STEPS) - {"pdl"}  # what use_fused(True) and a new process turn on
+# What use_fused(True) and a new process turn on: the steps that paid when measured.
+DEFAULT_STEPS = frozenset(STEPS) - {"pieces", "pdl"}
 _enabled: frozenset[str] = DEFAULT_STEPS
 _op_errors: dict[str, str | None] = {}  # op -> None (works) or why it was turned off
 _logged_dtypes: set[torch.dtype] = set()

@@ -156,7 +156,16 @@ def test_pieces_cover_each_request_in_order_and_full_pages(page_size: int) -> No
         assert piece_last[mine][-1] == last[req]
 
 
-def test_decode_batches_are_cut_into_pieces_from_the_threshold_on() -> None:
+@pytest.fixture
+def pieces_on():
+    """Decode in pieces, off by default (it did not pay when measured), on for the test."""
+    from minisgl.kernel.trials import DEFAULT_STEPS
+
+    with use_fused(DEFAULT_STEPS | {"pieces"}):
+        yield
+
+
+def test_decode_batches_are_cut_into_pieces_from_the_threshold_on(pieces_on) -> None:
     assert num_decode_pieces(PIECES_MIN_BATCH - 1) == 0
     assert num_decode_pieces(PIECES_MIN_BATCH) >= 2 * PIECES_MIN_BATCH
 
@@ -593,7 +602,7 @@ def test_use_fused_turns_on_the_steps_it_names_and_refuses_unknown_ones() -> Non
     def on() -> set[str]:
         return {step for step in STEPS if enabled(step)}
 
-    assert on() == DEFAULT_STEPS == set(STEPS) - {"pdl"}, "pdl waits for its measurement"
+    assert on() == DEFAULT_STEPS == set(STEPS) - {"pieces", "pdl"}, "off: they did not pay"
     with use_fused(STEPS[:3]):
         assert on() == set(STEPS[:3])
         assert num_decode_pieces(10 * PIECES_MIN_BATCH) == 0, "pieces are off"
@@ -770,6 +779,7 @@ def test_merged_pieces_equal_attention_over_whole_requests() -> None:
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.usefixtures("pieces_on")
 def test_flashinfer_decodes_a_large_batch_in_pieces_and_equals_dense(page_size: int) -> None:
     s = make_scenario(LARGE_DECODE_CASE, page_size, is_decode=True, dtype=torch.bfloat16,
                       device="cuda")
@@ -787,6 +797,7 @@ def test_flashinfer_decodes_a_large_batch_in_pieces_and_equals_dense(page_size: 
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("pieces_on")
 def test_a_batch_in_pieces_names_a_query_row_per_piece_and_attends_from_them() -> None:
     """The split form a fused prologue uses: kv_destination names the rows the kernel reads
     (one per piece, token t's rows in order), and attend_stored over queries written there
@@ -815,11 +826,13 @@ def test_a_batch_in_pieces_names_a_query_row_per_piece_and_attends_from_them() -
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("page_size", PAGE_SIZES)
+@pytest.mark.usefixtures("pieces_on")
 def test_a_graph_of_pieces_replays_a_smaller_padded_batch(page_size: int) -> None:
     check_graph_decode_replay(page_size, LARGE_DECODE_CASE, PIECES_MIN_BATCH + 1)  # spares too
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("pieces_on")
 def test_batches_cut_into_pieces_replay_and_equal_the_uncut_batch(
         tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """From PIECES_MIN_BATCH requests the model's attention runs in pieces, the queries
