@@ -169,11 +169,20 @@ def test_check_fails_when_a_test_imports_a_later_chapter(made_up_repo: Path) -> 
 
 def test_a_chapter_test_may_import_an_earlier_chapters_test_helpers(made_up_repo: Path) -> None:
     """The imported test module is copied into the checkpoint, not run there."""
+    write(made_up_repo, "tests/test_ch01_first.py", """
+        from minisgl.helpers import twice
+
+        def four():
+            return twice(2)
+
+        def test_four():
+            assert four() == 4
+    """)
     write(made_up_repo, "tests/test_ch02_second.py", """
-        from test_ch01_first import test_early_file_is_there
+        from test_ch01_first import four
 
         def test_reuses_a_helper():
-            test_early_file_is_there()
+            assert four() == 4
     """)
     out = run_check(made_up_repo, "ch02")
     assert out.returncode == 0, out.stdout + out.stderr
