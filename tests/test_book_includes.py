@@ -149,3 +149,40 @@ def test_every_included_engine_symbol_reads_as_inspect_sees_it(hook: ModuleType)
         assert shown == expected, f"{path}::{name} differs from its source"
         compared += 1
     assert compared >= 50, f"only {compared} included symbols could be compared"
+
+
+# Pages that still show, in places, a later chapter's version of a symbol; each is to include
+# `tools/versions/chNN/<path>` instead, and leaves this set when it does.
+SHOWS_LATER_CODE = {"ch02", "ch07", "ch08"}
+
+
+def test_a_chapter_shows_each_symbol_as_its_own_checkpoint_has_it(
+    hook: ModuleType, repo_script: Callable[[str], ModuleType]
+) -> None:
+    """A page that includes the final file (`minisgl/...::name`) must show `name` as the
+    chapter's checkpoint holds it: where a later chapter changed it, the page includes the
+    chapter's own version (`tools/versions/chNN/...`), whose caption says what changed it."""
+    steps = repo_script("tools/steps.py")
+    manifest = steps.load_manifest(ROOT)
+    compared, later = 0, []
+    for ch in manifest.chapters:
+        page = ROOT / ch.page
+        if not page.exists() or ch.id in SHOWS_LATER_CODE:
+            continue
+        for m in NAME_INCLUDE.finditer(page.read_text("utf-8")):
+            path = m.group("path")
+            if not path.startswith("minisgl/"):
+                continue
+            source = steps.source_of(manifest, path, ch.id)
+            if isinstance(source, Path):
+                continue  # no later chapter changes the file: the final file is the chapter's
+            own = steps.snapshots.earlier_version(manifest, path, source.chapter)
+            final = (ROOT / path).read_text("utf-8")
+            for name in (n for n in m.group("names").split() if not n.startswith("-")):
+                compared += 1
+                if hook.symbols_source(own, [name]) != hook.symbols_source(final, [name]):
+                    later.append(f"{ch.page}: {path}::{name} (include tools/versions/"
+                                 f"{source.chapter}/{path})")
+    assert not later, "pages showing a later chapter's version:\n" + "\n".join(later)
+    assert compared > 0
+    assert SHOWS_LATER_CODE <= {c.id for c in manifest.chapters if (ROOT / c.page).exists()}

@@ -429,3 +429,25 @@ def test_code_fits_and_figures_read_on_a_phone_and_in_the_dark(
     dark_filter, radius = found["dark"][1], found["dark"][2]
     assert "invert" in dark_filter and radius != "0px", (
         f"in the dark scheme the figure is a white box (filter {dark_filter}, radius {radius})")
+
+
+def test_setup_readme_and_appendix_name_the_examples_that_run_the_trained_model() -> None:
+    """README, Setup and the model appendix say which chapters' examples default to
+    models/tiny-shakespeare; the examples' own `--model` defaults decide."""
+    trained = {int(p.name[2:4]) for p in (ROOT / "examples").glob("ch*_*.py")
+               if re.search(r'"--model", default="models/tiny-shakespeare"',
+                            p.read_text(encoding="utf-8"))}
+    assert trained, "no example defaults to models/tiny-shakespeare"
+    claims = {
+        "README.md": r"the examples of chapters ([\d, and]+) run on",
+        "docs/setup.md": r"the examples of chapters ([\d, and]+) run on",
+        "docs/model.md": r"the examples of chapters ([\d, and]+) talk to",
+    }
+    for page, pattern in [*claims.items(),
+                          ("docs/setup.md", r"`models/tiny-shakespeare` in chapters ([\d, and]+),")]:
+        text = " ".join((ROOT / page).read_text(encoding="utf-8").split())
+        named = re.search(pattern, text)
+        assert named, f"{page} no longer says which examples run on tiny-shakespeare"
+        stated = {int(n) for n in re.findall(r"\d+", named[1])}
+        assert stated == trained, (f"{page} names chapters {sorted(stated)}; the examples of "
+                                   f"chapters {sorted(trained)} default to tiny-shakespeare")
