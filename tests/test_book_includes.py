@@ -153,7 +153,7 @@ def test_every_included_engine_symbol_reads_as_inspect_sees_it(hook: ModuleType)
 
 # Pages that still show, in places, a later chapter's version of a symbol; each is to include
 # `tools/versions/chNN/<path>` instead, and leaves this set when it does.
-SHOWS_LATER_CODE = {"ch02", "ch07", "ch08"}
+SHOWS_LATER_CODE: set[str] = set()
 
 
 def test_a_chapter_shows_each_symbol_as_its_own_checkpoint_has_it(
