@@ -7,7 +7,8 @@ are cut into *pieces* of at most one common length (flash-decoding's split, made
 kernel), each piece a request of its own that reads its query from a row of its own (the
 layers' ``QueryRows``, filled by the qk prologue). Softmax over a request's keys is then one
 exact merge of its pieces' outputs, weighted by ``2 ** (lse - max lse)`` (FlashInfer writes
-base-2 log-sum-exps). It replaces the plain one-entry-per-request decode of
+base-2 log-sum-exps). Turned on (``use_fused``'s step ``pieces``; off by default, as it did not
+pay when measured in chapter 20), it replaces the plain one-entry-per-request decode of
 :class:`~minisgl.attention.fi.FlashInferBackend` (the tests hold the merge in PyTorch).
 :func:`num_decode_pieces` decides, :func:`cut_into_pieces` describes the pieces (numpy,
 on the host, once per step), :func:`merge_pieces` merges on the device, once per layer.
