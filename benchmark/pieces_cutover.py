@@ -21,6 +21,7 @@ import random
 import sys
 from collections.abc import Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 HERE = Path(__file__).resolve().parent
 if str(HERE) not in sys.path:  # the benchmark's sibling modules, also when imported by path
@@ -40,7 +41,7 @@ def cutting(always: bool) -> Iterator[None]:
     from minisgl.kernel.trials import DEFAULT_STEPS, use_fused
 
     threshold = pieces.PIECES_MIN_BATCH
-    pieces.PIECES_MIN_BATCH = 1
+    pieces.PIECES_MIN_BATCH = 1 if always else threshold
     try:
         with use_fused(DEFAULT_STEPS | {"pieces"} if always else DEFAULT_STEPS - {"pieces"}):
             yield
@@ -57,8 +58,7 @@ def context_lengths(batch_size: int, context_len: int, mixed: bool, seed: int) -
 
 def step_times(always: bool, args: argparse.Namespace) -> dict[int, float]:
     """Median graph-step ms at each batch size, pieces always or never."""
-    import profile_decode
-    from profile_decode import median_step_ms, start_prompts
+    from profile_decode import WARMUP_STEPS, median_step_ms, start_prompts
 
     from minisgl.llm import LLM
 
@@ -71,7 +71,7 @@ def step_times(always: bool, args: argparse.Namespace) -> dict[int, float]:
             rng = random.Random(f"{args.seed}:cutover-prompts:{bs}")
             prompts = [[rng.randrange(engine.model_config.vocab_size) for _ in range(n)]
                        for n in lengths]
-            reqs = start_prompts(engine, prompts, 3 * profile_decode.WARMUP_STEPS + args.steps)
+            reqs = start_prompts(engine, prompts, 3 * WARMUP_STEPS + args.steps)
             times[bs] = median_step_ms(engine, reqs, args.steps, use_graph=True)
             for req in reqs:
                 engine.pages.release(req)

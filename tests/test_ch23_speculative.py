@@ -8,7 +8,6 @@ two deliberately wrong rules fail. Then prompt lookup.
 
 from __future__ import annotations
 
-import dataclasses
 
 from pathlib import Path
 
