@@ -857,6 +857,7 @@ def test_batches_cut_into_pieces_replay_and_equal_the_uncut_batch(
 
 
 @pytest.mark.gpu
+@pytest.mark.usefixtures("pieces_on")
 def test_tensor_core_decode_is_never_cut_into_pieces_and_its_largest_graph_plans() -> None:
     """A GQA group of 8 (Qwen3-30B-A3B's) decodes on tensor cores, each request whole: eagerly,
     and in a captured batch of 256, whose plan fits FlashInfer's workspace (cut into 1,024
