@@ -420,17 +420,24 @@ def test_a_draft_with_another_vocabulary_is_refused(tiny_model_dir) -> None:
 
 
 # ------------------------------------------------------------- the verify pass, decode-shaped
-def fed_batch(engine, prompts: list[list[int]], guesses: list[list[int]]) -> Batch:
-    """Requests prefilled on ``engine``, each sampled once, that then feed that sample and
-    their ``guesses`` in one prefill-phase batch, as a speculative step sets it up."""
+def prefilled(engine, prompts: list[list[int]]) -> list[Req]:
+    """Requests prefilled on ``engine``, each with its first sample read, to feed next."""
     reqs = [Req(i, ids, SamplingParams(max_tokens=64, ignore_eos=True))
             for i, ids in enumerate(prompts)]
     engine.pages.reserve(*reqs)
     prefill = Batch(reqs, "prefill")
     first = engine.forward(prefill).tolist()
     prefill.advance()
-    for req, token, guessed in zip(reqs, first, guesses):
+    for req, token in zip(reqs, first):
         req.append_token(token)
+    return reqs
+
+
+def fed_batch(engine, prompts: list[list[int]], guesses: list[list[int]]) -> Batch:
+    """Requests prefilled on ``engine``, each sampled once, that then feed that sample and
+    their ``guesses`` in one prefill-phase batch, as a speculative step sets it up."""
+    reqs = prefilled(engine, prompts)
+    for req, guessed in zip(reqs, guesses):
         engine.token_pool.write([req], [req.num_tokens], [guessed])
         req.in_flight = len(guessed)
     engine.pages.reserve(*reqs)
@@ -490,6 +497,66 @@ def test_each_fed_token_decoding_as_an_entry_scores_as_a_prefill_would(
     assert [a for a, c in zip(ours.argmax(-1).tolist(), clear) if c] == \
         [a for a, c in zip(reference.argmax(-1).tolist(), clear) if c]
     torch.testing.assert_close(stored, stored_kv(engine, layout), rtol=tol, atol=tol)
+
+
+# ------------------------------------------------------------------ the draft's steps, as one
+@pytest.mark.parametrize("device", [pytest.param("cpu"),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_the_draft_steps_launched_as_one_write_what_one_step_at_a_time_writes(
+        device, prompt_ids) -> None:
+    """``DraftSteps`` runs k + 1 greedy decode steps with no host work between them (on a GPU,
+    one graph replay). Its tokens, the requests' lengths afterwards and the K/V it stored must
+    be those of the same steps run one ``engine.forward`` at a time, each sample read back."""
+    from minisgl.engine.config import EngineConfig
+    from minisgl.engine.draft_steps import DraftSteps
+    from minisgl.engine.engine import Engine
+    from minisgl.engine.verify import EachTokenDecodes
+
+    steps = 5
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    engine = Engine(EngineConfig(SHAKESPEARE_DIR, device=device, dtype=dtype,
+                                 num_pages=1024, max_running_reqs=8))
+    chained = DraftSteps(engine, steps)
+    assert chained.graphs.enabled == (device == "cuda")
+    prompts = prompt_ids[:3]
+    ours = prefilled(engine, prompts)
+    tokens = chained.run(Batch(ours, "decode")).T.tolist()
+    theirs = prefilled(engine, prompts)
+    expected: list[list[int]] = [[] for _ in theirs]
+    for _ in range(steps):
+        batch = Batch(theirs, "decode")
+        engine.pages.reserve(*theirs)
+        sampled = engine.forward(batch).tolist()
+        batch.advance()
+        for req, token, out in zip(theirs, sampled, expected):
+            req.append_token(token)
+            out.append(token)
+    assert tokens == expected
+    # the same cached lengths; the samples in flight, where the others were read
+    assert [(r.cached_len, r.in_flight) for r in ours] == [(r.cached_len, steps) for r in theirs]
+    fed = lambda reqs: EachTokenDecodes(  # noqa: E731  (every position the steps fed)
+        [r.table_row for r in reqs for _ in range(steps)],
+        [r.cached_len - steps + j for r in reqs for j in range(steps)],
+        [1] * steps * len(reqs), steps * len(reqs), steps * len(reqs))
+    torch.testing.assert_close(stored_kv(engine, fed(ours)), stored_kv(engine, fed(theirs)),
+                               rtol=0, atol=0)
+
+
+def test_draft_steps_without_pages_for_every_step_leave_the_requests_as_they_were(
+        prompt_ids) -> None:
+    from minisgl.engine.config import EngineConfig
+    from minisgl.engine.draft_steps import DraftSteps
+    from minisgl.engine.engine import Engine
+    from minisgl.kvcache import OutOfPagesError
+
+    engine = Engine(EngineConfig(SHAKESPEARE_DIR, device="cpu", page_size=4, num_pages=8,
+                                 max_running_reqs=2))
+    # 16 tokens in 4 pages and 12 in 3: one page is free, and 8 steps need two more
+    req, _ = prefilled(engine, [prompt_ids[0][:15], prompt_ids[1][:11]])
+    before = (req.cached_len, req.in_flight, engine.pages.num_free)
+    with pytest.raises(OutOfPagesError):
+        DraftSteps(engine, 8).run(Batch([req], "decode"))
+    assert (req.cached_len, req.in_flight, engine.pages.num_free) == before
 
 
 def stored_kv(engine, layout) -> torch.Tensor:

@@ -121,12 +121,14 @@ class FlashInferBackend(BaseAttnBackend):
         page_table: the page table (same page size and device as the pool).
         num_qo_heads: query heads on this device.
         workspace_bytes: size of FlashInfer's float scratch buffer.
+        workspace: a scratch buffer to share instead (see :meth:`sibling`).
     """
 
     name = "flashinfer"
 
     def __init__(self, kv_pool: MHAKVPool, page_table: PageTable, num_qo_heads: int,
-                 workspace_bytes: int = WORKSPACE_BYTES) -> None:
+                 workspace_bytes: int = WORKSPACE_BYTES,
+                 workspace: torch.Tensor | None = None) -> None:
         super().__init__(kv_pool, page_table, num_qo_heads)
         check_flashinfer_supports(self.device, kv_pool.dtype, self.head_dim)
         self._flashinfer = flashinfer = import_flashinfer()
@@ -137,7 +139,8 @@ class FlashInferBackend(BaseAttnBackend):
         # scratch on tensor cores than the workspace holds.
         self.use_tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
         # Zeros: FlashInfer requires the workspace to start zeroed.
-        self._workspace = torch.zeros(workspace_bytes, dtype=torch.uint8, device=self.device)
+        self._workspace = workspace if workspace is not None else torch.zeros(
+            workspace_bytes, dtype=torch.uint8, device=self.device)
         # "fa2" rather than "auto", which would pick the FA3 kernels on Hopper GPUs: FA2 runs on
         # every GPU FlashInfer supports, compiles quicker, and upstream mini-sglang found FA3
         # slower for its workloads.
@@ -153,6 +156,14 @@ class FlashInferBackend(BaseAttnBackend):
         # memory under it, so each plan waits for the previous one's copy (see _plan).
         self._plan_copied = torch.cuda.Event()
         self._plan_copied.record()
+
+    def sibling(self) -> FlashInferBackend:
+        """A backend over the same pool, page table and scratch memory, with plans of its own:
+        batches planned on several siblings can all be planned before any of them runs
+        (chapter 23's draft steps). The scratch is shared safely: kernels on one stream run one
+        after another."""
+        return FlashInferBackend(self.kv_pool, self.page_table, self.num_qo_heads,
+                                 workspace=self._workspace)
 
     def _decode_pieces(self, batch_size: int) -> int:
         """Pieces a decode batch is cut into: on the CUDA-core kernel only (see __init__)."""

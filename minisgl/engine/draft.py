@@ -4,8 +4,9 @@ The draft runs on its own :class:`~minisgl.engine.engine.Engine`, with its own K
 token pool, and keeps its own copy of every request it guesses for: a
 :class:`~minisgl.core.Req` whose prompt is everything the target has confirmed so far. Each
 round the copy is brought up to date (the confirmed tokens it lacks are written from the host,
-its cache is cut back to the guesses the target kept), then it decodes greedily, one token a
-step, as an ordinary request would: its decode steps are the engine's, CUDA graphs included.
+its cache is cut back to the guesses the target kept), then it decodes greedily ``k + 1``
+steps, all launched as one (:class:`~minisgl.engine.draft_steps.DraftSteps`): no host work
+between them.
 
 It runs one step more than it guesses, so that its cache also holds its last guess: whatever
 the target keeps, the copy then has exactly one confirmed token to feed at the next round.
@@ -19,6 +20,7 @@ import torch
 
 from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.config import EngineConfig
+from minisgl.engine.draft_steps import DraftSteps
 from minisgl.engine.engine import Engine
 from minisgl.kvcache import OutOfPagesError
 from minisgl.utils.logger import get_logger
@@ -35,29 +37,38 @@ class DraftModel:
         config: the draft's engine settings (the target's, with the draft's checkpoint).
         vocab_size: the target's vocabulary size; the draft's must equal it (the two must share
             a tokenizer: a guess is a token id of the target's).
+        k: the most guesses per request and round.
 
     Attributes:
         engine: the draft's engine.
+        steps: its ``k + 1`` decode steps, launched as one.
     """
 
-    def __init__(self, config: EngineConfig, vocab_size: int) -> None:
+    def __init__(self, config: EngineConfig, vocab_size: int, k: int) -> None:
         self.engine = Engine(config)
         if self.engine.model_config.vocab_size != vocab_size:
             raise ValueError(f"the draft model {config.model_path} has a vocabulary of "
                              f"{self.engine.model_config.vocab_size} tokens, the target "
                              f"{vocab_size}: a draft must share the target's tokenizer")
+        self.k = k
+        self.steps = DraftSteps(self.engine, k + 1)
         self._copies: dict[int, _Copy] = {}
 
     def propose(self, reqs: Sequence[Req], counts: Sequence[int]) -> list[list[int]]:
-        """Up to ``counts[i]`` guesses for the tokens after ``reqs[i]``'s confirmed ones.
+        """Up to ``counts[i]`` (at most ``k``) guesses for the tokens after ``reqs[i]``'s
+        confirmed ones.
 
         Every request must have read its last sample (nothing in flight). Returns one list per
-        request; a request with a count of 0 gets none and its copy is left as it is.
+        request; a request with a count of 0 gets none and its copy is left as it is, and so
+        does one within ``k`` tokens of the draft's ``max_seq_len`` (every copy runs ``k + 1``
+        steps).
         """
-        want = {req.uid: n for req, n in zip(reqs, counts, strict=True) if n > 0}
+        room = self.engine.max_seq_len - self.k
+        want = {req.uid: min(n, self.k) for req, n in zip(reqs, counts, strict=True)
+                if n > 0 and req.num_tokens <= room}
         copies = [self._bring_up_to_date(req) for req in reqs if req.uid in want]
         try:
-            steps = self._decode(copies, [want[c.req.uid] for c in copies])
+            steps = self._decode(copies)
         except OutOfPagesError:  # the draft has no prefix cache: its pool can fill first
             logger.warning("the draft's KV pool is full: no guesses this round")
             for copy in copies:
@@ -101,33 +112,20 @@ class DraftModel:
         copy.base, copy.guesses = len(tokens), []
         return copy
 
-    def _decode(self, copies: list[_Copy], counts: list[int]) -> list[list[int]]:
-        """Catch every copy up to its last confirmed token, then decode ``count + 1`` steps
-        each; returns each copy's tokens."""
+    def _decode(self, copies: list[_Copy]) -> list[list[int]]:
+        """Catch every copy up to its last confirmed token, then decode ``k + 1`` steps each;
+        returns each copy's tokens."""
+        if not copies:
+            return []
         engine = self.engine
         behind = [c.req for c in copies if c.req.new_len > 1]  # new, or skipped a round
         if behind:  # compute all but the last confirmed token; its sample is not wanted
             batch = Batch(behind, "prefill", chunk_lens=[req.new_len - 1 for req in behind])
-            engine.pages.reserve(*behind)
+            engine.pages.reserve(*batch.reqs)
             engine.forward(batch)
             batch.advance()
-        sampled: list[list[torch.Tensor]] = [[] for _ in copies]
-        for step in range(max(counts, default=-1) + 1):
-            active = [i for i, n in enumerate(counts) if n >= step]
-            batch = Batch([copies[i].req for i in active], "decode")
-            engine.pages.reserve(*batch.reqs)
-            tokens = engine.forward(batch)
-            batch.advance()
-            for row, i in enumerate(active):
-                sampled[i].append(tokens[row:row + 1])
-        if not copies:
-            return []
-        flat = torch.cat([t for per_copy in sampled for t in per_copy]).tolist()  # one wait
-        out, start = [], 0
-        for per_copy in sampled:
-            out.append(flat[start:start + len(per_copy)])
-            start += len(per_copy)
-        return out
+        tokens = self.steps.run(Batch([c.req for c in copies], "decode"))
+        return tokens.T.tolist()  # the one wait for the host
 
 
 class _Copy:

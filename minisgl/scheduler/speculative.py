@@ -71,7 +71,7 @@ class Speculator:
         self.engine, self.cache = engine, cache
         self.draft = None if settings.draft is None else DraftModel(
             dataclasses.replace(config, model_path=settings.draft, speculative=None),
-            engine.model_config.vocab_size)
+            engine.model_config.vocab_size, self.k)
         self.num_proposed = 0
         self.num_accepted = 0
 
