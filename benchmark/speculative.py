@@ -3,7 +3,10 @@
 For each batch size, the same held-out prompts (lines of the plays the trained models never saw,
 ``models/tiny-shakespeare/readability_prompts.json``) run to a fixed length, greedy, first with
 plain decode steps and then with each proposer; the table gives output tokens per second, the
-share of guesses the target kept, and the speedup over plain decoding at that batch size. Every
+share of guesses the target kept, the milliseconds of a round (a speculative step: the guesses,
+the verify pass and the bookkeeping; for plain decoding, one step: the run's time over its
+tokens per request) and of its guessing alone, and the speedup over plain decoding at that
+batch size. Every
 speculative run's tokens are compared with the plain run's, and the last column is the share of
 them that agree up to each request's first difference. Greedy speculation changes none in exact
 arithmetic (100% on the CPU, in float32); in bfloat16 a batch of another shape rounds
@@ -21,7 +24,7 @@ import argparse
 import json
 import sys
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -40,9 +43,22 @@ def held_out_prompts(count: int) -> list[str]:
     return [prompts[i % len(prompts)] for i in range(count)]
 
 
+def timed(calls: list[float], method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method``, appending each call's wall seconds to ``calls``. Both methods timed here end
+    by reading the device's results, so their wall time includes the device's."""
+    def wrapper(*args: Any, **kwargs: Any) -> Any:
+        start = time.perf_counter()
+        try:
+            return method(*args, **kwargs)
+        finally:
+            calls.append(time.perf_counter() - start)
+    return wrapper
+
+
 def measure(model: str, device: str, speculative: str | None, batch_sizes: Sequence[int],
             max_tokens: int) -> dict[int, dict[str, Any]]:
-    """Per batch size: tokens per second, tokens, and the share of guesses kept."""
+    """Per batch size: tokens per second, tokens, the share of guesses kept, and the
+    milliseconds of a round and of its guessing."""
     from minisgl.core import SamplingParams
     from minisgl.llm import LLM
 
@@ -52,15 +68,25 @@ def measure(model: str, device: str, speculative: str | None, batch_sizes: Seque
              max_running_reqs=max(batch_sizes)) as llm:
         llm.generate(held_out_prompts(1), params, progress=False)  # warm-up
         speculator = llm.scheduler.speculator
+        rounds: list[float] = []
+        guessing: list[float] = []
+        if speculator is not None:  # instance attributes: decode() calls self.propose
+            speculator.decode = timed(rounds, speculator.decode)
+            speculator.propose = timed(guessing, speculator.propose)
         for size in batch_sizes:
+            rounds.clear()
+            guessing.clear()
             before = (0, 0) if speculator is None else (speculator.num_proposed,
                                                         speculator.num_accepted)
             start = time.perf_counter()
             out = llm.generate(held_out_prompts(size), params, progress=False)
             seconds = time.perf_counter() - start
             row = {"tok_s": size * max_tokens / seconds,
-                   "tokens": [o["token_ids"] for o in out]}
+                   "tokens": [o["token_ids"] for o in out],
+                   "round_ms": 1e3 * seconds / max_tokens, "guess_ms": 0.0}
             if speculator is not None:
+                row["round_ms"] = 1e3 * sum(rounds) / max(1, len(rounds))
+                row["guess_ms"] = 1e3 * sum(guessing) / max(1, len(guessing))
                 proposed = speculator.num_proposed - before[0]
                 row["kept"] = (speculator.num_accepted - before[1]) / max(1, proposed)
             rows[size] = row
@@ -95,9 +121,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     plain = measure(args.model, args.device, None, args.batch_sizes, args.max_tokens)
     table: dict[str, Any] = {"plain": {b: r["tok_s"] for b, r in plain.items()}}
     print(f"target {args.model}, {args.max_tokens} tokens per request, greedy")
-    print(f"{'proposer':<40} {'batch':>5} {'tok/s':>9} {'kept':>6} {'speedup':>8}  same")
+    print(f"{'proposer':<40} {'batch':>5} {'tok/s':>9} {'kept':>6} {'ms/round':>9} "
+          f"{'guessing':>9} {'speedup':>8}  same")
     for size, row in plain.items():
-        print(f"{'(none)':<40} {size:>5} {row['tok_s']:>9.1f} {'':>6} {1.0:>7.2f}x")
+        print(f"{'(none)':<40} {size:>5} {row['tok_s']:>9.1f} {'':>6} {row['round_ms']:>9.3f} "
+              f"{'':>9} {1.0:>7.2f}x")
     for setting in args.speculative:
         rows = measure(args.model, args.device, setting, args.batch_sizes, args.max_tokens)
         table[setting] = {}
@@ -105,9 +133,11 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             speedup = row["tok_s"] / plain[size]["tok_s"]
             same = agreeing_share(row["tokens"], plain[size]["tokens"])
             table[setting][size] = {"tok_s": row["tok_s"], "kept": row["kept"],
+                                    "round_ms": row["round_ms"], "guess_ms": row["guess_ms"],
                                     "speedup": speedup, "agreeing_share": same}
             print(f"{setting:<40} {size:>5} {row['tok_s']:>9.1f} {row['kept']:>6.2f} "
-                  f"{speedup:>7.2f}x  {same:>4.0%}")
+                  f"{row['round_ms']:>9.3f} {row['guess_ms']:>9.3f} {speedup:>7.2f}x  "
+                  f"{same:>4.0%}")
     if args.out is not None:
         args.out.write_text(json.dumps(table, indent=2), encoding="utf-8")
     return table
