@@ -82,7 +82,7 @@ class DraftSteps:
             req.in_flight += more
         try:
             engine.pages.reserve(*batch.reqs)
-        except BaseException:
+        except Exception:
             for req in batch.reqs:
                 req.in_flight -= more
             raise
