@@ -542,6 +542,32 @@ def test_the_draft_steps_launched_as_one_write_what_one_step_at_a_time_writes(
                                rtol=0, atol=0)
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_draft_guesses_without_waiting_for_the_device(prompt_ids, cut_draft) -> None:
+    """A round's guessing is launched, not waited for: under torch's sync debug mode, which
+    raises at any operation that makes the host wait for the device, the draft brings its
+    copies up to date, reserves pages, plans and replays its k + 1 steps. (The host reads the
+    guesses only after the verdict, when the device is done with them.)"""
+    scheduler = Scheduler(SchedulerConfig(SHAKESPEARE_DIR, device="cuda", dtype="bfloat16",
+                                          num_pages=4096, max_running_reqs=8, overlap=False,
+                                          speculative=f"draft={cut_draft},k=4"))
+    reqs = fresh(prompt_ids[:3], [SamplingParams(max_tokens=48, ignore_eos=True)] * 3)
+    for req in reqs:
+        scheduler.add(req)
+    for _ in range(4):  # the prefill, then rounds: every copy exists and has guessed
+        scheduler.step()
+    draft = scheduler.speculator.draft
+    assert draft.num_copies == 3 and all(not req.is_finished for req in reqs)
+    draft._read_last_guesses()  # what the next round reads first; the device is done
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        guesses = scheduler.speculator.propose(reqs)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert guesses.tokens.is_cuda and guesses.counts == [4, 4, 4]
+
+
 def test_draft_steps_without_pages_for_every_step_leave_the_requests_as_they_were(
         prompt_ids) -> None:
     from minisgl.engine.config import EngineConfig

@@ -6,7 +6,8 @@ token pool, and keeps its own copy of every request it guesses for: a
 round the copy is brought up to date (the confirmed tokens it lacks are written from the host,
 its cache is cut back to the guesses the target kept), then it decodes greedily ``k + 1``
 steps, all launched as one (:class:`~minisgl.engine.draft_steps.DraftSteps`): no host work
-between them.
+between them. Its guesses stay on the device for the verify pass; the host reads them at the
+next round, to bring the copies up to date, when the device is long done with them.
 
 It runs one step more than it guesses, so that its cache also holds its last guess: whatever
 the target keeps, the copy then has exactly one confirmed token to feed at the next round.
@@ -22,8 +23,10 @@ from minisgl.core import Batch, Req, SamplingParams
 from minisgl.engine.config import EngineConfig
 from minisgl.engine.draft_steps import DraftSteps
 from minisgl.engine.engine import Engine
+from minisgl.engine.verify import Guesses
 from minisgl.kvcache import OutOfPagesError
 from minisgl.utils.logger import get_logger
+from minisgl.utils.torch_utils import host_to_device
 
 logger = get_logger(__name__)
 
@@ -53,36 +56,60 @@ class DraftModel:
         self.k = k
         self.steps = DraftSteps(self.engine, k + 1)
         self._copies: dict[int, _Copy] = {}
+        # last round's guesses, on the device, and which copy made which row
+        self._unread: tuple[torch.Tensor, list[tuple[_Copy, int, int]]] | None = None
 
-    def propose(self, reqs: Sequence[Req], counts: Sequence[int]) -> list[list[int]]:
+    def propose(self, reqs: Sequence[Req], counts: Sequence[int]) -> Guesses:
         """Up to ``counts[i]`` (at most ``k``) guesses for the tokens after ``reqs[i]``'s
-        confirmed ones.
+        confirmed ones, on the device: nothing here waits for it.
 
-        Every request must have read its last sample (nothing in flight). Returns one list per
-        request; a request with a count of 0 gets none and its copy is left as it is, and so
-        does one within ``k`` tokens of the draft's ``max_seq_len`` (every copy runs ``k + 1``
-        steps).
+        Every request must have read its last sample (nothing in flight). A request with a
+        count of 0 gets none and its copy is left as it is, and so does one within ``k``
+        tokens of the draft's ``max_seq_len`` (every copy runs ``k + 1`` steps).
         """
+        self._read_last_guesses()
         room = self.engine.max_seq_len - self.k
         want = {req.uid: min(n, self.k) for req, n in zip(reqs, counts, strict=True)
                 if n > 0 and req.num_tokens <= room}
         copies = [self._bring_up_to_date(req) for req in reqs if req.uid in want]
+        device = self.engine.device
         try:
             steps = self._decode(copies)
         except OutOfPagesError:  # the draft has no prefix cache: its pool can fill first
             logger.warning("the draft's KV pool is full: no guesses this round")
             for copy in copies:
                 self.release(copy.req.uid)
-            return [[] for _ in reqs]
-        for copy, guessed in zip(copies, steps):
-            copy.guesses = guessed[:want[copy.req.uid]]
-        return [self._copies[req.uid].guesses if req.uid in want else [] for req in reqs]
+            return Guesses(torch.zeros(len(reqs), 0, dtype=torch.int64, device=device),
+                           [0] * len(reqs))
+        # Step j's argmax is guess j; the last step's only puts the last guess in the cache.
+        # A copy, too: the graph's memory is overwritten next round.
+        guessed = steps[: self.k].T.contiguous()
+        rows = [i for i, req in enumerate(reqs) if req.uid in want]
+        if len(rows) < len(reqs):  # the others propose nothing: their rows stay zeros
+            full = torch.zeros(len(reqs), self.k, dtype=torch.int64, device=device)
+            full[host_to_device(torch.tensor(rows, dtype=torch.int64), device)] = guessed
+            guessed = full
+        counts = [want.get(req.uid, 0) for req in reqs]
+        self._unread = (guessed, [(copy, row, counts[row]) for copy, row in zip(copies, rows)])
+        return Guesses(guessed, counts)
 
     def release(self, uid: int) -> None:
         """Forget request ``uid`` (it finished or was aborted): its copy's pages go back."""
         copy = self._copies.pop(uid, None)
         if copy is not None and copy.req.table_row is not None:
             self.engine.pages.release(copy.req)
+
+    def _read_last_guesses(self) -> None:
+        """Give each copy the guesses it made last round, which the host has not read: the
+        target's verdict on them has been read since, so the device is done and the copy to
+        the host waits for nothing."""
+        if self._unread is None:
+            return
+        tokens, owners = self._unread
+        self._unread = None
+        rows = tokens.tolist()
+        for copy, row, count in owners:
+            copy.guesses = rows[row][:count]
 
     @property
     def num_copies(self) -> int:
@@ -112,20 +139,19 @@ class DraftModel:
         copy.base, copy.guesses = len(tokens), []
         return copy
 
-    def _decode(self, copies: list[_Copy]) -> list[list[int]]:
+    def _decode(self, copies: list[_Copy]) -> torch.Tensor:
         """Catch every copy up to its last confirmed token, then decode ``k + 1`` steps each;
-        returns each copy's tokens."""
-        if not copies:
-            return []
+        returns the ``[k + 1, C]`` tokens, on the device."""
         engine = self.engine
+        if not copies:
+            return torch.zeros(self.k + 1, 0, dtype=torch.int64, device=engine.device)
         behind = [c.req for c in copies if c.req.new_len > 1]  # new, or skipped a round
         if behind:  # compute all but the last confirmed token; its sample is not wanted
             batch = Batch(behind, "prefill", chunk_lens=[req.new_len - 1 for req in behind])
             engine.pages.reserve(*batch.reqs)
             engine.forward(batch)
             batch.advance()
-        tokens = self.steps.run(Batch([c.req for c in copies], "decode"))
-        return tokens.T.tolist()  # the one wait for the host
+        return self.steps.run(Batch([c.req for c in copies], "decode"))
 
 
 class _Copy:

@@ -31,6 +31,29 @@ if TYPE_CHECKING:  # engine.py does not import this module: no cycle at run time
 
 
 @dataclass(frozen=True)
+class Guesses:
+    """Each request's proposed tokens, on the target's device: row ``i`` of ``tokens`` holds
+    ``counts[i]`` of them, and the rest of the row is ignored. A draft model's guesses are made
+    on the device and stay there until the verdict is read: the host waits once a round.
+
+    Attributes:
+        tokens: ``[B, k]`` int64.
+        counts: how many of each row are guesses (``0 .. k``).
+    """
+
+    tokens: torch.Tensor
+    counts: list[int]
+
+    @classmethod
+    def from_lists(cls, guesses: Sequence[Sequence[int]], device: torch.device) -> Guesses:
+        """Guesses made on the host (prompt lookup), in one copy to the device."""
+        k = max(map(len, guesses), default=0)
+        padded = [list(g) + [PAD] * (k - len(g)) for g in guesses]
+        tokens = torch.tensor(padded, dtype=torch.int64).view(len(guesses), k)
+        return cls(host_to_device(tokens, device), [len(g) for g in guesses])
+
+
+@dataclass(frozen=True)
 class EachTokenDecodes:
     """A batch's fed tokens as a decode-shaped :class:`~minisgl.attention.BatchLayout`.
 
@@ -58,26 +81,25 @@ class EachTokenDecodes:
 
 
 @torch.no_grad()
-def verify(engine: Engine, batch: Batch, guesses: Sequence[Sequence[int]]) -> Verdict:
+def verify(engine: Engine, batch: Batch, guesses: Guesses) -> Verdict:
     """Score each request's last token and its guesses in one pass, and keep what passes.
 
     Args:
         engine: the target's engine.
-        batch: a prefill-phase batch in which request ``i`` feeds ``1 + len(guesses[i])``
+        batch: a prefill-phase batch in which request ``i`` feeds ``1 + guesses.counts[i]``
             tokens after its cached past: its last sample, then its guesses, already in the
             token pool (the caller wrote them there and counted them in the request's length).
-        guesses: each request's proposed tokens (any may be empty).
+        guesses: each request's proposed tokens (any may have none).
 
     Returns:
         The :class:`~minisgl.speculative.accept.Verdict`, on the device. A greedy request
         keeps a guess while it equals the target's argmax; a sampled one by the rejection
         rule, so its tokens follow exactly the distribution decoding without guesses draws from.
     """
-    size = batch.size
-    k = max(map(len, guesses), default=0)
-    if [1 + len(g) for g in guesses] != batch.new_lens:
+    size, k = batch.size, guesses.tokens.shape[1]
+    if [1 + n for n in guesses.counts] != batch.new_lens:
         raise ValueError(f"each request must feed its last token and its guesses: it feeds "
-                         f"{batch.new_lens}, the guesses need {[1 + len(g) for g in guesses]}")
+                         f"{batch.new_lens}, the guesses need {[1 + n for n in guesses.counts]}")
     logits = engine.layout_logits(EachTokenDecodes.of(batch), engine.input_ids(batch))
     # Row j of request i is the entry of its j-th fed token; past its guesses, a row never read.
     index, start = [], 0
@@ -86,9 +108,8 @@ def verify(engine: Engine, batch: Batch, guesses: Sequence[Sequence[int]]) -> Ve
         start += n
     device = logits.device
     per_position = logits[host_to_device(torch.tensor(index), device)]  # [B, k + 1, V]
-    proposed = host_to_device(torch.tensor([list(g) + [PAD] * (k - len(g)) for g in guesses],
-                                           dtype=torch.int64).view(size, k), device)
-    num_proposed = host_to_device(torch.tensor([len(g) for g in guesses]), device)
+    proposed = guesses.tokens
+    num_proposed = host_to_device(torch.tensor(guesses.counts), device)
     reqs = batch.reqs
     if all(req.params.is_greedy for req in reqs):  # no softmax needed: argmax decides
         return accept_greedy(proposed, per_position.argmax(dim=-1), num_proposed)

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from minisgl.core import Batch, Req
 from minisgl.engine.draft import DraftModel
 from minisgl.engine.engine import Engine
-from minisgl.engine.verify import verify
+from minisgl.engine.verify import Guesses, verify
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.config import SchedulerConfig, Speculation
 from minisgl.speculative.ngram import propose_ngram
@@ -75,13 +75,14 @@ class Speculator:
         self.num_proposed = 0
         self.num_accepted = 0
 
-    def propose(self, reqs: Sequence[Req]) -> list[list[int]]:
+    def propose(self, reqs: Sequence[Req]) -> Guesses:
         """Each request's guesses: at most ``k``, and never more than its ``max_tokens`` leaves
         room for after the target's own token."""
         room = [min(self.k, req.params.max_tokens - len(req.output_ids) - 1) for req in reqs]
         if self.draft is not None:
             return self.draft.propose(reqs, room)
-        return [propose_ngram(req.token_ids, n) if n > 0 else [] for req, n in zip(reqs, room)]
+        return Guesses.from_lists([propose_ngram(req.token_ids, n) if n > 0 else []
+                                   for req, n in zip(reqs, room)], self.engine.device)
 
     def decode(self, reqs: Sequence[Req], eos_token_ids: Sequence[int]) -> SpeculativeStep:
         """One speculative decode step of ``reqs`` (each has read its last sample); the
@@ -92,16 +93,16 @@ class Speculator:
         lengths = [req.num_tokens for req in reqs]
         # While the target checks them, the guesses count in the request's length, as
         # tokens in flight do: the pass is then an ordinary prefill over a cached past.
-        self.engine.token_pool.write(reqs, lengths, guesses)
-        for req, guessed in zip(reqs, guesses):
-            req.in_flight = len(guessed)
+        self.engine.token_pool.write_rows(reqs, lengths, guesses.tokens, guesses.counts)
+        for req, count in zip(reqs, guesses.counts):
+            req.in_flight = count
         new_pages = self.cache.reserve(reqs)
         batch = Batch(list(reqs), "prefill")
         emitted = verify(self.engine, batch, guesses).to_lists()  # the host waits here
         read: list[Req] = []
         going_on: list[Req] = []
-        for req, length, guessed, tokens in zip(reqs, lengths, guesses, emitted):
-            self.num_proposed += len(guessed)
+        for req, length, count, tokens in zip(reqs, lengths, guesses.counts, emitted):
+            self.num_proposed += count
             self.num_accepted += len(tokens) - 1
             req.in_flight = 0
             taken = 0
