@@ -15,6 +15,7 @@ the target keeps, the copy then has exactly one confirmed token to feed at the n
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -48,7 +49,9 @@ class DraftModel:
     """
 
     def __init__(self, config: EngineConfig, vocab_size: int, k: int) -> None:
-        self.engine = Engine(config)
+        # Its decode steps run only as DraftSteps' chains, which have graphs of their own: one
+        # captured size keeps the engine's padding row, which those graphs pad with.
+        self.engine = Engine(dataclasses.replace(config, cuda_graph_batch_sizes=(1,)))
         if self.engine.model_config.vocab_size != vocab_size:
             raise ValueError(f"the draft model {config.model_path} has a vocabulary of "
                              f"{self.engine.model_config.vocab_size} tokens, the target "

@@ -27,7 +27,7 @@ from minisgl.layers.attention import use_attention_backend
 if TYPE_CHECKING:  # engine.py does not import this module: no cycle at run time
     from minisgl.engine.engine import Engine
 
-GRAPH_BATCH_SIZES = (1, 2, 4, 8, 16, 32, 64)  # the chained steps' captured sizes (see __init__)
+GRAPH_BATCH_SIZES = (1, 4, 16, 64)  # the chained steps' captured sizes (see __init__)
 
 
 class DraftSteps:
@@ -49,9 +49,9 @@ class DraftSteps:
         if not engine.graph_runner.enabled:
             self.graphs = engine.graph_runner  # disabled, and says why
             return
-        # Powers of two only: every captured size costs each step a FlashInfer plan of its own
-        # (8 MiB of device and of pinned host memory), and padding a draft's batch is cheap.
-        sizes = [bs for bs in GRAPH_BATCH_SIZES if bs <= engine.graph_runner.max_batch_size]
+        # Few sizes: each costs every step a FlashInfer wrapper of its own (8 MiB of device and
+        # of pinned host memory), while padding a small draft's batch costs next to nothing.
+        sizes = [bs for bs in GRAPH_BATCH_SIZES if bs <= engine.config.max_running_reqs]
         # A backend per step, each with its own plans and fixed arrays, so that every step
         # can be planned before the first one runs.
         self._backends = [engine.attn_backend.sibling() for _ in range(num_steps)]
