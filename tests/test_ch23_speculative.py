@@ -544,10 +544,12 @@ def test_the_draft_steps_launched_as_one_write_what_one_step_at_a_time_writes(
 
 @pytest.mark.gpu
 def test_on_cuda_the_draft_guesses_without_waiting_for_the_device(prompt_ids, cut_draft) -> None:
-    """A round's guessing is launched, not waited for: under torch's sync debug mode, which
-    raises at any operation that makes the host wait for the device, the draft brings its
-    copies up to date, reserves pages, plans and replays its k + 1 steps. (The host reads the
-    guesses only after the verdict, when the device is done with them.)"""
+    """A round's guessing is launched, not waited for: with the device kept busy for about a
+    second by work queued first, the draft brings its copies up to date, reserves pages, plans
+    and launches its k + 1 steps, and returns while the device is still busy. (The host reads
+    the guesses only after the verdict, when the device is done with them.)"""
+    import time
+
     scheduler = Scheduler(SchedulerConfig(SHAKESPEARE_DIR, device="cuda", dtype="bfloat16",
                                           num_pages=4096, max_running_reqs=8, overlap=False,
                                           speculative=f"draft={cut_draft},k=4"))
@@ -557,14 +559,17 @@ def test_on_cuda_the_draft_guesses_without_waiting_for_the_device(prompt_ids, cu
     for _ in range(4):  # the prefill, then rounds: every copy exists and has guessed
         scheduler.step()
     draft = scheduler.speculator.draft
-    assert draft.num_copies == 3 and all(not req.is_finished for req in reqs)
-    draft._read_last_guesses()  # what the next round reads first; the device is done
+    assert draft.num_copies == 3 and not any(r.is_finished for r in reqs)
+    # What a round reads first, last round's guesses, was done with before it: read it now.
+    draft._read_last_guesses()
     torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        guesses = scheduler.speculator.propose(reqs)
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda._sleep(2_000_000_000)  # GPU clock cycles: about a second at 2 GHz
+    start = time.perf_counter()
+    guesses = scheduler.speculator.propose(reqs)
+    seconds = time.perf_counter() - start
+    still_busy = not torch.cuda.current_stream().query()
+    torch.cuda.synchronize()
+    assert still_busy and seconds < 0.25, f"propose took {seconds:.3f} s: it waited"
     assert guesses.tokens.is_cuda and guesses.counts == [4, 4, 4]
 
 
