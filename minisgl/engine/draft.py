@@ -76,14 +76,15 @@ class DraftModel:
                 if n > 0 and req.num_tokens <= room}
         copies = [self._bring_up_to_date(req) for req in reqs if req.uid in want]
         device = self.engine.device
+        if not copies:
+            return Guesses.from_lists([[] for _ in reqs], device)
         try:
             steps = self._decode(copies)
         except OutOfPagesError:  # the draft has no prefix cache: its pool can fill first
             logger.warning("the draft's KV pool is full: no guesses this round")
             for copy in copies:
                 self.release(copy.req.uid)
-            return Guesses(torch.zeros(len(reqs), 0, dtype=torch.int64, device=device),
-                           [0] * len(reqs))
+            return Guesses.from_lists([[] for _ in reqs], device)
         # Step j's argmax is guess j; the last step's only puts the last guess in the cache.
         # A copy, too: the graph's memory is overwritten next round.
         guessed = steps[: self.k].T.contiguous()
@@ -146,8 +147,6 @@ class DraftModel:
         """Catch every copy up to its last confirmed token, then decode ``k + 1`` steps each;
         returns the ``[k + 1, C]`` tokens, on the device."""
         engine = self.engine
-        if not copies:
-            return torch.zeros(self.k + 1, 0, dtype=torch.int64, device=engine.device)
         behind = [c.req for c in copies if c.req.new_len > 1]  # new, or skipped a round
         if behind:  # compute all but the last confirmed token; its sample is not wanted
             batch = Batch(behind, "prefill", chunk_lens=[req.new_len - 1 for req in behind])
