@@ -688,7 +688,8 @@ def test_the_speedup_benchmark_compares_each_proposer_with_plain_decoding(repo_s
     decoding's (its speedups mean something only on a GPU, with a target worth speeding up)."""
     bench = repo_script("benchmark/speculative.py")
     table = bench.main(["--model", str(SHAKESPEARE_DIR), "--device", "cpu", "--batch-sizes",
-                        "1", "3", "--max-tokens", "12", "--speculative",
+                        "1", "3", "--max-tokens", "12", "--repeats", "1", "--warmup", "0",
+                        "--speculative",
                         f"draft={SHAKESPEARE_DIR},k=3", "ngram"])
     assert set(table) == {"plain", f"draft={SHAKESPEARE_DIR},k=3", "ngram"}
     for setting in ("ngram", f"draft={SHAKESPEARE_DIR},k=3"):

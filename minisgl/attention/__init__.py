@@ -65,17 +65,18 @@ def resolve_attention_backend(name: str, device: torch.device, dtype: torch.dtyp
 
 
 def create_attention_backend(name: str, kv_pool: MHAKVPool, page_table: PageTable,
-                             num_qo_heads: int) -> BaseAttnBackend:
+                             num_qo_heads: int, fixed_plans: bool = False) -> BaseAttnBackend:
     """Build the attention backend ``name`` (``auto``, ``torch`` or ``flashinfer``) over the pool.
 
     ``num_qo_heads`` is the number of query heads on this device (this rank's share under
     tensor parallelism); the KV head count and head size are read from the pool.
+    ``fixed_plans`` is FlashInfer's (see ``FlashInferBackend``); the torch backend plans nothing.
     """
     if resolve_attention_backend(name, kv_pool.device, kv_pool.dtype, kv_pool.head_dim) == "torch":
         return TorchNativeBackend(kv_pool, page_table, num_qo_heads)
     from minisgl.attention.fi import FlashInferBackend  # imports flashinfer itself
 
-    return FlashInferBackend(kv_pool, page_table, num_qo_heads)
+    return FlashInferBackend(kv_pool, page_table, num_qo_heads, fixed_plans=fixed_plans)
 
 
 __all__ = [

@@ -122,13 +122,17 @@ class FlashInferBackend(BaseAttnBackend):
         num_qo_heads: query heads on this device.
         workspace_bytes: size of FlashInfer's float scratch buffer.
         workspace: a scratch buffer to share instead (see :meth:`sibling`).
+        fixed_plans: decode on tensor cores with each request's keys in one chunk, a plan that
+            depends on the batch size alone: a captured size is planned once, and a later batch
+            of it only copies its page arrays (see :meth:`_load_fixed`). For short sequences,
+            such as a draft model's (chapter 23); long ones lose the chunks' parallelism.
     """
 
     name = "flashinfer"
 
     def __init__(self, kv_pool: MHAKVPool, page_table: PageTable, num_qo_heads: int,
                  workspace_bytes: int = WORKSPACE_BYTES,
-                 workspace: torch.Tensor | None = None) -> None:
+                 workspace: torch.Tensor | None = None, fixed_plans: bool = False) -> None:
         super().__init__(kv_pool, page_table, num_qo_heads)
         check_flashinfer_supports(self.device, kv_pool.dtype, self.head_dim)
         self._flashinfer = flashinfer = import_flashinfer()
@@ -137,7 +141,8 @@ class FlashInferBackend(BaseAttnBackend):
         # about 4 (SGLang's and upstream mini-sglang's threshold). Pieces (chapter 20) are cut
         # for the CUDA-core kernel only: a captured batch of 1,024 pieces would need more
         # scratch on tensor cores than the workspace holds.
-        self.use_tensor_cores = self.num_qo_heads // self.num_kv_heads >= 4
+        self.use_tensor_cores = fixed_plans or self.num_qo_heads // self.num_kv_heads >= 4
+        self.fixed_plans = fixed_plans
         # Zeros: FlashInfer requires the workspace to start zeroed.
         self._workspace = workspace if workspace is not None else torch.zeros(
             workspace_bytes, dtype=torch.uint8, device=self.device)
@@ -151,6 +156,7 @@ class FlashInferBackend(BaseAttnBackend):
         # captured batch size -> its decode wrapper over fixed arrays, its fixed query rows
         # and its number of pieces
         self._graph_wrappers: dict[int, tuple[Any, QueryRows | None, int]] = {}
+        self._planned_sizes: set[int] = set()  # with fixed_plans: captured sizes planned once
         # plan() stages its arrays in pinned host memory and copies them to the GPU
         # asynchronously. Planning again before that copy ran would overwrite the staging
         # memory under it, so each plan waits for the previous one's copy (see _plan).
@@ -163,11 +169,19 @@ class FlashInferBackend(BaseAttnBackend):
         (chapter 23's draft steps). The scratch is shared safely: kernels on one stream run one
         after another."""
         return FlashInferBackend(self.kv_pool, self.page_table, self.num_qo_heads,
-                                 workspace=self._workspace)
+                                 workspace=self._workspace, fixed_plans=self.fixed_plans)
 
     def _decode_pieces(self, batch_size: int) -> int:
         """Pieces a decode batch is cut into: on the CUDA-core kernel only (see __init__)."""
         return 0 if self.use_tensor_cores else fast.paths.decode_pieces(batch_size)
+
+    def _load_fixed(self, meta: FIMetadata) -> None:
+        """Copy a batch's page arrays where its size's graph reads them, planning nothing:
+        with one chunk per request a decode plan holds for any lengths (see __init__)."""
+        # (_plan staged both in pinned memory and copied the page ids already)
+        self._graph_indptr[: len(meta.page_indptr)].copy_(meta.page_indptr, non_blocking=True)
+        self._graph_last_lens[: len(meta.last_page_lens)].copy_(meta.last_page_lens,
+                                                                 non_blocking=True)
 
     def _plan(self, layout: BatchLayout, fields: dict[str, Any], static: bool) -> FIMetadata:
         if static:  # a CUDA graph's batch: its wrapper plans over fixed arrays
@@ -197,6 +211,9 @@ class FlashInferBackend(BaseAttnBackend):
                 arrays["query_rows"] = QueryRows(host_to_device(rows.owners, self.device),
                                                  host_to_device(rows.indptr, self.device))
         meta = FIMetadata(**fields, **arrays, wrapper=wrapper)
+        if static and self.fixed_plans and layout.size in self._planned_sizes:
+            self._load_fixed(meta)
+            return meta
         # plan(): the wrapper looks at the batch's lengths and splits the work, once a batch.
         # It stages its own arrays in pinned memory, so it waits for the last plan's copy.
         self._plan_copied.synchronize()
@@ -204,6 +221,10 @@ class FlashInferBackend(BaseAttnBackend):
                   "page_size": self.page_size, "q_data_type": self.kv_pool.dtype,
                   "kv_data_type": self.kv_pool.dtype}
         if layout.is_decode:
+            if self.fixed_plans:  # one chunk per request: no split, no merge
+                common["disable_split_kv"] = True
+                if static:
+                    self._planned_sizes.add(layout.size)
             wrapper.plan(meta.page_indptr, meta.page_indices, meta.last_page_lens,
                          head_dim=self.head_dim, **common)
         else:
@@ -239,6 +260,7 @@ class FlashInferBackend(BaseAttnBackend):
             max_bs * self.page_table.max_pages_per_req + max(pieces.values()),
             dtype=torch.int32, device=self.device)
         last_lens = torch.zeros(max_entries, dtype=torch.int32, device=self.device)
+        self._graph_indptr, self._graph_last_lens = indptr, last_lens
         for bs, num_pieces in pieces.items():
             entries = num_pieces or bs  # the kernel's requests: pieces, or the batch's
             wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(

@@ -59,6 +59,9 @@ class EngineConfig:
             batches run eagerly. ``None`` means ``min(max_running_reqs, 256)``.
         cuda_graph_batch_sizes: the exact batch sizes to capture, overriding the
             default list built from ``cuda_graph_max_bs``.
+        fixed_plans: FlashInfer only: decode plans that depend on the batch size alone, so a
+            captured size is planned once (a draft model's engine, chapter 23; see
+            :class:`~minisgl.attention.fi.FlashInferBackend`).
     """
 
     model_path: str | os.PathLike[str]
@@ -75,6 +78,7 @@ class EngineConfig:
     cuda_graph: bool = True
     cuda_graph_max_bs: int | None = None
     cuda_graph_batch_sizes: tuple[int, ...] | None = None
+    fixed_plans: bool = False
 
     def __post_init__(self) -> None:
         if not isinstance(self.model_path, (str, os.PathLike)) or not str(self.model_path):
@@ -94,8 +98,9 @@ class EngineConfig:
         for name in ("num_pages", "max_seq_len", "cuda_graph_max_bs"):  # None: worked out later
             if getattr(self, name) is not None:
                 check_int(name, getattr(self, name), at_least=1)
-        if not isinstance(self.cuda_graph, bool):
-            raise ValueError(f"cuda_graph must be True or False, got {self.cuda_graph!r}")
+        for name in ("cuda_graph", "fixed_plans"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"{name} must be True or False, got {getattr(self, name)!r}")
         if self.cuda_graph_batch_sizes is not None:
             sizes = tuple(self.cuda_graph_batch_sizes)
             if not sizes:

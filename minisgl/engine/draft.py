@@ -51,7 +51,10 @@ class DraftModel:
     def __init__(self, config: EngineConfig, vocab_size: int, k: int) -> None:
         # Its decode steps run only as DraftSteps' chains, which have graphs of their own: one
         # captured size keeps the engine's padding row, which those graphs pad with.
-        self.engine = Engine(dataclasses.replace(config, cuda_graph_batch_sizes=(1,)))
+        # Its sequences are short, so one chunk of keys per request loses nothing, and a plan
+        # that holds for any lengths spares the host a plan() per chained step (fixed_plans).
+        self.engine = Engine(dataclasses.replace(config, cuda_graph_batch_sizes=(1,),
+                                                 fixed_plans=True))
         if self.engine.model_config.vocab_size != vocab_size:
             raise ValueError(f"the draft model {config.model_path} has a vocabulary of "
                              f"{self.engine.model_config.vocab_size} tokens, the target "

@@ -27,7 +27,7 @@ from minisgl.layers.attention import use_attention_backend
 if TYPE_CHECKING:  # engine.py does not import this module: no cycle at run time
     from minisgl.engine.engine import Engine
 
-GRAPH_BATCH_SIZES = (1, 4, 16, 64)  # the chained steps' captured sizes (see __init__)
+GRAPH_BATCH_SIZES = (1, 4, 16, 64, 256)  # the chained steps' captured sizes (see __init__)
 
 
 class DraftSteps:
@@ -51,7 +51,9 @@ class DraftSteps:
             return
         # Few sizes: each costs every step a FlashInfer wrapper of its own (8 MiB of device and
         # of pinned host memory), while padding a small draft's batch costs next to nothing.
-        sizes = [bs for bs in GRAPH_BATCH_SIZES if bs <= engine.config.max_running_reqs]
+        # The largest is capped at the most requests, so that every batch has a graph: launched
+        # a kernel at a time, a draft's steps cost several times what a replay does.
+        sizes = sorted({min(bs, engine.config.max_running_reqs) for bs in GRAPH_BATCH_SIZES})
         # A backend per step, each with its own plans and fixed arrays, so that every step
         # can be planned before the first one runs.
         self._backends = [engine.attn_backend.sibling() for _ in range(num_steps)]

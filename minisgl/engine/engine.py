@@ -159,7 +159,8 @@ class Engine:
         self.pages = RequestPages(self.kv_budget.num_pages, num_rows, self.max_seq_len,
                                   page_size=config.page_size, device=self.device)
         self.attn_backend = create_attention_backend(
-            backend, self.kv_pool, self.pages.table, self.rank_config.num_qo_heads)
+            backend, self.kv_pool, self.pages.table, self.rank_config.num_qo_heads,
+            fixed_plans=config.fixed_plans)
         # The token ids of every row, on the device, so that a step can be launched
         # before the host has read the tokens the step before sampled.
         self.token_pool = TokenPool(num_rows, self.max_seq_len, self.device)
