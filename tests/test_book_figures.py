@@ -571,7 +571,7 @@ def test_ch12_steps_and_decode_tokens_of_the_cpu_recording() -> None:
 
 
 def test_ch12_and_ch15_leave_the_finished_engines_gpu_figures_to_chapter_19() -> None:
-    """Chapter 19's GPU runs measure the finished engine, not chapter 12's or 15's checkpoint:
+    """Chapter 19's GPU runs measure later code than chapter 12's or 15's checkpoint:
     those pages point there and quote none of its figures (the sweep below checks every figure
     they state against their own recordings)."""
     offline, = _floats("offline_bench-cuda", r"^minisgl \(overlap, radix\): .* = ([\d.]+) tok/s")
@@ -587,7 +587,8 @@ def test_ch12_and_ch15_leave_the_finished_engines_gpu_figures_to_chapter_19() ->
 
 
 def test_tok_s_figures_of_two_workloads_each_name_theirs() -> None:
-    """28,233 tok/s (the ablations' workload) and 24,790 (the offline run's) never stand alone."""
+    """11,804 tok/s (the ablations' workload, this chapter's code) and 24,790 (the offline run's,
+    with chapter 20's kernels) never stand alone."""
     ablations = recording("ch19_ablations-cuda")
     n, low, high = (int(g) for g in re.search(
         r"random: (\d+) requests, prompts and outputs uniform in \[(\d+), (\d+)\]",
@@ -599,8 +600,8 @@ def test_tok_s_figures_of_two_workloads_each_name_theirs() -> None:
     long = "256 requests of 100 to 1,024 tokens"
     assert_on_page("ch19", f"{n} requests, prompts and outputs of {low} to {high} tokens (27,358 "
                            f"output tokens). The full engine on this workload: {full:,} tok/s",
-                   f"{offline:,} tok/s on this workload (fewer than the ablations' "
-                   f"{full:,} on {short}",
+                   f"{offline:,} tok/s on this workload, with the kernels (the ablations' "
+                   f"{full:,} on {short} are without)",
                    f"ablations' {short}: {full:,} tok/s",
                    f"{long}, {offline:,} tok/s")
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
@@ -963,12 +964,15 @@ def test_ch19_decode_step_profile_and_latency_on_the_h200() -> None:
                  for block in rec.split("batch 128"))
     latency = float(re.search(r": ([\d.]+) ms per step",
                               recording("ch19_decode_latency-cuda")).group(1))
-    assert_on_page("ch19", f"busy {busy[0][0]:.2f} ms of a step, in {busy[0][1]} kernels",
+    assert busy[0][1] == busy[1][1], "the same kernels at both batch sizes"
+    assert_on_page("ch19", f"busy {busy[0][0]:.2f} ms of a step, in {busy[0][1]:,} kernels",
                    f"| matrix products | {one['GEMMs']:.0f} |",
                    f"| attention | {one['attention']:.0f} |",
-                   f"The matrix products take {one['GEMMs'] / 1000:.2f} ms",
-                   f"{latency:.2f} ms a step", f"lane is {busy[1][0]:.2f} ms",
-                   f"attention {many['attention'] / 1000:.2f} ms")
+                   f"| elementwise arithmetic | {one['other']:,.0f} |",
+                   f"| copies and indexing | {one['copies and indexing']:.0f} |",
+                   f"The matrix products take {one['GEMMs']:.0f} µs",
+                   f"{latency:.2f} ms a step", f"lane is {busy[1][0]:.2f} ms, in the same "
+                   f"{busy[1][1]:,} kernels", f"attention {many['attention'] / 1000:.2f} ms")
 
 
 def test_ch19_host_step_on_the_cpu() -> None:
@@ -976,9 +980,9 @@ def test_ch19_host_step_on_the_cpu() -> None:
         r"^\s+(\d+)\s+([\d.]+)\s+([\d.]+)$", recording("ch19_host_step-cpu"), re.M)}
     ms, per_request = rows[128]
     lane = float(re.findall(r"device busy ([\d.]+) ms", recording("ch19_profile-cuda"))[1])
-    assert round(lane / ms) == 7, "the page calls the host's share a seventh of the lane"
+    assert round(lane / ms) == 11, "the page calls the host's share an eleventh of the lane"
     assert_on_page("ch19", f"costs the host {ms:.2f} ms, {per_request:.1f} µs a request",
-                   f"a seventh of the device's {lane:.2f} ms")
+                   f"an eleventh of the device's {lane:.2f} ms")
 
 
 def half_up(text: str, places: int = 0) -> Decimal:
@@ -1007,19 +1011,21 @@ def test_ch19_each_feature_switched_off_alone() -> None:
     tok_s = float(full["tok_s"])
     slower = {name: tok_s / float(arm["tok_s"])
               for name, arm in (("graphs", graphs), ("overlap", overlap), ("fused", fused))}
+    noise = abs(1 - slower["fused"])
+    assert noise < 0.01, "this chapter's code has no fused kernels: both arms run the same engine"
     assert_on_page(
         "ch19",
+        f"measured twice: {noise:.1%} is noise",
         f"Without CUDA graphs, {half_up(graphs['tok_s']):,} ({slower['graphs']:.1f}× slower), the "
         f"median token gap up from {full['itl_p50']} to {graphs['itl_p50']} ms",
         f"Without overlap, {half_up(overlap['tok_s']):,} ({slower['overlap']:.2f}×)",
         f"Without fused kernels, {half_up(fused['tok_s']):,} ({slower['fused']:.2f}×)",
         f"on one padded batch: {hf} tok/s, {tok_s / hf:.1f} times slower",
         # "How to explain it" and the summary round to one decimal, transformers to a whole
-        f"graphs {slower['graphs']:.1f}×, fused kernels {slower['fused']:.1f}×, overlap "
-        f"{slower['overlap']:.1f}×",
-        f"{slower['graphs']:.1f}× less without graphs, {slower['fused']:.1f}× without fused "
-        f"kernels, {slower['overlap']:.1f}× without overlap, {round(tok_s / hf)}× less with "
-        f"`transformers`",
+        f"graphs {slower['graphs']:.1f}×, overlap {slower['overlap']:.1f}×, fused kernels "
+        f"{slower['fused']:.1f}× (none exist yet)",
+        f"{slower['graphs']:.1f}× less without graphs, {slower['overlap']:.1f}× without overlap, "
+        f"{round(tok_s / hf)}× less with `transformers`",
     )
 
 
@@ -1056,8 +1062,10 @@ def test_ch19_chunked_prefill_against_unchunked() -> None:
               r"after; prefill budget (\d+) tokens a step"))
     chunked, unchunked = ch19_arm("chunked"), ch19_arm("unchunked")
     cost = 1 - float(chunked["tok_s"]) / float(unchunked["tok_s"])
-    halved = float(unchunked["itl_p99"]) / float(chunked["itl_p99"])
-    assert round(halved) == 2, "the summary says chunking halves the running ITL p99"
+    halved = float(unchunked["itl_max"]) / float(chunked["itl_max"])
+    assert round(halved) == 2, "the summary says chunking halves the longest gap"
+    assert float(chunked["itl_p99"]) < float(unchunked["itl_p99"])
+    assert_on_page("ch19", "chunking halves the longest gap")
     assert_on_page(
         "ch19",
         f"{short} short requests decode {out} tokens while {long} prompts of {long_len:,} tokens "
@@ -1091,24 +1099,31 @@ def test_ch19_online_curve_as_the_page_reads_it() -> None:
         text, r"workload: (\d+) requests per rate .* prompts uniform in \[(\d+), (\d+)\] tokens, "
               r"outputs in \[(\d+), (\d+)\]"))
     assert (low, high) == (out_low, out_high)
-    # the server keeps up to 32 req/s: nothing ever waited
-    assert re.findall(r"waiting max (\d+)", text) == ["0", "0", "0"]
+    # no request waited for a slot, at any rate
+    assert re.findall(r"waiting max (\d+)", text) == ["0"] * 5
     assert min(table, key=lambda rate: float(table[rate][2])) == "inf", "all at once ends fastest"
     bound_ttft, bound_tpot = found(text, r"goodput objectives: TTFT <= (\d+) ms and TPOT <= "
                                          r"(\d+) ms")
-    assert re.findall(r"goodput: (\d+) of (\d+) requests met", text) == [(str(n), str(n))] * 5
-    assert "WARNING: the client sent a request" in text
-    assert itl["64"][0] == itl["inf"][0] == "0.0"
+    met = dict(zip(table, re.findall(r"goodput: (\d+) of (\d+) requests met", text)))
+    missed = {rate: int(of) - int(m) for rate, (m, of) in met.items() if m != of}
+    assert missed == {"32": 1}, "all but one request, at 32 req/s, met the default objectives"
+    assert "WARNING" not in text
+    poisson = [rate for rate in table if rate != "inf"]
+    assert max(poisson, key=lambda rate: float(ttft[rate][2])) == "16"
+    itl_p99 = [float(itl[rate][2]) for rate in poisson]
     assert_on_page(
         "ch19",
         f"{n} requests per rate, prompts and outputs of {low} to {high} tokens",
-        f"TTFT p50 grows from {half_up(ttft['8'][0])} to {half_up(ttft['32'][0])} ms, TPOT from "
-        f"{tpot['8'][0]} to {tpot['32'][0]} ms. At 64 req/s the TTFT p99 reaches "
-        f"{half_up(ttft['64'][2])} ms",
+        f"TTFT p50 grows from {half_up(ttft['8'][0])} to {half_up(ttft['32'][0])} ms between 8 "
+        f"and 32 req/s, TPOT from {tpot['8'][0]} to {tpot['32'][0]} ms",
+        f"The TTFT p99 is {half_up(ttft['16'][2])} ms at 16 req/s and {half_up(ttft['64'][2])} "
+        f"at 64",
         f"(TPOT {tpot['inf'][0]} ms, {half_up(table['inf'][4]):,} tok/s), while everyone pays "
-        f"the prefill in TTFT ({half_up(ttft['inf'][0])} ms). From 64 req/s the ITL p50 is "
-        f"{itl['64'][0]} ms",
-        f"Everyone met the default objectives (TTFT ≤ {bound_ttft} ms, TPOT ≤ {bound_tpot} ms)",
+        f"the prefill in TTFT ({half_up(ttft['inf'][0])} ms)",
+        f"The ITL p99, {half_up(str(min(itl_p99)))} to {half_up(str(max(itl_p99)))} ms under "
+        f"Poisson arrivals and {itl['inf'][2]} ms all at once",
+        f"All but one request (at 32 req/s) met the default objectives (TTFT ≤ {bound_ttft} ms, "
+        f"TPOT ≤ {bound_tpot} ms)",
     )
 
 
@@ -1120,18 +1135,21 @@ def test_ch19_goodput_under_tight_objectives_from_the_json(
                                      r"from the same JSON")
     objectives = measure.parse_objectives(f"ttft={ttft},tpot={tpot}")
     table = ch19_online_rows()
-    per_s = {}
+    per_s, met = {}, {}
     for result in run["results"]:
         rate = "inf" if result["rate"] == "inf" else f"{result['rate']:g}"
         done = [(r["ttft_s"], r["tpot_s"], r["e2e_s"]) for r in result["requests"]
                 if r["error"] is None]
         good = measure.goodput(done, result["num_requests"], objectives, result["duration_s"])
         assert f"{result['request_throughput']:.2f}" == table[rate][3], f"rate {rate}: req/s"
-        per_s[rate] = good["per_s"]
+        per_s[rate], met[rate] = good["per_s"], good["met"]
         assert_on_page("ch19", f"| {rate} | {table[rate][3]} | {good['met']} of "
                                f"{result['num_requests']} | {good['per_s']:.2f} |")
-    # "goodput flattens from 32 req/s, peaks at 64 and collapses when everything arrives at once"
-    assert max(per_s, key=per_s.__getitem__) == "64" and min(per_s.values()) == per_s["inf"]
+    # goodput peaks at 64 req/s and collapses when everything arrives at once
+    assert max(per_s, key=per_s.__getitem__) == "64"
+    assert met["inf"] == 1 and per_s["inf"] < per_s["8"]
+    assert_on_page("ch19", "goodput peaks at 64 req/s and collapses when everything arrives",
+                   f"every request but one then waits longer than {ttft} ms")
 
 
 Kernels = dict[str, tuple[int, float]]
@@ -1163,34 +1181,36 @@ def test_ch19_batch_1_step_against_its_floor() -> None:
     bandwidth, = _floats("ch19_profile-cuda", r"device copy bandwidth: (\d+) GB/s")
     busy, count = (float(g) for g in found(block, r"device busy ([\d.]+) ms in (\d+) kernels"))
     latency, = _floats("ch19_decode_latency-cuda", r": ([\d.]+) ms per step")
-    layers = families["qk-norm + RoPE + K/V store"][0]  # one qk kernel per layer
-    per_layer = sum(families[f][0] for f in ("GEMMs", "attention", "norms",
-                                             "qk-norm + RoPE + K/V store",
-                                             "SiLU and multiply")) // layers
-    around = int(count) - per_layer * layers
+    layers = [calls for name, (calls, _) in kernels.items() if "BatchDecode" in name][0]
+    assert set(families) == {"other", "GEMMs", "copies and indexing", "attention"}, \
+        "plain PyTorch, cuBLAS and FlashInfer's attention: no fused kernel families"
     gemm_calls, gemm_us = families["GEMMs"]
-    assert gemm_calls == 4 * layers + 1, "four products per layer and the LM head"
-    decode, merge = ch19_kernel(kernels, "BatchDecode"), ch19_kernel(kernels, "MergeStates")
-    assert abs(decode + merge - families["attention"][1]) < 0.05
-    rest = sum(families[f][1] for f in ("SiLU and multiply", "copies and indexing", "other"))
+    small_calls = families["other"][0] + families["copies and indexing"][0]
+    small_us = families["other"][1] + families["copies and indexing"][1]
+    assert round(3 * small_us / (busy * 1e3)) == 2, "two thirds of the busy time"
+    decode = ch19_kernel(kernels, "BatchDecode")
+    merge = families["attention"][1] - decode  # the merge kernel, the family's other half
     weights_ms = weights * 2**20 / (bandwidth * 1e9) * 1e3
-    assert round(2 * gemm_us / 1e3 / weights_ms) / 2 == 2.5, "two and a half times"
+    assert round(gemm_us / 1e3 / weights_ms) == 3, "three times"
+    assert round(latency / (latency - busy)) == 8, "the device idles an eighth of the step"
     assert_on_page(
         "ch19",
         f"The floor is the weights ({weights:,.0f} MiB) and one context's KV ({kv:.0f} MiB): "
         f"{floor:.2f} ms",
-        f"in {count:.0f} kernels: {in_words(per_layer)} per layer, and {in_words(around)} around "
-        f"them",
+        f"in {count:,.0f} kernels, about {count / layers:.0f} a layer",
         f"the decode kernel ({decode:.0f}) and the merge of its split parts ({merge:.0f})",
-        f"| norms | {families['norms'][1]:.0f} |",
-        f"| qk-norm + RoPE + K/V store | {families['qk-norm + RoPE + K/V store'][1]:.0f} |",
-        f"| SiLU, copies, argmax | {rest:.0f} |",
-        f"two and a half times the weights' {weights_ms:.2f} ms",
-        f"the {gemm_calls} products average {gemm_us / gemm_calls:.0f} µs",
+        f"| elementwise arithmetic | {families['other'][1]:,.0f} | "
+        f"{families['other'][0]:,} kernels",
+        f"| matrix products | {gemm_us:.0f} | {gemm_calls} cuBLAS kernels",
+        f"| copies and indexing | {families['copies and indexing'][1]:.0f} | "
+        f"{families['copies and indexing'][0]} kernels",
+        f"two thirds of the busy time, {small_us / small_calls:.1f} µs apiece",
+        f"three times the weights' {weights_ms:.2f} ms",
+        f"the {gemm_calls} kernels average {gemm_us / gemm_calls:.0f} µs",
         f"Attention reads {kv * 2**20 / layers / 1e6:.1f} MB a layer in "
         f"{families['attention'][1] / layers:.0f} µs",
         f"The graph step is {graph} ms on the host clock",
-        f"{latency:.2f} ms a step, near the device's own {busy:.2f}",
+        f"{latency:.2f} ms a step, against the device's {busy:.2f}",
         f"At batch 1: {kv * 2**20 / 1e9:.2f} + {weights * 2**20 / 1e9:.2f} GB, so {floor:.2f} ms",
     )
 
@@ -1202,35 +1222,36 @@ def test_ch19_batch_128_step_against_its_floor() -> None:
                              r"\(weights (\d+) MiB \+ KV (\d+) MiB\)")
     bandwidth, = _floats("ch19_profile-cuda", r"device copy bandwidth: (\d+) GB/s")
     busy = float(found(block, r"device busy ([\d.]+) ms")[0])
-    layers = families["qk-norm + RoPE + K/V store"][0]
+    layers = [calls for name, (calls, _) in kernels.items() if "BatchDecode" in name][0]
     per_token = layers * 2 * 8 * 128 * 2  # the page's K and V of 8 heads of 128, bfloat16
     assert abs(kv * 2**20 / contexts - per_token) < 2**19 / contexts, "KV bytes per token"
     attention, share = (float(g) for g in found(
         block, r"^  attention\s+\d+\s+([\d.]+)\s+([\d.]+)%", re.M))
-    merge = ch19_kernel(kernels, "_merge_pieces")
-    named = ("GEMMs", "norms", "qk-norm + RoPE + K/V store")
-    rest = busy * 1e3 - attention - merge - sum(families[f][1] for f in named)
+    decode = ch19_kernel(kernels, "BatchDecode")
+    merge = attention - decode
+    gemm = families["GEMMs"][1] / 1e3
+    rest = busy - attention / 1e3 - gemm
+    assert abs(rest * 1e3 - families["other"][1] - families["copies and indexing"][1]) < 1
     kv_gb, weights_gb = kv * 2**20 / 1e9, weights * 2**20 / 1e9
-    rate = kv * 2**20 / (attention * 1e-6)
+    rate = kv * 2**20 / (decode * 1e-6)
     assert rate / (bandwidth * 1e9) > 0.9, "attention reads near the copy bandwidth"
     weights_ms = weights * 2**20 / (bandwidth * 1e9) * 1e3
-    gemm = families["GEMMs"][1] / 1e3
     spare = round(gemm, 2) - round(weights_ms, 2)
-    assert round(busy / spare) == 10, "about a tenth of the device lane"
     assert_on_page(
         "ch19",
         f"about {contexts / 128:,.0f} tokens, at {per_token:,} bytes of KV each ({layers} layers "
         f"× 2 × 8 heads × 128 × 2 bytes): {kv_gb:.1f} GB a step, against {weights_gb:.2f} GB of "
         f"weights. The floor is {floor:.2f} ms",
-        f"attention {attention / 1e3:.2f} ms ({share:.0f}%), {kv_gb:.1f} GB at {rate / 1e12:.1f} "
-        f"TB/s, near the copy bandwidth, and {merge / 1e3:.2f} ms more to merge its pieces; "
-        f"matrix products {gemm:.2f} ms (the weights need {weights_ms:.2f}); norms "
-        f"{families['norms'][1] / 1e3:.2f} ms; the qk kernel "
-        f"{families['qk-norm + RoPE + K/V store'][1] / 1e3:.2f} ms; the rest {rest / 1e3:.2f} ms",
+        f"attention {attention / 1e3:.2f} ms ({share:.0f}%), its decode kernel reading "
+        f"{kv_gb:.1f} GB in {decode / 1e3:.2f} ms, {rate / 1e12:.1f} TB/s, near the copy "
+        f"bandwidth, and {merge / 1e3:.2f} ms more to merge its pieces; matrix products "
+        f"{gemm:.2f} ms (the weights need {weights_ms:.2f}); the elementwise and copy kernels "
+        f"{rest:.2f} ms",
         f"The lane is within {math.ceil(10 * busy / floor) / 10} times its floor",
         f"128 contexts hold {kv_gb:.1f} GB against {weights_gb:.2f} GB of weights",
         f"At most {gemm:.2f} − {weights_ms:.2f} = {spare:.2f} ms ({weights_gb:.2f} GB at full "
-        f"bandwidth is {weights_ms:.2f} ms): about a tenth of the {busy:.2f} ms device lane",
+        f"bandwidth is {weights_ms:.2f} ms): {100 * spare / busy:.0f}% of the {busy:.2f} ms "
+        f"device lane",
     )
 
 
@@ -1286,7 +1307,7 @@ def test_ch20_ablation_counts_and_times() -> None:
         f"{k['+ flashinfer']} and {t['+ flashinfer']['device']:.3f} ms",
         f"Measured: {k['+ flashinfer']} kernels become {k['+ qk_prologue']}, and the device time "
         f"falls from {t['+ flashinfer']['device']:.3f} to {t['+ qk_prologue']['device']:.3f} ms",
-        f"counts the same {k['+ gemv']}; device time falls from "
+        f"counts {k['+ gemv']} kernels; device time falls from "
         f"{t['+ qk_prologue']['device']:.3f} to {t['+ gemv']['device']:.3f} ms",
         f"so measured, at {t['+ gated']['device']:.3f} and {t['+ normed']['device']:.3f} ms",
         f"the device time rose from {t['+ moe']['device']:.3f} to {t['+ pdl']['device']:.3f} ms",
@@ -1715,11 +1736,22 @@ def _ch19_batch128_gb(part: str) -> float:
     return {"weights": weights, "kv": kv}[part] * 2**20 / 1e9
 
 
+def _ch19_batch128_decode_tb_s() -> float:
+    _, _, kernels = ch19_profile(128)
+    return _ch19_batch128_gb("kv") * 1e9 / (ch19_kernel(kernels, "BatchDecode") * 1e-6) / 1e12
+
+
+def _ch19_batch128_rest_ms() -> float:
+    block, families, _ = ch19_profile(128)
+    busy = float(found(block, r"device busy ([\d.]+) ms")[0])
+    return busy - (families["attention"][1] + families["GEMMs"][1]) / 1e3
+
+
 def _ch19_batch1(field: str) -> float:
     """Chapter 19's batch-1 profile, the step chapter 20 starts from."""
     floor, weights = _floats("ch19_profile-cuda", r"^batch 1 .*HBM floor ([\d.]+) ms \(weights "
                                                   r"(\d+) MiB")
-    busy, = _floats("ch19_profile-cuda", r"device busy ([\d.]+) ms in 298 kernels")
+    busy, = _floats("ch19_profile-cuda", r"device busy ([\d.]+) ms in 1819 kernels")
     bandwidth, = _floats("ch19_profile-cuda", r"copy bandwidth: (\d+) GB/s")
     return {"floor": floor, "weights": weights, "busy_us": busy * 1e3,
             "bandwidth": bandwidth}[field]
@@ -1753,8 +1785,8 @@ DERIVED: dict[str, dict[str, object]] = {
     "ch20": {  # chapter 19's batch-1 step, read again; this chapter's GPU's floor
         "0.31 ms": lambda: _ch19_batch1("floor"),
         "1,137 MiB": lambda: _ch19_batch1("weights"),
-        "4,252 GB/s": lambda: _ch19_batch1("bandwidth"),
-        "1,246 µs": lambda: _ch19_batch1("busy_us"),
+        "4,250 GB/s": lambda: _ch19_batch1("bandwidth"),
+        "3,502 µs": lambda: _ch19_batch1("busy_us"),
         "296.75 MiB": lambda: 151_936 * 1_024 * 2 / 2**20,  # the LM head in bfloat16
         "15.8 GB": lambda: _ch19_batch128_gb("kv"),
         "0.43 ms": _ch20_h100_floor_ms,
@@ -1767,6 +1799,8 @@ DERIVED: dict[str, dict[str, object]] = {
     "ch19": {
         "15.8 GB": lambda: _ch19_batch128_gb("kv"),  # the profile's MiB in GB
         "1.19 GB": lambda: _ch19_batch128_gb("weights"),
+        "3.8 TB/s": lambda: _ch19_batch128_decode_tb_s(),  # the KV over the decode kernel's time
+        "3.23 ms": lambda: _ch19_batch128_rest_ms(),  # the lane less attention and products
     },
     "ch21": {  # each adjustment's cost over plain top-p sampling
         "0.44 ms": lambda: _sampler_ms("sampled + penalties", 1)
