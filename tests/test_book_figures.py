@@ -846,9 +846,9 @@ def test_ch17_time_of_the_batch_at_both_sizes() -> None:
 
 
 # --------------------------------------------------------------------------- chapter 18
-def test_ch18_moe_paths_on_the_h200() -> None:
+def test_ch20_moe_paths_on_the_h200() -> None:
     rows = {}
-    for line in recording("ch18_moe_paths-cuda").splitlines():
+    for line in recording("ch20_moe_paths-cuda").splitlines():
         cells = [c.strip() for c in line.split("|")]
         if len(cells) == 8 and cells[0].isdigit():
             rows[int(cells[0])] = cells
@@ -861,7 +861,7 @@ def test_ch18_moe_paths_on_the_h200() -> None:
     assert all(m["graph"] < m["grouped"] for m in ms.values())
     assert round(ms[1]["grouped"] / ms[1]["graph"]) == 4
     errors = [float(e) for c in rows.values() for e in c[7].split(",")]
-    assert_on_page("ch18", f"{ms[1]['grouped']:.3f}", f"{ms[1]['fused']:.3f}",
+    assert_on_page("ch20", f"{ms[1]['grouped']:.3f}", f"{ms[1]['fused']:.3f}",
                    f"{ms[1]['floor']:.3f}", f"{ms[1]['graph']:.3f}", f"{ms[8192]['graph']:.3f}",
                    f"{ms[8192]['grouped']:.3f}",
                    f"within {math.ceil(max(errors) * 1000) / 10:.1f}%")
@@ -870,7 +870,7 @@ def test_ch18_moe_paths_on_the_h200() -> None:
                           ("fused", "the eager fused kernels"),
                           ("graph", "the captured fused path")):
         slow = [m["reference"] / m[path] for m in ms.values() if m["reference"]]
-        assert_on_page("ch18", f"{round(min(slow))} to {round(max(slow))} times slower than "
+        assert_on_page("ch20", f"{round(min(slow))} to {round(max(slow))} times slower than "
                                f"{against}")
 
 
@@ -878,7 +878,7 @@ def test_ch18_hbm_floor_states_which_bandwidth_it_divides_by() -> None:
     text = recording("ch18_models-cpu")
     active_gb = float(re.search(r"read per decode token:\s+([\d.]+) GB", text)[1])
     sheet_ms = float(re.search(r"HBM floor at 4\.8 TB/s, batch 1, sparse: ([\d.]+) ms", text)[1])
-    measured = number(recording("ch18_moe_paths-cuda"), r"copy bandwidth (\d+) GB/s")
+    measured = number(recording("ch18_moe_offline-cuda"), r"copy bandwidth: (\d+) GB/s")
     assert_on_page("ch18", "4.8 TB/s of the H200's data sheet", f"{sheet_ms:.2f} ms at the 4.8 TB/s",
                    f"{measured:,} GB/s", f"the sparse floor would be "
                    f"{active_gb / measured * 1e3:.2f} ms")
@@ -1310,7 +1310,7 @@ def test_ch20_ablation_counts_and_times() -> None:
         f"counts {k['+ gemv']} kernels; device time falls from "
         f"{t['+ qk_prologue']['device']:.3f} to {t['+ gemv']['device']:.3f} ms",
         f"so measured, at {t['+ gated']['device']:.3f} and {t['+ normed']['device']:.3f} ms",
-        f"the device time rose from {t['+ moe']['device']:.3f} to {t['+ pdl']['device']:.3f} ms",
+        f"device time rose from {t['+ moe']['device']:.3f} to {t['+ pdl']['device']:.3f} ms",
         f"the decode time fell from {t['+ moe']['decode']:.3f} to {t['+ pdl']['decode']:.3f} ms",
         f"batch 1 fell from {t['plain']['device']:.3f} to {t['+ normed']['device']:.3f} ms",
         f"rose from {t['plain']['floor']}% to {min(floors):.0f}–{max(floors):.0f}% from the row "
@@ -1727,7 +1727,7 @@ def _moe_step_ms(field: str) -> float:
 
 def _ch18_sparse_floor_ms() -> float:
     active_gb, = _floats("ch18_models-cpu", r"read per decode token:\s+([\d.]+) GB")
-    measured, = _floats("ch18_moe_paths-cuda", r"copy bandwidth (\d+) GB/s")
+    measured, = _floats("ch18_moe_offline-cuda", r"copy bandwidth: (\d+) GB/s")
     return active_gb / measured * 1e3
 
 
