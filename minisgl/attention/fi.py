@@ -223,10 +223,10 @@ class FlashInferBackend(BaseAttnBackend):
         if layout.is_decode:
             if self.fixed_plans:  # one chunk per request: no split, no merge
                 common["disable_split_kv"] = True
-                if static:
-                    self._planned_sizes.add(layout.size)
             wrapper.plan(meta.page_indptr, meta.page_indices, meta.last_page_lens,
                          head_dim=self.head_dim, **common)
+            if self.fixed_plans and static:  # planned: later batches of the size copy only
+                self._planned_sizes.add(layout.size)
         else:
             # causal=True masks each request's queries against the END of its keys: query t of
             # T new tokens sees keys 0 .. total_len - T + t, so a cached prefix needs no more.
