@@ -2,25 +2,32 @@
 
 Four figures: the latency-throughput curve and TTFT / TPOT percentiles against the request rate
 (from ``online.py --out``), the distribution of the gaps between tokens at one rate, and one
-bar chart per ablation (from ``offline.py --ablations ... --out``). The SVG is written by hand,
+bar chart per ablation (from ``offline.py --ablations ... --out``, or from a recording of the table
+that run printed). The SVG is written by hand,
 a few elements per point, with every number rounded to two decimals: the same JSON always gives
 the same bytes, so a test can redraw the committed figures and compare them.
 
-    python benchmark/plots.py --online docs/recorded/online-curve.json \\
-        --ablations docs/recorded/ablations.json --out chapters/figures
+    python benchmark/plots.py --online docs/recorded/ch19_online-cuda.json \\
+        --ablations docs/recorded/ch19_ablations-cuda.txt --out chapters/figures
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import math
+import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from xml.sax.saxutils import escape
 
+HERE = Path(__file__).resolve().parent
+if str(HERE) not in sys.path:  # offline.py, also when this file is imported by path
+    sys.path.insert(0, str(HERE))
 WIDTH, HEIGHT = 560, 320
 LEFT, RIGHT, TOP, BOTTOM = 70, 20, 40, 50  # margins around the plotting area
 COLOURS = ("#1f6feb", "#d1242f", "#1a7f37", "#9a6700", "#8250df")
@@ -239,20 +246,44 @@ def itl_distribution(online: dict[str, Any], rate_index: int) -> str:
                       [Series("empirical CDF", points)], log_x=True)
 
 
-def ablation_bars(ablations: dict[str, Any]) -> str:
+def ablation_bars(panels: Sequence[tuple[str, Sequence[tuple[str, float]]]]) -> str:
     """Each ablation's headline number for each of its arms."""
+    return bar_panels("Ablations: one switch at a time", panels)
+
+
+Panels = list[tuple[str, list[tuple[str, float]]]]  # (title, [(arm, headline value)])
+
+
+def ablation_panels(ablations: dict[str, Any]) -> Panels:
+    """The bars of ``offline.py --ablations ... --out``'s JSON: one panel per ablation."""
     heads = ablations["headlines"]
     panels = []
     for name in ablations["workload"]["ablations"]:
         field, label, higher = (heads[name][k] for k in ("field", "label", "higher_is_better"))
-        bars = []
-        for r in ablations["results"]:
-            if name in r["arms"] and headline_value(r, field) is not None:
-                bars.append((r["arms"][name], headline_value(r, field)))
+        bars = [(r["arms"][name], headline_value(r, field)) for r in ablations["results"]
+                if name in r["arms"] and headline_value(r, field) is not None]
         if bars:
-            panels.append((f"{name}: {label} ({'higher' if higher else 'lower'} is better)",
-                           bars))
-    return bar_panels("Ablations: one switch at a time", panels)
+            panels.append((panel_title(name, label, higher), bars))
+    return panels
+
+
+def printed_ablation_panels(text: str) -> Panels:
+    """The same bars from a recording of the run, its printed table (the last column is each
+    arm's headline, ``<label> <value>``), when the JSON is not at hand."""
+    from offline import HEADLINES  # which way is better: the ablation's own setting
+
+    lines = text.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("ablation  ")) + 2
+    panels: dict[str, list[tuple[str, float]]] = {}
+    for line in itertools.takewhile(str.strip, lines[start:]):
+        name, arm, *_, headline = re.split(r"\s{2,}", line.strip())
+        if headline != "-":
+            panels.setdefault(name, []).append((arm, float(headline.rsplit(" ", 1)[1])))
+    return [(panel_title(name, *HEADLINES[name][1:]), bars) for name, bars in panels.items()]
+
+
+def panel_title(name: str, label: str, higher_is_better: bool) -> str:
+    return f"{name}: {label} ({'higher' if higher_is_better else 'lower'} is better)"
 
 
 def headline_value(result: dict[str, Any], field: str) -> float | None:
@@ -265,7 +296,7 @@ def headline_value(result: dict[str, Any], field: str) -> float | None:
     raise KeyError(f"unknown headline field {field!r}")
 
 
-def figures(online: dict[str, Any] | None, ablations: dict[str, Any] | None,
+def figures(online: dict[str, Any] | None, ablations: Panels | None,
             prefix: str = "ch19") -> dict[str, str]:
     """Every figure the data allows: file name -> SVG text."""
     out: dict[str, str] = {}
@@ -278,7 +309,7 @@ def figures(online: dict[str, Any] | None, ablations: dict[str, Any] | None,
         busiest = max(range(len(online["results"])),
                       key=lambda i: online["results"][i]["output_throughput"])
         out[f"{prefix}_itl_cdf.svg"] = itl_distribution(online, busiest)
-    if ablations is not None and ablations["results"]:
+    if ablations:
         out[f"{prefix}_ablations.svg"] = ablation_bars(ablations)
     return out
 
@@ -288,9 +319,13 @@ def write_figures(online_path: Path | None, ablations_path: Path | None, out_dir
     def load(path: Path | None) -> dict[str, Any] | None:
         return None if path is None else json.loads(path.read_text(encoding="utf-8"))
 
+    panels = None
+    if ablations_path is not None:  # a JSON report, or the recording of the run that wrote it
+        panels = (ablation_panels(load(ablations_path)) if ablations_path.suffix == ".json"
+                  else printed_ablation_panels(ablations_path.read_text(encoding="utf-8")))
     out_dir.mkdir(parents=True, exist_ok=True)
     written = []
-    for name, svg in figures(load(online_path), load(ablations_path), prefix).items():
+    for name, svg in figures(load(online_path), panels, prefix).items():
         path = out_dir / name
         path.write_text(svg, encoding="utf-8")
         written.append(path)
@@ -302,7 +337,8 @@ def main(argv: Sequence[str] | None = None) -> list[Path]:
                                      description=__doc__.splitlines()[0])
     parser.add_argument("--online", type=Path, default=None, help="online.py's --out JSON")
     parser.add_argument("--ablations", type=Path, default=None,
-                        help="offline.py --ablations' --out JSON")
+                        help="offline.py --ablations' --out JSON, or a recording of its "
+                             "printed table (any other file)")
     parser.add_argument("--out", type=Path, default=Path("chapters/figures"),
                         help="directory of the SVG files (default: %(default)s)")
     parser.add_argument("--prefix", default="ch19", help="file name prefix (default: ch19)")

@@ -11,6 +11,8 @@ host-step benchmark times whole decode batches without running the model.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import math
 import subprocess
@@ -181,18 +183,21 @@ def test_the_radix_cache_saves_the_predicted_prefill_tokens(
 
 @pytest.fixture(scope="module")
 def ablations(offline: ModuleType, tiny_model_dir: Path,
-              tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path]:
+              tmp_path_factory: pytest.TempPathFactory) -> tuple[dict, Path, str]:
+    """The JSON report, its path, and what the run printed."""
     out = tmp_path_factory.mktemp("ablations") / "ablations.json"
-    offline.main(["--model", str(tiny_model_dir), "--device", "cpu", "--ablations", "all",
-                  "--systems", "minisgl", "--no-progress", *SMALL_ABLATIONS,
-                  "--out", str(out)])
-    return json.loads(out.read_text()), out
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        offline.main(["--model", str(tiny_model_dir), "--device", "cpu", "--ablations", "all",
+                      "--systems", "minisgl", "--no-progress", *SMALL_ABLATIONS,
+                      "--out", str(out)])
+    return json.loads(out.read_text()), out, printed.getvalue()
 
 
 @pytest.mark.slow
 def test_every_ablation_arm_counts_the_tokens_it_asked_for(
-        ablations: tuple[dict, Path], workloads: ModuleType) -> None:
-    report, _ = ablations
+        ablations: tuple[dict, Path, str], workloads: ModuleType) -> None:
+    report = ablations[0]
     arms = {(name, label): r for r in report["results"] for name, label in r["arms"].items()}
     assert set(arms) == {
         ("cuda-graph", "graphs on"), ("cuda-graph", "graphs off"), ("overlap", "overlap on"),
@@ -265,7 +270,7 @@ def test_the_online_benchmark_keeps_its_cap_and_computes_goodput_from_its_reques
 
 @pytest.mark.slow
 def test_plots_are_redrawn_byte_for_byte_from_the_json(
-        plots: ModuleType, ablations: tuple[dict, Path], online_run: dict,
+        plots: ModuleType, ablations: tuple[dict, Path, str], online_run: dict,
         tmp_path: Path) -> None:
     online_path = tmp_path / "online.json"
     online_path.write_text(json.dumps(online_run))
@@ -289,6 +294,17 @@ def test_plots_are_redrawn_byte_for_byte_from_the_json(
     assert (tmp_path / "c" / "ch19_ttft_by_rate.svg").read_bytes() != \
         (tmp_path / "a" / "ch19_ttft_by_rate.svg").read_bytes()
     assert len(changed) == 4
+
+
+@pytest.mark.slow
+def test_the_ablations_figure_reads_the_same_bars_from_a_recording_of_the_run(
+        plots: ModuleType, ablations: tuple[dict, Path, str]) -> None:
+    report, _, printed = ablations
+    from_json, from_print = plots.ablation_panels(report), plots.printed_ablation_panels(printed)
+    assert [(title, [arm for arm, _ in bars]) for title, bars in from_print] == \
+        [(title, [arm for arm, _ in bars]) for title, bars in from_json]
+    for (_, printed_bars), (_, bars) in zip(from_print, from_json):  # printed to 0.1
+        assert [v for _, v in printed_bars] == pytest.approx([v for _, v in bars], abs=0.051)
 
 
 def test_the_moe_paths_agree_and_count_the_experts_they_read(
