@@ -876,12 +876,8 @@ def test_ch20_moe_paths_on_the_h200() -> None:
 
 def test_ch18_hbm_floor_states_which_bandwidth_it_divides_by() -> None:
     text = recording("ch18_models-cpu")
-    active_gb = float(re.search(r"read per decode token:\s+([\d.]+) GB", text)[1])
     sheet_ms = float(re.search(r"HBM floor at 4\.8 TB/s, batch 1, sparse: ([\d.]+) ms", text)[1])
-    measured = number(recording("ch18_moe_offline-cuda"), r"copy bandwidth: (\d+) GB/s")
-    assert_on_page("ch18", "4.8 TB/s of the H200's data sheet", f"{sheet_ms:.2f} ms at the 4.8 TB/s",
-                   f"{measured:,} GB/s", f"the sparse floor would be "
-                   f"{active_gb / measured * 1e3:.2f} ms")
+    assert_on_page("ch18", "4.8 TB/s of the H200's data sheet", f"{sheet_ms:.2f} ms at the 4.8 TB/s")
 
 
 def test_ch18_every_family_matches_and_the_tiny_moe_mixes_layers() -> None:
@@ -923,33 +919,6 @@ def test_ch18_qwen3_30b_bytes_and_experts_touched() -> None:
         f"`{experts} (1 - (1 - {top_k}/{experts})^B)` experts per layer: {touched[1]:.0f} at "
         f"batch 1, {touched[16]:.0f} at batch 16, {touched[64]:.0f} at batch 64",
         f"{active} GB of Qwen3-30B-A3B's {total} GB",
-    )
-
-
-def test_ch18_moe_offline_run_on_the_h200() -> None:
-    name = "ch18_moe_offline-cuda"
-    text = recording(name)
-    params = number(text, r"([\d,]+) parameters;")
-    mib, = _floats(name, r"model\.safetensors ([\d.]+) MiB")
-    layers, kv_heads, head_dim = (int(g) for g in found(
-        text, r"layers (\d+), hidden \d+, heads \d+ q / (\d+) kv x (\d+)"))
-    experts, top_k = (int(g) for g in found(text, r"experts (\d+), (\d+) per token"))
-    kv_token = number(text, r"tokens x (\d+) bytes")
-    assert kv_token == 2 * layers * kv_heads * head_dim * 2  # K and V, bfloat16
-    tok_s, steps, decode, batch, floor, share = _floats(
-        name, r"^minisgl \(overlap, radix\): .* = ([\d.]+) tok/s; .* (\d+) decode steps ([\d.]+) s "
-              r"\(mean batch ([\d.]+)\), HBM floor ([\d.]+) s = ([\d.]+)%")
-    hf_tok_s, = _floats(name, r"^transformers \(padded batches of 256\): .* = ([\d.]+) tok/s")
-    assert abs(100 * floor / decode - share) < 0.2  # of figures printed to 0.01 s
-    touched = experts * (1 - (1 - top_k / experts) ** int(batch))
-    assert_on_page(
-        "ch18",
-        f"{params / 1e9:.2f} B parameters, {mib:,.0f} MiB: at a mean batch of {batch} every layer "
-        f"touches `{experts} (1 - (1 - {top_k}/{experts})^{int(batch)})` ≈ {touched:.0f} experts",
-        f"({kv_token:,} bytes a token)",
-        f"{floor} s over {steps:,.0f} steps, {floor / steps * 1e3:.2f} ms a step",
-        f"took {decode} s, {decode / steps * 1e3:.2f} ms a step: {share}% of the floor",
-        f"{hf_tok_s:,} tokens a second against {tok_s:,}, {round(tok_s / hf_tok_s)} times fewer",
     )
 
 
@@ -1718,19 +1687,6 @@ def _sampler_ms(config: str, batch: int) -> float:
                    rf"^{re.escape(config)}\s+{batch}\s+([\d.]+)")[0]
 
 
-def _moe_step_ms(field: str) -> float:
-    steps, decode, floor = _floats(
-        "ch18_moe_offline-cuda", r"^minisgl \(overlap, radix\):.* (\d+) decode steps ([\d.]+) s"
-                                 r".*HBM floor ([\d.]+) s")
-    return {"decode": decode, "floor": floor}[field] / steps * 1e3
-
-
-def _ch18_sparse_floor_ms() -> float:
-    active_gb, = _floats("ch18_models-cpu", r"read per decode token:\s+([\d.]+) GB")
-    measured, = _floats("ch18_moe_offline-cuda", r"copy bandwidth: (\d+) GB/s")
-    return active_gb / measured * 1e3
-
-
 def _ch19_batch128_gb(part: str) -> float:
     weights, kv = _floats("ch19_profile-cuda", r"^batch 128 .*\(weights (\d+) MiB \+ KV (\d+) MiB\)")
     return {"weights": weights, "kv": kv}[part] * 2**20 / 1e9
@@ -1790,11 +1746,6 @@ DERIVED: dict[str, dict[str, object]] = {
         "296.75 MiB": lambda: 151_936 * 1_024 * 2 / 2**20,  # the LM head in bfloat16
         "15.8 GB": lambda: _ch19_batch128_gb("kv"),
         "0.43 ms": _ch20_h100_floor_ms,
-    },
-    "ch18": {
-        "1.42 ms": _ch18_sparse_floor_ms,  # active bytes over the measured copy bandwidth
-        "1.69 ms": lambda: _moe_step_ms("floor"),  # the floor over the decode steps
-        "2.83 ms": lambda: _moe_step_ms("decode"),  # decode time over the decode steps
     },
     "ch19": {
         "15.8 GB": lambda: _ch19_batch128_gb("kv"),  # the profile's MiB in GB
