@@ -2,10 +2,10 @@
 
 Four figures: the latency-throughput curve and TTFT / TPOT percentiles against the request rate
 (from ``online.py --out``), the distribution of the gaps between tokens at one rate, and one
-bar chart per ablation (from ``offline.py --ablations ... --out``, or from a recording of the table
-that run printed). The SVG is written by hand,
-a few elements per point, with every number rounded to two decimals: the same JSON always gives
-the same bytes, so a test can redraw the committed figures and compare them.
+bar chart per ablation (from ``offline.py --ablations ... --out``, or from a recording of the
+table that run printed). The SVG is written by hand, a few elements per point, with every number
+rounded to two decimals: the same data always gives the same bytes, so a test can redraw the
+committed figures and compare them.
 
     python benchmark/plots.py --online docs/recorded/ch19_online-cuda.json \\
         --ablations docs/recorded/ch19_ablations-cuda.txt --out chapters/figures
@@ -246,12 +246,12 @@ def itl_distribution(online: dict[str, Any], rate_index: int) -> str:
                       [Series("empirical CDF", points)], log_x=True)
 
 
-def ablation_bars(panels: Sequence[tuple[str, Sequence[tuple[str, float]]]]) -> str:
+Panels = list[tuple[str, list[tuple[str, float]]]]  # (title, [(arm, headline value)])
+
+
+def ablation_bars(panels: Panels) -> str:
     """Each ablation's headline number for each of its arms."""
     return bar_panels("Ablations: one switch at a time", panels)
-
-
-Panels = list[tuple[str, list[tuple[str, float]]]]  # (title, [(arm, headline value)])
 
 
 def ablation_panels(ablations: dict[str, Any]) -> Panels:
