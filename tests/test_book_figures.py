@@ -574,7 +574,7 @@ def test_ch12_and_ch15_leave_the_finished_engines_gpu_figures_to_chapter_19() ->
     """Chapter 19's GPU runs measure later code than chapter 12's or 15's checkpoint:
     those pages point there and quote none of its figures (the sweep below checks every figure
     they state against their own recordings)."""
-    offline, = _floats("ch19_offline_bench-cuda", r"^minisgl \(overlap, radix\): .* = ([\d.]+) tok/s")
+    offline = ch19_offline_tok_s()
     online = [float(x) for x in re.findall(r"^rate \S+ [^:]*: .* ([\d.]+) output tok/s",
                                            recording("ch19_online-cuda"), re.M)]
     assert len(online) == 5
@@ -594,7 +594,7 @@ def test_tok_s_figures_of_two_workloads_each_name_theirs() -> None:
         r"random: (\d+) requests, prompts and outputs uniform in \[(\d+), (\d+)\]",
         ablations).groups())
     full, = _floats("ch19_ablations-cuda", r"^cuda-graph \[graphs on\]: .* = ([\d.]+) tok/s")
-    offline, = _floats("ch19_offline_bench-cuda", r"^minisgl \(overlap, radix\): .* = ([\d.]+) tok/s")
+    offline = ch19_offline_tok_s()
     full, offline = int(full + 0.5), int(offline + 0.5)  # the page rounds half up
     short = f"{n} requests of {low} to {high} tokens"
     assert_on_page("ch19", f"{n} requests, prompts and outputs of {low} to {high} tokens (27,358 "
@@ -958,6 +958,19 @@ def half_up(text: str, places: int = 0) -> Decimal:
     return Decimal(text.replace(",", "")).quantize(Decimal(1).scaleb(-places), ROUND_HALF_UP)
 
 
+def ch19_transformers_tok_s() -> float:
+    """`transformers`' tok/s beside chapter 19's ablations, on their random workload."""
+    hf, = _floats("ch19_ablations-cuda", r"\[transformers\]: \d+ output tokens in [\d.]+ s = "
+                                         r"([\d.]+) tok/s")
+    return hf
+
+
+def ch19_offline_tok_s() -> float:
+    """Chapter 19's engine (overlap, radix) on the standard offline workload."""
+    tok_s, = _floats("ch19_offline_bench-cuda", r"^minisgl \(overlap, radix\): .* = ([\d.]+) tok/s")
+    return tok_s
+
+
 def ch19_arm(arm: str) -> dict[str, str]:
     """One arm of chapter 19's ablations, e.g. `"graphs off"`: its tok/s, prompt tokens
     computed and offered, TTFT p50 and p99 and ITL p50, p99 and max, as printed."""
@@ -973,8 +986,7 @@ def ch19_arm(arm: str) -> dict[str, str]:
 def test_ch19_each_feature_switched_off_alone() -> None:
     full, graphs, overlap, fused = (ch19_arm(a) for a in ("graphs on", "graphs off",
                                                           "overlap off", "fused off"))
-    hf, = _floats("ch19_ablations-cuda", r"\[transformers\]: \d+ output tokens in [\d.]+ s = "
-                                         r"([\d.]+) tok/s")
+    hf = ch19_transformers_tok_s()
     tok_s = float(full["tok_s"])
     slower = {name: tok_s / float(arm["tok_s"])
               for name, arm in (("graphs", graphs), ("overlap", overlap), ("fused", fused))}
@@ -1256,7 +1268,7 @@ def test_readme_quotes_chapter_19s_ablations_and_chapter_20s_table() -> None:
     """The README's performance figures, each from the recording of the checkpoint it names."""
     readme = " ".join((ROOT / "README.md").read_text(encoding="utf-8").split())
     full = float(ch19_arm("graphs on")["tok_s"])
-    hf, = _floats("ch19_ablations-cuda", r"\[transformers\]: .* = ([\d.]+) tok/s")
+    hf = ch19_transformers_tok_s()
     t = _kernel_steps()
     plain, last = t["plain"], t[list(t)[-1]]  # every kernel on
     assert "NVIDIA H200" in recording("ch19_ablations-cuda").splitlines()[0]
