@@ -542,6 +542,46 @@ def test_the_draft_steps_launched_as_one_write_what_one_step_at_a_time_writes(
                                rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+def test_every_chained_steps_inputs_computed_at_once_are_what_each_step_plans(
+        prompt_ids, page_size) -> None:
+    """``step_arrays`` computes the inputs of all k + 1 chained steps in one pass, for the one
+    copy ``DraftSteps`` makes of them. Row j must be what planning step j alone gives: the
+    positions, slots and last indices of ``prepare`` and FlashInfer's page arrays, for a batch
+    of requests of different lengths padded to a captured size (padding stays put)."""
+    from minisgl.attention import layout_of, pad_batch
+    from minisgl.attention.fi import page_arrays
+    from minisgl.engine.config import EngineConfig
+    from minisgl.engine.draft_steps import step_arrays
+    from minisgl.engine.engine import Engine
+
+    steps, size = 5, 8
+    engine = Engine(EngineConfig(SHAKESPEARE_DIR, device="cpu", page_size=page_size,
+                                 num_pages=512, max_running_reqs=size))
+    pad_row = engine.pages.padding_row()
+    reqs = prefilled(engine, [prompt_ids[0][:9], prompt_ids[1][:4], prompt_ids[2][:13]])
+    table = engine.pages.table
+    first = Batch(reqs, "decode")
+    with pytest.raises(ValueError, match="reserve every step's pages"):
+        step_arrays(table, pad_batch(first, size, pad_row), len(reqs), steps)
+    for req in reqs:  # as DraftSteps.run: every step's token counted in flight
+        req.in_flight += steps - 1
+    engine.pages.reserve(*reqs)
+    arrays = step_arrays(table, pad_batch(first, size, pad_row), len(reqs), steps)
+    for j in range(steps):
+        layout = pad_batch(layout_of(first.rows, [n + j for n in first.cached_lens],
+                                     [1] * len(reqs), is_decode=True), size, pad_row)
+        ends = [c + 1 for c in layout.cached_lens]
+        positions, slots = table.locate(layout.rows, layout.cached_lens, ends)
+        assert arrays["fields"][j].tolist() == [*positions, *slots, *range(size)]
+        planned = page_arrays(table, layout)
+        indptr = arrays["indptr"][j]
+        assert indptr.tolist() == planned["page_indptr"].tolist()
+        assert arrays["last_page_lens"][j].tolist() == planned["last_page_lens"].tolist()
+        assert (arrays["page_ids"][j, : indptr[-1]].tolist()
+                == planned["page_indices"].tolist())
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_draft_guesses_without_waiting_for_the_device(prompt_ids, cut_draft) -> None:
     """A round's guessing is launched, not waited for: with the device kept busy for about a

@@ -113,6 +113,17 @@ def piece_arrays(page_table: PageTable, layout: BatchLayout, num_pieces: int,
     return arrays
 
 
+@dataclass(frozen=True)
+class PageArrays:
+    """The fixed device arrays a captured decode batch's kernel reads its pages from, int32:
+    ``indptr`` (at least ``B + 1``), ``indices`` (every page of ``B`` requests) and
+    ``last_page_lens`` (at least ``B``)."""
+
+    indptr: torch.Tensor
+    indices: torch.Tensor
+    last_page_lens: torch.Tensor
+
+
 class FlashInferBackend(BaseAttnBackend):
     """FlashInfer paged prefill and decode over the engine's KV pool.
 
@@ -123,9 +134,10 @@ class FlashInferBackend(BaseAttnBackend):
         workspace_bytes: size of FlashInfer's float scratch buffer.
         workspace: a scratch buffer to share instead (see :meth:`sibling`).
         fixed_plans: decode on tensor cores with each request's keys in one chunk, a plan that
-            depends on the batch size alone: a captured size is planned once, and a later batch
-            of it only copies its page arrays (see :meth:`_load_fixed`). For short sequences,
-            such as a draft model's (chapter 23); long ones lose the chunks' parallelism.
+            depends on the batch size alone: a size planned when its graph was captured serves
+            any later batch of it once the page arrays are written (chapter 23's draft steps
+            write them all at once). For short sequences, such as a draft model's; long ones
+            lose the chunks' parallelism.
     """
 
     name = "flashinfer"
@@ -156,7 +168,6 @@ class FlashInferBackend(BaseAttnBackend):
         # captured batch size -> its decode wrapper over fixed arrays, its fixed query rows
         # and its number of pieces
         self._graph_wrappers: dict[int, tuple[Any, QueryRows | None, int]] = {}
-        self._planned_sizes: set[int] = set()  # with fixed_plans: captured sizes planned once
         # plan() stages its arrays in pinned host memory and copies them to the GPU
         # asynchronously. Planning again before that copy ran would overwrite the staging
         # memory under it, so each plan waits for the previous one's copy (see _plan).
@@ -174,14 +185,6 @@ class FlashInferBackend(BaseAttnBackend):
     def _decode_pieces(self, batch_size: int) -> int:
         """Pieces a decode batch is cut into: on the CUDA-core kernel only (see __init__)."""
         return 0 if self.use_tensor_cores else fast.paths.decode_pieces(batch_size)
-
-    def _load_fixed(self, meta: FIMetadata) -> None:
-        """Copy a batch's page arrays where its size's graph reads them, planning nothing:
-        with one chunk per request a decode plan holds for any lengths (see __init__)."""
-        # (_plan staged both in pinned memory and copied the page ids already)
-        self._graph_indptr[: len(meta.page_indptr)].copy_(meta.page_indptr, non_blocking=True)
-        self._graph_last_lens[: len(meta.last_page_lens)].copy_(meta.last_page_lens,
-                                                                 non_blocking=True)
 
     def _plan(self, layout: BatchLayout, fields: dict[str, Any], static: bool) -> FIMetadata:
         if static:  # a CUDA graph's batch: its wrapper plans over fixed arrays
@@ -211,9 +214,6 @@ class FlashInferBackend(BaseAttnBackend):
                 arrays["query_rows"] = QueryRows(host_to_device(rows.owners, self.device),
                                                  host_to_device(rows.indptr, self.device))
         meta = FIMetadata(**fields, **arrays, wrapper=wrapper)
-        if static and self.fixed_plans and layout.size in self._planned_sizes:
-            self._load_fixed(meta)
-            return meta
         # plan(): the wrapper looks at the batch's lengths and splits the work, once a batch.
         # It stages its own arrays in pinned memory, so it waits for the last plan's copy.
         self._plan_copied.synchronize()
@@ -225,8 +225,6 @@ class FlashInferBackend(BaseAttnBackend):
                 common["disable_split_kv"] = True
             wrapper.plan(meta.page_indptr, meta.page_indices, meta.last_page_lens,
                          head_dim=self.head_dim, **common)
-            if self.fixed_plans and static:  # planned: later batches of the size copy only
-                self._planned_sizes.add(layout.size)
         else:
             # causal=True masks each request's queries against the END of its keys: query t of
             # T new tokens sees keys 0 .. total_len - T + t, so a cached prefix needs no more.
@@ -244,23 +242,31 @@ class FlashInferBackend(BaseAttnBackend):
         out, lse = meta.wrapper.run(q, kv_pages, return_lse=True)
         return fast.paths.merge_pieces(out, lse, meta.query_rows.indptr)
 
-    def enable_cuda_graphs(self, batch_sizes: Sequence[int]) -> None:
+    def enable_cuda_graphs(self, batch_sizes: Sequence[int],
+                           arrays: PageArrays | None = None) -> None:
         """Give each decode batch size to be captured a wrapper over fixed arrays.
 
         A CUDA graph records the addresses its kernels read, so the page arrays of a captured
-        batch size live in tensors made here, once; planning a batch for it (``prepare`` with
+        batch size live in tensors made here, once, or in ``arrays`` (a caller that writes
+        them itself: chapter 23's draft steps); planning a batch for it (``prepare`` with
         ``out``) copies the batch's arrays into them. All sizes share one set: only one graph
         runs at a time.
         """
         pieces = {bs: self._decode_pieces(bs) for bs in batch_sizes}
         max_bs = max(batch_sizes)
         max_entries = max(max_bs, *pieces.values())
-        indptr = torch.zeros(max_entries + 1, dtype=torch.int32, device=self.device)
-        self._graph_page_indices = indices = torch.zeros(
-            max_bs * self.page_table.max_pages_per_req + max(pieces.values()),
-            dtype=torch.int32, device=self.device)
-        last_lens = torch.zeros(max_entries, dtype=torch.int32, device=self.device)
-        self._graph_indptr, self._graph_last_lens = indptr, last_lens
+        if arrays is None:
+            arrays = PageArrays(
+                indptr=torch.zeros(max_entries + 1, dtype=torch.int32, device=self.device),
+                indices=torch.zeros(max_bs * self.page_table.max_pages_per_req
+                                    + max(pieces.values()), dtype=torch.int32,
+                                    device=self.device),
+                last_page_lens=torch.zeros(max_entries, dtype=torch.int32, device=self.device))
+        elif max_entries > max_bs:
+            raise ValueError("a caller's page arrays hold one entry per request: they cannot "
+                             "serve a decode cut into pieces (use tensor cores)")
+        indptr, indices, last_lens = arrays.indptr, arrays.indices, arrays.last_page_lens
+        self._graph_page_indices = indices
         for bs, num_pieces in pieces.items():
             entries = num_pieces or bs  # the kernel's requests: pieces, or the batch's
             wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(

@@ -6,22 +6,26 @@ replay a graph and store the sample, which at batch 1 takes several times the GP
 Yet everything that host work computes is known before the first step: a draft decodes
 greedily, so step ``j`` of every request feeds position ``cached_len + j``, and its input is the
 argmax of step ``j - 1``, which can stay on the device. :class:`DraftSteps` therefore reserves
-the pages of all its steps at once, plans every step's attention before the first runs (each
-step has a backend of its own, with its own plan and fixed arrays), and runs the steps back to
-back with each argmax written where the next step reads its input: one CUDA graph per batch
-size where the engine captures graphs, eagerly elsewhere. The host reads every token once, at
-the end.
+the pages of all its steps at once, computes every step's inputs in one pass on the host
+(:func:`step_arrays`) and copies them to the device together (each step has a backend of its
+own, with its own plan and fixed arrays), and runs the steps back to back with each argmax
+written where the next step reads its input: one CUDA graph per batch size where the engine
+captures graphs, eagerly elsewhere. The host reads every token once, at the end.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from minisgl.attention import BatchLayout, layout_of, pad_batch
+from minisgl.attention.fi import PageArrays
 from minisgl.core import Batch
 from minisgl.engine.graph import GraphRunner
+from minisgl.kvcache.page_table import PageTable, pages_for
 from minisgl.layers.attention import use_attention_backend
 
 if TYPE_CHECKING:  # engine.py does not import this module: no cycle at run time
@@ -54,19 +58,27 @@ class DraftSteps:
         # The largest is capped at the most requests, so that every batch has a graph: launched
         # a kernel at a time, a draft's steps cost several times what a replay does.
         sizes = sorted({min(bs, engine.config.max_running_reqs) for bs in GRAPH_BATCH_SIZES})
-        # A backend per step, each with its own plans and fixed arrays, so that every step
-        # can be planned before the first one runs.
-        self._backends = [engine.attn_backend.sibling() for _ in range(num_steps)]
-        for backend in self._backends:
-            backend.enable_cuda_graphs(sizes)
+        # A backend per step, each with its own plans, so that every step can be planned
+        # before the first one runs. Their fixed arrays are rows of this runner's, so that
+        # one copy writes a round's inputs for every step.
         max_bs, device = max(sizes), engine.device
-        self._fields = torch.zeros(num_steps, 3 * max_bs, dtype=torch.int64, device=device)
+        max_pages = max_bs * engine.pages.table.max_pages_per_req
+        self._inputs = StepInputs(
+            fields=torch.zeros(num_steps, 3 * max_bs, dtype=torch.int64, device=device),
+            indptr=torch.zeros(num_steps, max_bs + 1, dtype=torch.int32, device=device),
+            last_page_lens=torch.zeros(num_steps, max_bs, dtype=torch.int32, device=device),
+            page_ids=torch.zeros(num_steps, max_pages, dtype=torch.int32, device=device))
+        self._staged = self._inputs.pinned_twin()
+        self._copied = torch.cuda.Event()  # the last round's copies have read self._staged
+        self._copied.record()
+        self._backends = [engine.attn_backend.sibling() for _ in range(num_steps)]
+        for step, backend in enumerate(self._backends):
+            backend.enable_cuda_graphs(sizes, self._inputs.page_arrays(step))
         # Row j is step j's input; row j + 1 its argmax, which step j + 1 reads.
         self._chain = torch.zeros(num_steps + 1, max_bs, dtype=torch.int64, device=device)
         self._logits = torch.zeros(max_bs, engine.model_config.vocab_size, dtype=torch.float32,
                                    device=device)
-        self.graphs = GraphRunner(sizes, device, run=self._run_fixed,
-                                  prepare=lambda bs: self._load(None, bs, self._chain[0, :0]))
+        self.graphs = GraphRunner(sizes, device, run=self._run_fixed, prepare=self._plan_padding)
 
     def run(self, batch: Batch) -> torch.Tensor:
         """Decode ``batch`` greedily ``num_steps`` times; returns the ``[num_steps, B]`` tokens,
@@ -100,12 +112,24 @@ class DraftSteps:
             req.cached_len += more
         return tokens
 
-    def _load(self, first: BatchLayout | None, bs: int, input_ids: torch.Tensor) -> None:
-        """Plan every step of ``first`` (None: padding only), padded to ``bs``, into its
-        backend's fixed arrays and this runner's fields, and write the first step's input."""
+    def _plan_padding(self, bs: int) -> None:
+        """Plan every step's backend for a batch of ``bs`` padding entries, before its graph
+        is captured: the plans then serve any batch of ``bs`` (the draft's ``fixed_plans``)."""
         for step, backend in enumerate(self._backends):
-            batch = None if first is None else _later(first, step)
-            backend.prepare(pad_batch(batch, bs, self.engine.pad_row), out=self._fields[step])
+            backend.prepare(pad_batch(None, bs, self.engine.pad_row),
+                            out=self._inputs.fields[step])
+        self._chain[0, :bs].zero_()
+
+    def _load(self, first: BatchLayout, bs: int, input_ids: torch.Tensor) -> None:
+        """Write every step's inputs for ``first``, padded to ``bs``, where the graph of ``bs``
+        reads them: computed in one pass on the host, then four copies to the device."""
+        arrays = step_arrays(self.engine.pages.table,
+                             pad_batch(first, bs, self.engine.pad_row), first.size,
+                             self.num_steps)
+        self._copied.synchronize()  # the host writes where the last round's copies read
+        self._staged.fill(arrays)
+        self._inputs.copy_from(self._staged, width=arrays["page_ids"].shape[1])
+        self._copied.record()
         real = input_ids.shape[0]
         self._chain[0, :real].copy_(input_ids)
         self._chain[0, real:bs].zero_()  # padding reads token 0
@@ -115,7 +139,8 @@ class DraftSteps:
         model, logits = self.engine.model, self._logits[:bs]
         for step, backend in enumerate(self._backends):
             with use_attention_backend(backend):
-                model.forward(self._chain[step, :bs], self._fields[step, :bs], out=logits)
+                model.forward(self._chain[step, :bs], self._inputs.fields[step, :bs],
+                              out=logits)
             torch.argmax(logits, dim=-1, out=self._chain[step + 1, :bs])
 
     def _run_eager(self, first: BatchLayout, input_ids: torch.Tensor) -> torch.Tensor:
@@ -135,3 +160,84 @@ def _later(first: BatchLayout, step: int) -> BatchLayout:
     """``first``, ``step`` decode steps on: every request one token further."""
     return layout_of(first.rows, [n + step for n in first.cached_lens], first.new_lens,
                      is_decode=True)
+
+
+@dataclass
+class StepInputs:
+    """Every chained step's inputs, step ``j`` in row ``j`` of each array: the model's fields
+    (positions, K/V slots and last indices, as :meth:`BaseAttnBackend.prepare` lays them out)
+    and the page arrays its attention reads."""
+
+    fields: torch.Tensor  # [S, 3 * max_bs] int64
+    indptr: torch.Tensor  # [S, max_bs + 1] int32
+    last_page_lens: torch.Tensor  # [S, max_bs] int32
+    page_ids: torch.Tensor  # [S, the pages of max_bs requests at most] int32
+
+    def pinned_twin(self) -> StepInputs:
+        """Host arrays of the same shapes in pinned memory, from which copies run without the
+        host waiting; the page ids' grow with the batches (:meth:`fill`)."""
+        def pinned(t: torch.Tensor) -> torch.Tensor:
+            return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+        return StepInputs(pinned(self.fields), pinned(self.indptr), pinned(self.last_page_lens),
+                          torch.empty(0, dtype=torch.int32, pin_memory=True))
+
+    def page_arrays(self, step: int) -> PageArrays:
+        """Step ``step``'s rows, as the fixed arrays of its backend's graphs."""
+        return PageArrays(self.indptr[step], self.page_ids[step], self.last_page_lens[step])
+
+    def fill(self, arrays: dict[str, np.ndarray]) -> None:
+        """Write :func:`step_arrays`' output into this pinned twin: each row from its start,
+        the page ids packed, ``[S, width]``."""
+        for name in ("fields", "indptr", "last_page_lens"):
+            array = arrays[name]
+            getattr(self, name).numpy()[:, : array.shape[1]] = array
+        page_ids = arrays["page_ids"]
+        if self.page_ids.numel() < page_ids.size:  # rare: twice what is needed
+            self.page_ids = torch.empty(2 * page_ids.size, dtype=torch.int32, pin_memory=True)
+        self.page_ids[: page_ids.size].numpy()[:] = page_ids.reshape(-1)
+
+    def copy_from(self, host: StepInputs, width: int) -> None:
+        """Copy the pinned twin ``host`` here without the host waiting: the short arrays
+        whole, and the first ``width`` page ids of each row."""
+        for name in ("fields", "indptr", "last_page_lens"):
+            getattr(self, name).copy_(getattr(host, name), non_blocking=True)
+        num_steps = self.page_ids.shape[0]
+        packed = host.page_ids[: num_steps * width].view(num_steps, width)
+        self.page_ids[:, :width].copy_(packed, non_blocking=True)
+
+
+def step_arrays(table: PageTable, layout: BatchLayout, num_real: int,
+                num_steps: int) -> dict[str, np.ndarray]:
+    """The inputs of ``num_steps`` decode steps of ``layout`` in one pass: step ``j`` feeds
+    position ``cached_len + j`` of each of the first ``num_real`` entries; the padding after
+    them stays where :func:`~minisgl.attention.pad_batch` put it.
+
+    Returns ``[num_steps, ...]`` arrays, row ``j`` what ``prepare`` computes for step ``j``:
+    ``fields`` (positions, slots, last indices), and FlashInfer's ``indptr``,
+    ``last_page_lens`` and ``page_ids`` (each row's first ``indptr[j, -1]`` entries).
+    """
+    size, page_size = layout.size, table.page_size
+    rows = np.asarray(layout.rows, dtype=np.int64)
+    moves = np.arange(size) < num_real
+    positions = np.asarray(layout.cached_lens, dtype=np.int64) + np.outer(np.arange(num_steps),
+                                                                          moves)
+    pages = table.page_ids[rows, positions // page_size].astype(np.int64)
+    if (pages < 0).any():
+        raise ValueError("a chained step's token has no page: reserve every step's pages "
+                         "first")
+    slots = pages * page_size + positions % page_size
+    fields = np.concatenate([positions, slots, np.broadcast_to(np.arange(size),
+                                                               positions.shape)], axis=1)
+    num_pages = pages_for(positions + 1, page_size)  # [S, B]: pages each entry attends over
+    last_page_lens = positions + 1 - (num_pages - 1) * page_size
+    indptr = np.zeros((num_steps, size + 1), dtype=np.int64)
+    np.cumsum(num_pages, axis=1, out=indptr[:, 1:])
+    # Entry (j, i) owns indptr[j, i] ..: page p of its row goes there + p.
+    counts = num_pages.reshape(-1)
+    owner = np.repeat(np.arange(counts.size), counts)
+    page = np.arange(owner.size) - (np.cumsum(counts) - counts)[owner]
+    step, entry = np.divmod(owner, size)
+    page_ids = np.zeros((num_steps, int(indptr[:, -1].max())), dtype=np.int32)
+    page_ids[step, indptr[step, entry] + page] = table.page_ids[rows[entry], page]
+    return {"fields": fields, "indptr": indptr.astype(np.int32),
+            "last_page_lens": last_page_lens.astype(np.int32), "page_ids": page_ids}
