@@ -338,6 +338,28 @@ def test_a_speculative_step_makes_several_tokens(prompt_ids, cut_draft) -> None:
     assert scheduler.speculator.num_accepted == scheduler.speculator.num_proposed == 16
 
 
+def test_the_token_pool_holds_every_token_a_speculating_request_took(
+        prompt_ids, cut_draft) -> None:
+    """The verify pass reads the guesses from the proposer, not the token pool; after the
+    verdict the pool must still hold each request's tokens, kept guesses included, as it does
+    for a request decoding one token a step."""
+    scheduler = Scheduler(SchedulerConfig(SHAKESPEARE_DIR, device="cpu", num_pages=4096,
+                                          max_running_reqs=8, overlap=False,
+                                          speculative=f"draft={cut_draft},k=4"))
+    reqs = fresh(prompt_ids[:3], [SamplingParams(max_tokens=40, ignore_eos=True)] * 3)
+    for req in reqs:
+        scheduler.add(req)
+    pool, checked = scheduler.engine.token_pool, 0
+    while scheduler.has_work:
+        scheduler.step()
+        for req in reqs:
+            if not req.is_finished and req.output_ids:
+                held = pool.ids[req.table_row, : req.num_tokens].tolist()
+                assert held == req.token_ids, f"request {req.uid} after step {scheduler.num_steps}"
+                checked += 1
+    assert checked >= 6 and scheduler.speculator.num_accepted > 0
+
+
 def test_the_radix_cache_is_given_only_kept_tokens(prompt_ids, cut_draft) -> None:
     """Requests that speculated leave their pages to the radix cache; new requests that
     continue those sequences reuse them, and must decode exactly as from a cold cache: K/V
@@ -627,6 +649,28 @@ def test_draft_steps_without_pages_for_every_step_leave_the_requests_as_they_wer
     before = (req.cached_len, req.in_flight, engine.pages.num_free)
     with pytest.raises(OutOfPagesError):
         DraftSteps(engine, 8).run(Batch([req], "decode"))
+    assert (req.cached_len, req.in_flight, engine.pages.num_free) == before
+
+
+def test_draft_steps_refuse_a_request_whose_last_token_the_host_has_not_read(
+        prompt_ids) -> None:
+    """The chained steps take their first input from the host: a sample still in flight
+    (on the device only) cannot be fed, and nothing is reserved or moved."""
+    from minisgl.engine.config import EngineConfig
+    from minisgl.engine.draft_steps import DraftSteps
+    from minisgl.engine.engine import Engine
+
+    engine = Engine(EngineConfig(SHAKESPEARE_DIR, device="cpu", num_pages=256,
+                                 max_running_reqs=2))
+    req = Req(0, prompt_ids[0][:8], SamplingParams(max_tokens=16, ignore_eos=True))
+    engine.pages.reserve(req)
+    prefill = Batch([req], "prefill")
+    engine.forward(prefill)
+    prefill.advance()
+    req.in_flight = 1  # sampled, not read
+    before = (req.cached_len, req.in_flight, engine.pages.num_free)
+    with pytest.raises(ValueError, match="none may be in flight"):
+        DraftSteps(engine, 3).run(Batch([req], "decode"))
     assert (req.cached_len, req.in_flight, engine.pages.num_free) == before
 
 

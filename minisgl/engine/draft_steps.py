@@ -27,6 +27,7 @@ from minisgl.core import Batch
 from minisgl.engine.graph import GraphRunner
 from minisgl.kvcache.page_table import PageTable, pages_for
 from minisgl.layers.attention import use_attention_backend
+from minisgl.utils.torch_utils import host_to_device
 
 if TYPE_CHECKING:  # engine.py does not import this module: no cycle at run time
     from minisgl.engine.engine import Engine
@@ -63,7 +64,10 @@ class DraftSteps:
         # one copy writes a round's inputs for every step.
         max_bs, device = max(sizes), engine.device
         max_pages = max_bs * engine.pages.table.max_pages_per_req
+        # Row j is step j's input; row j + 1 its argmax, which step j + 1 reads.
+        self._chain = torch.zeros(num_steps + 1, max_bs, dtype=torch.int64, device=device)
         self._inputs = StepInputs(
+            input_ids=self._chain[0],
             fields=torch.zeros(num_steps, 3 * max_bs, dtype=torch.int64, device=device),
             indptr=torch.zeros(num_steps, max_bs + 1, dtype=torch.int32, device=device),
             last_page_lens=torch.zeros(num_steps, max_bs, dtype=torch.int32, device=device),
@@ -74,8 +78,6 @@ class DraftSteps:
         self._backends = [engine.attn_backend.sibling() for _ in range(num_steps)]
         for step, backend in enumerate(self._backends):
             backend.enable_cuda_graphs(sizes, self._inputs.page_arrays(step))
-        # Row j is step j's input; row j + 1 its argmax, which step j + 1 reads.
-        self._chain = torch.zeros(num_steps + 1, max_bs, dtype=torch.int64, device=device)
         self._logits = torch.zeros(max_bs, engine.model_config.vocab_size, dtype=torch.float32,
                                    device=device)
         self.graphs = GraphRunner(sizes, device, run=self._run_fixed, prepare=self._plan_padding)
@@ -88,10 +90,14 @@ class DraftSteps:
         leaves the requests as they were). Afterwards each request stands where
         ``num_steps`` ordinary steps would have left it (``cached_len`` that many tokens on, as
         many in flight), except that its samples are returned, not written into the token pool:
-        a draft's tokens are only ever read back as guesses.
+        a draft's tokens are only ever read back as guesses. Each request feeds its last token,
+        which the host must have read (none in flight): the first input is the host's.
         """
         engine, more = self.engine, self.num_steps - 1
-        input_ids = engine.token_pool.input_ids(batch)
+        if any(req.in_flight or req.new_len != 1 for req in batch.reqs):
+            raise ValueError("draft steps feed each request's last token, read by the host: "
+                             "none may be in flight, and the rest must be cached")
+        input_ids = [(req.output_ids or req.prompt_ids)[-1] for req in batch.reqs]
         for req in batch.reqs:  # counted in flight: pages for every step's token
             req.in_flight += more
         try:
@@ -102,7 +108,8 @@ class DraftSteps:
             raise
         bs = self.graphs.size_for(batch)
         if bs is None:
-            tokens = self._run_eager(batch, input_ids)
+            tokens = self._run_eager(batch, host_to_device(torch.tensor(input_ids),
+                                                           engine.device))
         else:
             self._load(batch, bs, input_ids)
             self.graphs.graphs[bs].replay()
@@ -120,19 +127,18 @@ class DraftSteps:
                             out=self._inputs.fields[step])
         self._chain[0, :bs].zero_()
 
-    def _load(self, first: BatchLayout, bs: int, input_ids: torch.Tensor) -> None:
-        """Write every step's inputs for ``first``, padded to ``bs``, where the graph of ``bs``
-        reads them: computed in one pass on the host, then four copies to the device."""
+    def _load(self, first: BatchLayout, bs: int, input_ids: list[int]) -> None:
+        """Write every step's inputs for ``first`` (fed ``input_ids``), padded to ``bs``, where
+        the graph of ``bs`` reads them: computed in one pass on the host, then a copy per
+        array to the device."""
         arrays = step_arrays(self.engine.pages.table,
                              pad_batch(first, bs, self.engine.pad_row), first.size,
                              self.num_steps)
+        arrays["input_ids"] = np.array(input_ids + [0] * (bs - first.size))  # padding: token 0
         self._copied.synchronize()  # the host writes where the last round's copies read
         self._staged.fill(arrays)
         self._inputs.copy_from(self._staged, width=arrays["page_ids"].shape[1])
         self._copied.record()
-        real = input_ids.shape[0]
-        self._chain[0, :real].copy_(input_ids)
-        self._chain[0, real:bs].zero_()  # padding reads token 0
 
     def _run_fixed(self, bs: int) -> None:
         """What a graph records: every step over the fixed memory, argmax fed forward."""
@@ -162,12 +168,17 @@ def _later(first: BatchLayout, step: int) -> BatchLayout:
                      is_decode=True)
 
 
+SHORT_ARRAYS = ("input_ids", "fields", "indptr", "last_page_lens")  # copied whole
+
+
 @dataclass
 class StepInputs:
-    """Every chained step's inputs, step ``j`` in row ``j`` of each array: the model's fields
+    """Every chained step's inputs: the first step's token ids (the later steps' are the
+    argmaxes before them), then step ``j``'s in row ``j`` of each array: the model's fields
     (positions, K/V slots and last indices, as :meth:`BaseAttnBackend.prepare` lays them out)
     and the page arrays its attention reads."""
 
+    input_ids: torch.Tensor  # [max_bs] int64
     fields: torch.Tensor  # [S, 3 * max_bs] int64
     indptr: torch.Tensor  # [S, max_bs + 1] int32
     last_page_lens: torch.Tensor  # [S, max_bs] int32
@@ -178,7 +189,8 @@ class StepInputs:
         host waiting; the page ids' grow with the batches (:meth:`fill`)."""
         def pinned(t: torch.Tensor) -> torch.Tensor:
             return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
-        return StepInputs(pinned(self.fields), pinned(self.indptr), pinned(self.last_page_lens),
+        return StepInputs(pinned(self.input_ids), pinned(self.fields), pinned(self.indptr),
+                          pinned(self.last_page_lens),
                           torch.empty(0, dtype=torch.int32, pin_memory=True))
 
     def page_arrays(self, step: int) -> PageArrays:
@@ -186,11 +198,11 @@ class StepInputs:
         return PageArrays(self.indptr[step], self.page_ids[step], self.last_page_lens[step])
 
     def fill(self, arrays: dict[str, np.ndarray]) -> None:
-        """Write :func:`step_arrays`' output into this pinned twin: each row from its start,
-        the page ids packed, ``[S, width]``."""
-        for name in ("fields", "indptr", "last_page_lens"):
+        """Write :func:`step_arrays`' output and the ``input_ids`` into this pinned twin: each
+        row from its start, the page ids packed, ``[S, width]``."""
+        for name in SHORT_ARRAYS:
             array = arrays[name]
-            getattr(self, name).numpy()[:, : array.shape[1]] = array
+            getattr(self, name).numpy()[..., : array.shape[-1]] = array
         page_ids = arrays["page_ids"]
         if self.page_ids.numel() < page_ids.size:  # rare: twice what is needed
             self.page_ids = torch.empty(2 * page_ids.size, dtype=torch.int32, pin_memory=True)
@@ -199,7 +211,7 @@ class StepInputs:
     def copy_from(self, host: StepInputs, width: int) -> None:
         """Copy the pinned twin ``host`` here without the host waiting: the short arrays
         whole, and the first ``width`` page ids of each row."""
-        for name in ("fields", "indptr", "last_page_lens"):
+        for name in SHORT_ARRAYS:
             getattr(self, name).copy_(getattr(host, name), non_blocking=True)
         num_steps = self.page_ids.shape[0]
         packed = host.page_ids[: num_steps * width].view(num_steps, width)

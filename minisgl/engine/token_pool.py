@@ -75,35 +75,16 @@ class TokenPool:
         tokens = tokens.to(self.ids.device, non_blocking=True)
         self._flat[lists[:len(dst)]] = tokens[lists[len(dst):]]
 
-
     def write(self, reqs: Sequence[Req], starts: Sequence[int],
               tokens: Sequence[Sequence[int]]) -> None:
         """Write ``tokens[i]``, a list on the host, at positions ``starts[i]`` on of
-        ``reqs[i]``'s row, in one copy to the device (chapter 23: the target's own token after
-        a verify pass)."""
-        dst = self._positions(reqs, starts, [len(ids) for ids in tokens])
+        ``reqs[i]``'s row, in one copy to the device (chapter 23: the guesses a verify pass
+        kept and the target's own token)."""
+        dst: list[int] = []
+        for req, start, ids in zip(reqs, starts, tokens, strict=True):
+            row = req.table_row * self.row_len
+            dst += range(row + start, row + start + len(ids))
         if dst:
             values = [t for ids in tokens for t in ids]
             lists = host_to_device(torch.tensor(dst + values, dtype=torch.int64), self.ids.device)
             self._flat[lists[:len(dst)]] = lists[len(dst):]
-
-    def write_rows(self, reqs: Sequence[Req], starts: Sequence[int], tokens: torch.Tensor,
-                   counts: Sequence[int]) -> None:
-        """Write ``tokens[i, :counts[i]]`` (``tokens`` a ``[B, k]`` tensor on the device) at
-        positions ``starts[i]`` on of ``reqs[i]``'s row: chapter 23's guesses, which need not
-        visit the host."""
-        dst = self._positions(reqs, starts, counts)
-        if dst:
-            k = tokens.shape[1]
-            src = [i * k + j for i, n in enumerate(counts) for j in range(n)]
-            lists = host_to_device(torch.tensor(dst + src, dtype=torch.int64), self.ids.device)
-            self._flat[lists[:len(dst)]] = tokens.reshape(-1)[lists[len(dst):]]
-
-    def _positions(self, reqs: Sequence[Req], starts: Sequence[int],
-                   counts: Sequence[int]) -> list[int]:
-        """The flat indices of ``counts[i]`` positions from ``starts[i]`` on ``reqs[i]``'s row."""
-        dst: list[int] = []
-        for req, start, n in zip(reqs, starts, counts, strict=True):
-            row = req.table_row * self.row_len
-            dst += range(row + start, row + start + n)
-        return dst

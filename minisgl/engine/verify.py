@@ -87,8 +87,9 @@ def verify(engine: Engine, batch: Batch, guesses: Guesses) -> Verdict:
     Args:
         engine: the target's engine.
         batch: a prefill-phase batch in which request ``i`` feeds ``1 + guesses.counts[i]``
-            tokens after its cached past: its last sample, then its guesses, already in the
-            token pool (the caller wrote them there and counted them in the request's length).
+            tokens after its cached past: its last token, which the host has read, then its
+            guesses, counted in its length (as tokens in flight) but not yet in the token pool:
+            the pass reads them from ``guesses``, where the proposer left them.
         guesses: each request's proposed tokens (any may have none).
 
     Returns:
@@ -100,16 +101,22 @@ def verify(engine: Engine, batch: Batch, guesses: Guesses) -> Verdict:
     if [1 + n for n in guesses.counts] != batch.new_lens:
         raise ValueError(f"each request must feed its last token and its guesses: it feeds "
                          f"{batch.new_lens}, the guesses need {[1 + n for n in guesses.counts]}")
-    logits = engine.layout_logits(EachTokenDecodes.of(batch), engine.input_ids(batch))
-    # Row j of request i is the entry of its j-th fed token; past its guesses, a row never read.
-    index, start = [], 0
-    for n in batch.new_lens:
-        index.append([start + min(j, n - 1) for j in range(k + 1)])
-        start += n
-    device = logits.device
-    per_position = logits[host_to_device(torch.tensor(index), device)]  # [B, k + 1, V]
+    # What the host knows crosses in one copy: each request's last token; where each fed token
+    # is in the [B, 1 + k] rows of last token and guesses; the row of logits of each request's
+    # position j (past its guesses, a row never read); and the counts.
+    last = [(req.output_ids or req.prompt_ids)[-1] for req in batch.reqs]
+    fed: list[int] = []
+    rows: list[int] = []
+    for i, n in enumerate(batch.new_lens):
+        fed += range(i * (k + 1), i * (k + 1) + n)
+        rows += [len(fed) - n + min(j, n - 1) for j in range(k + 1)]
+    device = guesses.tokens.device
+    lists = host_to_device(torch.tensor(last + fed + rows + guesses.counts), device)
+    last_ids, fed_at, rows_at, num_proposed = lists.split([size, len(fed), len(rows), size])
+    input_ids = torch.cat([last_ids[:, None], guesses.tokens], dim=1).view(-1)[fed_at]
+    logits = engine.layout_logits(EachTokenDecodes.of(batch), input_ids)
+    per_position = logits[rows_at.view(size, k + 1)]  # [B, k + 1, V]
     proposed = guesses.tokens
-    num_proposed = host_to_device(torch.tensor(guesses.counts), device)
     reqs = batch.reqs
     if all(req.params.is_greedy for req in reqs):  # no softmax needed: argmax decides
         return accept_greedy(proposed, per_position.argmax(dim=-1), num_proposed)

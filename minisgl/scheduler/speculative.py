@@ -93,7 +93,6 @@ class Speculator:
         lengths = [req.num_tokens for req in reqs]
         # While the target checks them, the guesses count in the request's length, as
         # tokens in flight do: the pass is then an ordinary prefill over a cached past.
-        self.engine.token_pool.write_rows(reqs, lengths, guesses.tokens, guesses.counts)
         for req, count in zip(reqs, guesses.counts):
             req.in_flight = count
         new_pages = self.cache.reserve(reqs)
@@ -101,6 +100,8 @@ class Speculator:
         emitted = verify(self.engine, batch, guesses).to_lists()  # the host waits here
         read: list[Req] = []
         going_on: list[Req] = []
+        starts: list[int] = []  # where each request going on took its tokens
+        took: list[list[int]] = []
         for req, length, count, tokens in zip(reqs, lengths, guesses.counts, emitted):
             self.num_proposed += count
             self.num_accepted += len(tokens) - 1
@@ -117,9 +118,11 @@ class Speculator:
             self.cache.pages.shrink(req)
             if req.finish_reason is None:
                 going_on.append(req)
-        # The target's own token is the next step's input: into the token pool after the rest.
-        self.engine.token_pool.write(going_on, [req.num_tokens - 1 for req in going_on],
-                                     [[req.output_ids[-1]] for req in going_on])
+                starts.append(length)
+                took.append(tokens)
+        # The token pool holds every running request's tokens: the kept guesses and the
+        # target's own token go in (the pass read the guesses from the proposer).
+        self.engine.token_pool.write(going_on, starts, took)
         return SpeculativeStep(read, new_pages, batch.num_tokens)
 
     def release(self, req: Req) -> None:
