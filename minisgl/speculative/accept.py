@@ -40,8 +40,9 @@ class Verdict:
         return self.accepted + 1
 
     def to_lists(self) -> list[list[int]]:
-        """Each row's emitted tokens as a list (one copy to the host)."""
-        return [row[: n + 1] for row, n in zip(self.tokens.tolist(), self.accepted.tolist())]
+        """Each row's emitted tokens as a list (one copy to the host: the host waits once)."""
+        rows = torch.cat([self.accepted[:, None], self.tokens], dim=1).tolist()
+        return [row[1: row[0] + 2] for row in rows]
 
 
 def accept_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
