@@ -25,7 +25,7 @@ from minisgl.attention import BatchLayout, layout_of, pad_batch
 from minisgl.attention.fi import PageArrays
 from minisgl.core import Batch
 from minisgl.engine.graph import GraphRunner
-from minisgl.kvcache.page_table import PageTable, pages_for
+from minisgl.kvcache.page_table import PageTable, expand_ranges, pages_for, slots_of
 from minisgl.layers.attention import use_attention_backend
 from minisgl.utils.torch_utils import host_to_device
 
@@ -233,11 +233,10 @@ def step_arrays(table: PageTable, layout: BatchLayout, num_real: int,
     moves = np.arange(size) < num_real
     positions = np.asarray(layout.cached_lens, dtype=np.int64) + np.outer(np.arange(num_steps),
                                                                           moves)
-    pages = table.page_ids[rows, positions // page_size].astype(np.int64)
-    if (pages < 0).any():
+    slots = slots_of(table.page_ids, rows[None, :], positions, page_size)
+    if (slots < 0).any():  # a page id of NO_PAGE
         raise ValueError("a chained step's token has no page: reserve every step's pages "
                          "first")
-    slots = pages * page_size + positions % page_size
     fields = np.concatenate([positions, slots, np.broadcast_to(np.arange(size),
                                                                positions.shape)], axis=1)
     num_pages = pages_for(positions + 1, page_size)  # [S, B]: pages each entry attends over
@@ -246,8 +245,7 @@ def step_arrays(table: PageTable, layout: BatchLayout, num_real: int,
     np.cumsum(num_pages, axis=1, out=indptr[:, 1:])
     # Entry (j, i) owns indptr[j, i] ..: page p of its row goes there + p.
     counts = num_pages.reshape(-1)
-    owner = np.repeat(np.arange(counts.size), counts)
-    page = np.arange(owner.size) - (np.cumsum(counts) - counts)[owner]
+    page, owner = expand_ranges(np.zeros_like(counts), counts)
     step, entry = np.divmod(owner, size)
     page_ids = np.zeros((num_steps, int(indptr[:, -1].max())), dtype=np.int32)
     page_ids[step, indptr[step, entry] + page] = table.page_ids[rows[entry], page]
