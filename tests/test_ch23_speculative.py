@@ -604,12 +604,53 @@ def test_every_chained_steps_inputs_computed_at_once_are_what_each_step_plans(
                 == planned["page_indices"].tolist())
 
 
+@pytest.mark.parametrize("page_size", [1, 4])
+@pytest.mark.parametrize("seed", range(4))
+def test_chained_steps_inputs_computed_on_the_device_equal_those_computed_on_the_host(
+        page_size, seed) -> None:
+    """Steps launched ahead of the verdict compute their inputs on the device from each
+    entry's first position (``device_step_arrays``, shapes fixed for a graph). On random
+    padded batches of rows with scattered pages, every array must equal ``step_arrays``'
+    from the same table: the packed page ids up to ``indptr[j, -1]``, zeros after."""
+    from minisgl.attention import layout_of, pad_batch
+    from minisgl.engine.draft_steps import device_step_arrays, step_arrays
+    from minisgl.kvcache.page_table import PageTable, pages_for
+
+    rng = np.random.default_rng(seed)
+    steps, size, real, width = 5, 8, int(rng.integers(1, 8)), 160
+    table = PageTable(16, width, page_size=page_size)
+    pad_row = table.alloc_row()
+    table.append_pages(pad_row, [999])
+    free_pages = rng.permutation(2000).tolist()  # a row's pages are anywhere in the pool
+    rows, cached = [], []
+    for _ in range(real):
+        row, length = table.alloc_row(), int(rng.integers(1, 150))
+        needed = pages_for(length + steps, page_size)
+        table.append_pages(row, [free_pages.pop() for _ in range(needed)])
+        rows.append(row)
+        cached.append(length)
+    layout = pad_batch(layout_of(rows, cached, [1] * real, is_decode=True), size, pad_row)
+    expected = step_arrays(table, layout, real, steps)
+    # past a row's pages: whatever an earlier round left there (never to be read)
+    row_pages = torch.from_numpy(np.where(table.page_ids[layout.rows] < 0, 777,
+                                          table.page_ids[layout.rows]))
+    got = device_step_arrays(torch.tensor(layout.cached_lens), torch.arange(size) < real,
+                             row_pages, page_size, steps, capacity=size * width)
+    for name in ("fields", "indptr", "last_page_lens"):
+        assert got[name].tolist() == expected[name].tolist(), name
+    for j in range(steps):
+        n = int(expected["indptr"][j, -1])
+        assert got["page_ids"][j, :n].tolist() == expected["page_ids"][j, :n].tolist()
+        assert not got["page_ids"][j, n:].any()
+
+
 @pytest.mark.gpu
 def test_on_cuda_the_draft_guesses_without_waiting_for_the_device(prompt_ids, cut_draft) -> None:
-    """A round's guessing is launched, not waited for: with the device kept busy for about a
-    second by work queued first, the draft brings its copies up to date, reserves pages, plans
-    and launches its k + 1 steps, and returns while the device is still busy. (The host reads
-    the guesses only after the verdict, when the device is done with them.)"""
+    """A round's guessing is launched, not waited for. With the device kept busy for about a
+    second by work queued first, ``propose`` returns while it is still busy, both ways: taking
+    the guesses of steps launched ahead of the last verdict (the copies' lengths are settled
+    on the host), and, guessing again from the same tokens, bringing the copies up to date,
+    reserving pages, loading and launching k + 1 steps."""
     import time
 
     scheduler = Scheduler(SchedulerConfig(SHAKESPEARE_DIR, device="cuda", dtype="bfloat16",
@@ -618,21 +659,22 @@ def test_on_cuda_the_draft_guesses_without_waiting_for_the_device(prompt_ids, cu
     reqs = fresh(prompt_ids[:3], [SamplingParams(max_tokens=48, ignore_eos=True)] * 3)
     for req in reqs:
         scheduler.add(req)
-    for _ in range(4):  # the prefill, then rounds: every copy exists and has guessed
+    for _ in range(4):  # the prefill, then rounds: every copy exists and has guessed ahead
         scheduler.step()
     draft = scheduler.speculator.draft
     assert draft.num_copies == 3 and not any(r.is_finished for r in reqs)
-    # What a round reads first, last round's guesses, was done with before it: read it now.
-    draft._read_last_guesses()
-    torch.cuda.synchronize()
-    torch.cuda._sleep(2_000_000_000)  # GPU clock cycles: about a second at 2 GHz
-    start = time.perf_counter()
-    guesses = scheduler.speculator.propose(reqs)
-    seconds = time.perf_counter() - start
-    still_busy = not torch.cuda.current_stream().query()
-    torch.cuda.synchronize()
-    assert still_busy and seconds < 0.25, f"propose took {seconds:.3f} s: it waited"
-    assert guesses.tokens.is_cuda and guesses.counts == [4, 4, 4]
+    assert draft.rounds_ahead >= 2
+    for ahead in (True, False):
+        torch.cuda.synchronize()
+        torch.cuda._sleep(2_000_000_000)  # GPU clock cycles: about a second at 2 GHz
+        start = time.perf_counter()
+        guesses = scheduler.speculator.propose(reqs)
+        seconds = time.perf_counter() - start
+        still_busy = not torch.cuda.current_stream().query()
+        torch.cuda.synchronize()
+        assert still_busy and seconds < 0.25, f"propose ({ahead=}) took {seconds:.3f} s"
+        assert guesses.tokens.is_cuda and guesses.counts == [4, 4, 4]
+        draft._read_last_guesses()  # before the next sleep: the device is done with them
 
 
 def test_draft_steps_without_pages_for_every_step_leave_the_requests_as_they_were(
@@ -734,6 +776,10 @@ def test_on_cuda_greedy_speculation_follows_plain_decoding_through_graphs(
         if spec is not None:
             assert scheduler.speculator.num_accepted > 0
             assert any(ours.output_ids == theirs.output_ids for ours, theirs in zip(reqs, plain))
+        draft = None if spec is None else scheduler.speculator.draft
+        if draft is not None:  # most rounds launched ahead; the copies and pages all went back
+            assert draft.rounds_ahead > scheduler.num_steps // 2
+            assert draft.num_copies == 0 and draft.engine.pages.num_used == 0
 
 
 # --------------------------------------------------------------------------- through the server

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
@@ -26,6 +27,7 @@ from minisgl.engine.draft_steps import DraftSteps
 from minisgl.engine.engine import Engine
 from minisgl.engine.verify import Guesses
 from minisgl.kvcache import OutOfPagesError
+from minisgl.speculative.accept import Verdict
 from minisgl.utils.logger import get_logger
 from minisgl.utils.torch_utils import host_to_device
 
@@ -46,6 +48,7 @@ class DraftModel:
     Attributes:
         engine: the draft's engine.
         steps: its ``k + 1`` decode steps, launched as one.
+        rounds_ahead: rounds whose steps were launched ahead of the verdict before them.
     """
 
     def __init__(self, config: EngineConfig, vocab_size: int, k: int) -> None:
@@ -64,6 +67,8 @@ class DraftModel:
         self._copies: dict[int, _Copy] = {}
         # last round's guesses, on the device, and which copy made which row
         self._unread: tuple[torch.Tensor, list[tuple[_Copy, int, int]]] | None = None
+        self._ahead: _Ahead | None = None  # the guesses of steps launched ahead
+        self.rounds_ahead = 0
 
     def propose(self, reqs: Sequence[Req], counts: Sequence[int]) -> Guesses:
         """Up to ``counts[i]`` (at most ``k``) guesses for the tokens after ``reqs[i]``'s
@@ -71,34 +76,73 @@ class DraftModel:
 
         Every request must have read its last sample (nothing in flight). A request with a
         count of 0 gets none and its copy is left as it is, and so does one within ``k``
-        tokens of the draft's ``max_seq_len`` (every copy runs ``k + 1`` steps).
+        tokens of the draft's ``max_seq_len`` (every copy runs ``k + 1`` steps). A copy whose
+        steps ran ahead last round (:meth:`guess_ahead`) has its guesses already.
         """
+        ran_ahead, self._ahead = self._ahead, None
         self._read_last_guesses()
         room = self.engine.max_seq_len - self.k
         want = {req.uid: min(n, self.k) for req, n in zip(reqs, counts, strict=True)
                 if n > 0 and req.num_tokens <= room}
-        copies = [self._bring_up_to_date(req) for req in reqs if req.uid in want]
-        device = self.engine.device
-        if not copies:
-            return Guesses.from_lists([[] for _ in reqs], device)
-        try:
-            steps = self._decode(copies)
-        except OutOfPagesError:  # the draft has no prefix cache: its pool can fill first
-            logger.warning("the draft's KV pool is full: no guesses this round")
-            for copy in copies:
-                self.release(copy.req.uid)
-            return Guesses.from_lists([[] for _ in reqs], device)
-        # Step j's argmax is guess j; the last step's only puts the last guess in the cache.
-        # A copy, too: the graph's memory is overwritten next round.
-        guessed = steps[: self.k].T.contiguous()
-        rows = [i for i, req in enumerate(reqs) if req.uid in want]
-        if len(rows) < len(reqs):  # the others propose nothing: their rows stay zeros
-            full = torch.zeros(len(reqs), self.k, dtype=torch.int64, device=device)
-            full[host_to_device(torch.tensor(rows, dtype=torch.int64), device)] = guessed
-            guessed = full
+        ready: list[tuple[int, _Copy]] = []  # (row of reqs, copy) of guesses made ahead
+        behind: list[tuple[int, _Copy]] = []  # those that guess now
+        for i, req in enumerate(reqs):
+            if req.uid not in want:
+                continue
+            if ran_ahead is not None and req.uid in ran_ahead.rows:
+                ready.append((i, self._settle(req)))
+            else:
+                behind.append((i, self._bring_up_to_date(req)))
+        if ran_ahead is not None:  # ran ahead, not used now: their lengths are unknown
+            for uid in ran_ahead.rows.keys() - {copy.req.uid for _, copy in ready}:
+                self.release(uid)
+        parts: list[tuple[list[int], torch.Tensor]] = []  # rows of reqs, their guesses
+        if ready:
+            parts.append(([i for i, _ in ready],
+                          ran_ahead.select([ran_ahead.rows[c.req.uid] for _, c in ready])))
+        if behind:
+            try:
+                steps = self._decode([copy for _, copy in behind])
+                # Step j's argmax is guess j; the last step's only puts the last guess in the
+                # cache. A copy, too: the graph's memory is overwritten next round.
+                parts.append(([i for i, _ in behind], steps[: self.k].T.contiguous()))
+            except OutOfPagesError:  # the draft has no prefix cache: its pool can fill first
+                logger.warning("the draft's KV pool is full: no guesses this round")
+                for _, copy in behind:
+                    self.release(copy.req.uid)
+                    del want[copy.req.uid]
+                behind = []
+        guessed = _stack_rows(parts, len(reqs), self.k, self.engine.device)
         counts = [want.get(req.uid, 0) for req in reqs]
-        self._unread = (guessed, [(copy, row, counts[row]) for copy, row in zip(copies, rows)])
+        self._unread = (guessed, [(copy, i, counts[i]) for i, copy in ready + behind])
         return Guesses(guessed, counts)
+
+    def guess_ahead(self, verdict: Verdict) -> None:
+        """Launch the next round's steps of every copy that guessed this round, from
+        ``verdict`` on the device, before the host reads it: the device goes from the verify
+        pass straight on to the draft's next steps while the host reads the verdict and does
+        its bookkeeping. Nothing is launched where the draft cannot (no ahead graph for the
+        batch, a copy too near ``max_seq_len``, too few pages); the next round then guesses
+        as usual."""
+        if self._unread is None:
+            return
+        owners = self._unread[1]
+        copies = [copy for copy, _, _ in owners]
+        if not copies or any(c.base + 2 * self.k + 1 > self.engine.max_seq_len for c in copies):
+            return
+        try:
+            steps = self.steps.run_ahead(Batch([c.req for c in copies], "decode"),
+                                         [c.base for c in copies],
+                                         [row for _, row, _ in owners], verdict)
+        except OutOfPagesError:
+            return
+        if steps is None:
+            return
+        # Their caches ran on past these guesses: the host never needs to read them.
+        self._unread = None
+        self._ahead = _Ahead(steps[: self.k].T.contiguous(),
+                             {copy.req.uid: i for i, copy in enumerate(copies)})
+        self.rounds_ahead += 1
 
     def release(self, uid: int) -> None:
         """Forget request ``uid`` (it finished or was aborted): its copy's pages go back."""
@@ -122,6 +166,20 @@ class DraftModel:
     def num_copies(self) -> int:
         """Requests the draft holds a copy of."""
         return len(self._copies)
+
+    def _settle(self, req: Req) -> _Copy:
+        """``req``'s copy after its steps ran ahead last round: they fed the target's last
+        token, at the position after the kept guesses, and guessed on from it. Now that the
+        host has read the verdict, the copy's lengths are set to where those steps left it
+        (as :meth:`DraftSteps.run` leaves a copy) and the pages reserved for more kept
+        guesses go back."""
+        copy, tokens = self._copies[req.uid], req.token_ids
+        copy.req.prompt_ids = tokens
+        copy.req.cached_len = len(tokens) + self.k
+        copy.req.in_flight = self.k + 1  # its last step's argmax
+        self.engine.pages.shrink(copy.req)
+        copy.base, copy.guesses = len(tokens), []
+        return copy
 
     def _bring_up_to_date(self, req: Req) -> _Copy:
         """``req``'s copy, its prompt the confirmed tokens, its cache cut back to what is
@@ -157,6 +215,31 @@ class DraftModel:
             engine.forward(batch)
             batch.advance()
         return self.steps.run(Batch([c.req for c in copies], "decode"))
+
+
+@dataclass
+class _Ahead:
+    """The guesses of steps launched ahead: ``tokens`` row ``rows[uid]`` is request ``uid``'s."""
+
+    tokens: torch.Tensor  # [C, k]
+    rows: dict[int, int]
+
+    def select(self, rows: list[int]) -> torch.Tensor:
+        if rows == list(range(self.tokens.shape[0])):
+            return self.tokens
+        return self.tokens[host_to_device(torch.tensor(rows), self.tokens.device)]
+
+
+def _stack_rows(parts: list[tuple[list[int], torch.Tensor]], size: int, k: int,
+                device: torch.device) -> torch.Tensor:
+    """A ``[size, k]`` tensor whose rows ``rows`` are ``tokens``, for each ``(rows, tokens)``
+    of ``parts``; zeros elsewhere (rows with no guesses)."""
+    if len(parts) == 1 and parts[0][0] == list(range(size)):
+        return parts[0][1]
+    full = torch.zeros(size, k, dtype=torch.int64, device=device)
+    for rows, tokens in parts:
+        full[host_to_device(torch.tensor(rows, dtype=torch.int64), device)] = tokens
+    return full
 
 
 class _Copy:

@@ -24,6 +24,7 @@ import torch
 from minisgl.attention import BatchLayout, layout_of, pad_batch
 from minisgl.attention.fi import PageArrays
 from minisgl.core import Batch
+from minisgl.speculative.accept import Verdict
 from minisgl.engine.graph import GraphRunner
 from minisgl.kvcache.page_table import PageTable, expand_ranges, pages_for, slots_of
 from minisgl.layers.attention import use_attention_backend
@@ -33,6 +34,10 @@ if TYPE_CHECKING:  # engine.py does not import this module: no cycle at run time
     from minisgl.engine.engine import Engine
 
 GRAPH_BATCH_SIZES = (1, 4, 16, 64, 256)  # the chained steps' captured sizes (see __init__)
+# The largest batch whose steps can be launched ahead, from the device (see run_ahead): the
+# arrays that launch computes on the device grow with the batch times a row's most pages,
+# and speculating pays at small batches.
+MAX_AHEAD_BATCH = 16
 
 
 class DraftSteps:
@@ -44,6 +49,8 @@ class DraftSteps:
 
     Attributes:
         graphs: the runner of the chained steps' graphs (disabled where the engine's is).
+        ahead_graphs: the runner of the graphs that compute the steps' inputs on the device,
+            for batches of up to ``MAX_AHEAD_BATCH`` (:meth:`run_ahead`).
     """
 
     def __init__(self, engine: Engine, num_steps: int) -> None:
@@ -52,7 +59,7 @@ class DraftSteps:
         self.engine = engine
         self.num_steps = num_steps
         if not engine.graph_runner.enabled:
-            self.graphs = engine.graph_runner  # disabled, and says why
+            self.graphs = self.ahead_graphs = engine.graph_runner  # disabled, and says why
             return
         # Few sizes: each costs every step a FlashInfer wrapper of its own (8 MiB of device and
         # of pinned host memory), while padding a small draft's batch costs next to nothing.
@@ -81,6 +88,19 @@ class DraftSteps:
         self._logits = torch.zeros(max_bs, engine.model_config.vocab_size, dtype=torch.float32,
                                    device=device)
         self.graphs = GraphRunner(sizes, device, run=self._run_fixed, prepare=self._plan_padding)
+        # Launching ahead: a graph per small size computes every step's inputs on the device
+        # from the verdict (copied into fixed rows) and what the host uploads.
+        ahead_sizes = [bs for bs in sizes if bs <= MAX_AHEAD_BATCH]
+        max_rows = engine.config.max_running_reqs  # a verdict's rows
+        self._verdict = (torch.zeros(max_rows, dtype=torch.int64, device=device),
+                         torch.zeros(max_rows, num_steps, dtype=torch.int64, device=device))
+        self._ahead = AheadInputs(
+            entries=torch.zeros(3, max(ahead_sizes), dtype=torch.int64, device=device),
+            row_pages=torch.zeros(max(ahead_sizes), engine.pages.table.max_pages_per_req,
+                                  dtype=torch.int32, device=device))
+        self._ahead_staged = self._ahead.pinned_twin()
+        self.ahead_graphs = GraphRunner(ahead_sizes, device, run=self._compute_ahead_inputs,
+                                        prepare=lambda bs: None)
 
     def run(self, batch: Batch) -> torch.Tensor:
         """Decode ``batch`` greedily ``num_steps`` times; returns the ``[num_steps, B]`` tokens,
@@ -118,6 +138,65 @@ class DraftSteps:
         for req in batch.reqs:
             req.cached_len += more
         return tokens
+
+    def run_ahead(self, batch: Batch, starts: list[int], verdict_rows: list[int],
+                  verdict: Verdict) -> torch.Tensor | None:
+        """Launch the next round's steps before the host has read ``verdict``: the first
+        input of request ``i`` is the target's token in row ``verdict_rows[i]``, fed at position
+        ``starts[i] + accepted``, which only the device knows yet; so the device computes every
+        step's inputs itself, and the host waits for nothing.
+
+        Each request of ``batch`` must stand where :meth:`run` left it, ``starts[i]`` tokens
+        confirmed: its cache then holds the guesses the verdict kept. Its pages are reserved for
+        the most the steps can reach (every guess kept); the caller gives back the rest once
+        it knows the verdict, and sets each request's lengths. Returns the ``[num_steps, B]``
+        tokens on the device, or None where no graph launches ahead (no pages are taken then).
+        """
+        bs = self.ahead_graphs.size_for(batch)
+        if bs is None:
+            return None
+        more = self.num_steps - 1
+        for req in batch.reqs:  # every guess kept: ``more`` further positions
+            req.in_flight += more
+        try:
+            self.engine.pages.reserve(*batch.reqs)
+        finally:  # whatever happens, the lengths are the caller's to set
+            for req in batch.reqs:
+                req.in_flight -= more
+        size, table = batch.size, self.engine.pages.table
+        layout = pad_batch(batch, bs, self.engine.pad_row)
+        width = max(table.num_pages(row) for row in layout.rows)
+        self._copied.synchronize()  # the host writes where the last copies read
+        self._ahead_staged.entries[:, :bs] = torch.tensor(
+            [starts + [0] * (bs - size), [1] * size + [0] * (bs - size),
+             verdict_rows + [0] * (bs - size)])
+        self._ahead_staged.row_pages[: bs * width].numpy()[:] = (
+            table.page_ids[layout.rows, :width].reshape(-1))
+        self._ahead.copy_from(self._ahead_staged, bs, width)
+        self._copied.record()
+        accepted, tokens = self._verdict
+        accepted[: verdict.accepted.shape[0]].copy_(verdict.accepted)
+        tokens[: verdict.tokens.shape[0], : verdict.tokens.shape[1]].copy_(verdict.tokens)
+        self.ahead_graphs.graphs[bs].replay()
+        self.graphs.graphs[bs].replay()
+        return self._chain[1:, :size]
+
+    def _compute_ahead_inputs(self, bs: int) -> None:
+        """What an ahead graph records: each entry's first position and input from the
+        verdict, then every step's inputs from them (:func:`device_step_arrays`)."""
+        starts, moves, rows = self._ahead.entries[:, :bs]
+        accepted, tokens = self._verdict
+        kept = accepted[rows] * moves  # the padding entries stay where they are
+        torch.mul(tokens[rows, kept], moves, out=self._chain[0, :bs])
+        width = self._ahead.row_pages.shape[1]
+        arrays = device_step_arrays(starts + kept, moves.bool(), self._ahead.row_pages[:bs],
+                                    self.engine.pages.table.page_size, self.num_steps,
+                                    capacity=bs * width)
+        inputs = self._inputs
+        inputs.fields[:, : 3 * bs].copy_(arrays["fields"])
+        inputs.indptr[:, : bs + 1].copy_(arrays["indptr"])
+        inputs.last_page_lens[:, :bs].copy_(arrays["last_page_lens"])
+        inputs.page_ids[:, : bs * width].copy_(arrays["page_ids"])
 
     def _plan_padding(self, bs: int) -> None:
         """Plan every step's backend for a batch of ``bs`` padding entries, before its graph
@@ -218,6 +297,29 @@ class StepInputs:
         self.page_ids[:, :width].copy_(packed, non_blocking=True)
 
 
+@dataclass
+class AheadInputs:
+    """What the host uploads for steps launched ahead (:meth:`DraftSteps.run_ahead`): per entry
+    its confirmed length, whether it is real (1) or padding (0) and its row of the verdict, in
+    the three rows of ``entries``; and the page ids of its page-table row."""
+
+    entries: torch.Tensor  # [3, max_bs] int64
+    row_pages: torch.Tensor  # [max_bs, max_pages_per_req] int32
+
+    def pinned_twin(self) -> AheadInputs:
+        """Host arrays in pinned memory; the page ids packed, ``[bs * width]``."""
+        return AheadInputs(torch.empty(self.entries.shape, dtype=torch.int64, pin_memory=True),
+                           torch.empty(self.row_pages.numel(), dtype=torch.int32,
+                                       pin_memory=True))
+
+    def copy_from(self, host: AheadInputs, bs: int, width: int) -> None:
+        """Copy the first ``bs`` entries and ``width`` pages of each from the pinned twin
+        ``host``, without the host waiting."""
+        self.entries.copy_(host.entries, non_blocking=True)
+        packed = host.row_pages[: bs * width].view(bs, width)
+        self.row_pages[:bs, :width].copy_(packed, non_blocking=True)
+
+
 def step_arrays(table: PageTable, layout: BatchLayout, num_real: int,
                 num_steps: int) -> dict[str, np.ndarray]:
     """The inputs of ``num_steps`` decode steps of ``layout`` in one pass: step ``j`` feeds
@@ -251,3 +353,40 @@ def step_arrays(table: PageTable, layout: BatchLayout, num_real: int,
     page_ids[step, indptr[step, entry] + page] = table.page_ids[rows[entry], page]
     return {"fields": fields, "indptr": indptr.astype(np.int32),
             "last_page_lens": last_page_lens.astype(np.int32), "page_ids": page_ids}
+
+
+def device_step_arrays(first_pos: torch.Tensor, moves: torch.Tensor, row_pages: torch.Tensor,
+                       page_size: int, num_steps: int, capacity: int) -> dict[str, torch.Tensor]:
+    """:func:`step_arrays` computed on the device, with shapes that depend only on the batch
+    size (a CUDA graph records it): for when the positions are known only there.
+
+    Args:
+        first_pos: ``[B]`` int64, the position step 0 feeds, per entry.
+        moves: ``[B]`` bool, the real entries; the padding stays at its position.
+        row_pages: ``[B, W]`` int32, each entry's page ids, as far as its last step reaches.
+        capacity: columns of the packed page ids: at least the most pages a step attends over.
+
+    Returns:
+        What :func:`step_arrays` returns; ``page_ids`` zero past each row's ``indptr[j, -1]``.
+    """
+    size, width = row_pages.shape
+    device, row_pages = first_pos.device, row_pages.long()
+    positions = first_pos + torch.arange(num_steps, device=device)[:, None] * moves  # [S, B]
+    page_of = torch.div(positions, page_size, rounding_mode="floor")
+    pages = row_pages.gather(1, page_of.T).T  # [S, B]
+    slots = pages * page_size + positions % page_size
+    fields = torch.cat([positions, slots,
+                        torch.arange(size, device=device).expand(num_steps, size)], dim=1)
+    num_pages = page_of + 1  # pages each entry attends over
+    last_page_lens = positions + 1 - page_of * page_size
+    indptr = torch.zeros(num_steps, size + 1, dtype=torch.int64, device=device)
+    torch.cumsum(num_pages, dim=1, out=indptr[:, 1:])
+    # Column t of step j belongs to the entry whose range indptr[j, i] .. holds it.
+    column = torch.arange(capacity, device=device).expand(num_steps, capacity).contiguous()
+    owner = torch.searchsorted(indptr[:, 1:].contiguous(), column, right=True)
+    owner.clamp_(max=size - 1)
+    page = (column - indptr.gather(1, owner)).clamp_(0, width - 1)
+    values = row_pages.view(-1)[owner * width + page]
+    page_ids = torch.where(column < indptr[:, -1:], values, 0)
+    return {"fields": fields, "indptr": indptr.int(), "last_page_lens": last_page_lens.int(),
+            "page_ids": page_ids.int()}

@@ -22,6 +22,8 @@ from minisgl.engine.engine import Engine
 from minisgl.engine.verify import Guesses, verify
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.config import SchedulerConfig, Speculation
+from minisgl.scheduler.overlap import HostTokens
+from minisgl.speculative.accept import unpack
 from minisgl.speculative.ngram import propose_ngram
 
 
@@ -74,6 +76,8 @@ class Speculator:
             engine.model_config.vocab_size, self.k)
         self.num_proposed = 0
         self.num_accepted = 0
+        # a verdict's rows, [B, k + 2] at most, read without waiting for what follows them
+        self._host_verdicts = HostTokens(engine.device, config.max_running_reqs * (self.k + 2))
 
     def propose(self, reqs: Sequence[Req]) -> Guesses:
         """Each request's guesses: at most ``k``, and never more than its ``max_tokens`` leaves
@@ -97,7 +101,16 @@ class Speculator:
             req.in_flight = count
         new_pages = self.cache.reserve(reqs)
         batch = Batch(list(reqs), "prefill")
-        emitted = verify(self.engine, batch, guesses).to_lists()  # the host waits here
+        verdict = verify(self.engine, batch, guesses)
+        # The verdict starts for the host, then the draft's next steps start from it on the
+        # device: the host waits for the copy only, and the device goes on guessing.
+        packed = verdict.packed()
+        host, ready = self._host_verdicts.copy(packed.view(-1))
+        if self.draft is not None:
+            self.draft.guess_ahead(verdict)
+        if ready is not None:
+            ready.synchronize()  # the host waits here
+        emitted = unpack(host.view(packed.shape).tolist())
         read: list[Req] = []
         going_on: list[Req] = []
         starts: list[int] = []  # where each request going on took its tokens

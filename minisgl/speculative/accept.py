@@ -39,10 +39,19 @@ class Verdict:
         """``[B]`` int64, how many tokens each row emits: ``accepted + 1``."""
         return self.accepted + 1
 
+    def packed(self) -> torch.Tensor:
+        """``[B, k + 2]``: each row's count of kept tokens, then its tokens; what the host
+        reads, in one copy (:func:`unpack`)."""
+        return torch.cat([self.accepted[:, None], self.tokens], dim=1)
+
     def to_lists(self) -> list[list[int]]:
         """Each row's emitted tokens as a list (one copy to the host: the host waits once)."""
-        rows = torch.cat([self.accepted[:, None], self.tokens], dim=1).tolist()
-        return [row[1: row[0] + 2] for row in rows]
+        return unpack(self.packed().tolist())
+
+
+def unpack(rows: list[list[int]]) -> list[list[int]]:
+    """Each row's emitted tokens, from the rows of :meth:`Verdict.packed`."""
+    return [row[1: row[0] + 2] for row in rows]
 
 
 def accept_greedy(draft_tokens: torch.Tensor, target_tokens: torch.Tensor,
