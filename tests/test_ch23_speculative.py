@@ -779,7 +779,8 @@ def test_on_cuda_greedy_speculation_follows_plain_decoding_through_graphs(
         draft = None if spec is None else scheduler.speculator.draft
         if draft is not None:  # most rounds launched ahead; the copies and pages all went back
             assert draft.rounds_ahead > scheduler.num_steps // 2
-            assert draft.num_copies == 0 and draft.engine.pages.num_used == 0
+            assert draft.num_copies == 0
+            assert draft.engine.pages.num_used == 1  # the graphs' padding row's, for good
 
 
 # --------------------------------------------------------------------------- through the server

@@ -6,11 +6,13 @@ token pool, and keeps its own copy of every request it guesses for: a
 round the copy is brought up to date (the confirmed tokens it lacks are written from the host,
 its cache is cut back to the guesses the target kept), then it decodes greedily ``k + 1``
 steps, all launched as one (:class:`~minisgl.engine.draft_steps.DraftSteps`): no host work
-between them. Its guesses stay on the device for the verify pass; the host reads them at the
-next round, to bring the copies up to date, when the device is long done with them.
+between them. Its guesses stay on the device for the verify pass.
 
 It runs one step more than it guesses, so that its cache also holds its last guess: whatever
-the target keeps, the copy then has exactly one confirmed token to feed at the next round.
+the target keeps, the copy then has exactly one confirmed token to feed at the next round, the
+target's last, at the position after the kept guesses. Both are on the device as soon as the
+verdict is, so on a GPU the next round is launched from there before the host reads the verdict
+(:meth:`DraftModel.guess_ahead`), and the host sets the copies' lengths afterwards.
 """
 
 from __future__ import annotations

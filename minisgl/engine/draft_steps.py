@@ -10,7 +10,11 @@ the pages of all its steps at once, computes every step's inputs in one pass on 
 (:func:`step_arrays`) and copies them to the device together (each step has a backend of its
 own, with its own plan and fixed arrays), and runs the steps back to back with each argmax
 written where the next step reads its input: one CUDA graph per batch size where the engine
-captures graphs, eagerly elsewhere. The host reads every token once, at the end.
+captures graphs, eagerly elsewhere.
+
+When the first position is known only on the device (the draft's next round, launched before
+the host has read the target's verdict), a small graph computes the same inputs there
+(:meth:`DraftSteps.run_ahead`, :func:`device_step_arrays`).
 """
 
 from __future__ import annotations
