@@ -537,10 +537,11 @@ def test_the_draft_steps_launched_as_one_write_what_one_step_at_a_time_writes(
     steps = 5
     dtype = "bfloat16" if device == "cuda" else "float32"
     engine = Engine(EngineConfig(SHAKESPEARE_DIR, device=device, dtype=dtype,
-                                 num_pages=1024, max_running_reqs=8))
+                                 num_pages=2048, max_running_reqs=8, fixed_plans=True))
     chained = DraftSteps(engine, steps)
     assert chained.graphs.enabled == (device == "cuda")
-    prompts = prompt_ids[:3]
+    # and one long context: a plan made at capture must hold for any length
+    prompts = prompt_ids[:3] + [sum(prompt_ids, [])[:-1] * 5]
     ours = prefilled(engine, prompts)
     tokens = chained.run(Batch(ours, "decode")).T.tolist()
     theirs = prefilled(engine, prompts)
@@ -562,6 +563,22 @@ def test_the_draft_steps_launched_as_one_write_what_one_step_at_a_time_writes(
         [1] * steps * len(reqs), steps * len(reqs), steps * len(reqs))
     torch.testing.assert_close(stored_kv(engine, fed(ours)), stored_kv(engine, fed(theirs)),
                                rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_chained_draft_steps_refuse_an_engine_whose_plans_depend_on_lengths() -> None:
+    """The chained steps' graphs replay plans made once, at capture. On a GPU the engine's
+    default decode plan splits each request's keys by length, so a plan made for the padding
+    would be wrong at longer contexts (measured: other tokens from 150 tokens of context on):
+    such an engine is refused, naming the setting that fixes it."""
+    from minisgl.engine.config import EngineConfig
+    from minisgl.engine.draft_steps import DraftSteps
+    from minisgl.engine.engine import Engine
+
+    engine = Engine(EngineConfig(SHAKESPEARE_DIR, device="cuda", dtype="bfloat16",
+                                 num_pages=256, max_running_reqs=2))
+    with pytest.raises(ValueError, match="fixed_plans=True"):
+        DraftSteps(engine, 3)
 
 
 @pytest.mark.parametrize("page_size", [1, 4])

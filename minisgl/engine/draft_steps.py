@@ -65,6 +65,11 @@ class DraftSteps:
         if not engine.graph_runner.enabled:
             self.graphs = self.ahead_graphs = engine.graph_runner  # disabled, and says why
             return
+        if not getattr(engine.attn_backend, "fixed_plans", False):
+            # Each size's steps are planned once, when its graph is captured: a plan that
+            # depends on the lengths (a decode split into chunks) would be wrong for longer ones.
+            raise ValueError("chained draft steps replay plans made at capture: the engine "
+                             "must be built with fixed_plans=True")
         # Few sizes: each costs every step a FlashInfer wrapper of its own (8 MiB of device and
         # of pinned host memory), while padding a small draft's batch costs next to nothing.
         # The largest is capped at the most requests, so that every batch has a graph: launched
