@@ -5,8 +5,9 @@ For each batch size, the same held-out prompts (lines of the plays the trained m
 plain decode steps and then with each proposer; the table gives output tokens per second, the
 share of guesses the target kept, the milliseconds of a round (a speculative step: the guesses,
 the verify pass and the bookkeeping; for plain decoding, one step: the run's time over its
-tokens per request) and of its guessing alone, and the speedup over plain decoding at that
-batch size. Every
+tokens per request) and the host's part of its guessing (``propose``'s wall time: on a GPU a
+draft's steps are launched at the end of the round before, so this is what is left to wait for,
+not the draft's cost), and the speedup over plain decoding at that batch size. Every
 speculative run's tokens are compared with the plain run's, and the last column is the share of
 them that agree up to each request's first difference. Greedy speculation changes none in exact
 arithmetic (100% on the CPU, in float32); in bfloat16 a batch of another shape rounds

@@ -800,6 +800,54 @@ def test_on_cuda_greedy_speculation_follows_plain_decoding_through_graphs(
             assert draft.engine.pages.num_used == 1  # the graphs' padding row's, for good
 
 
+@pytest.mark.parametrize("device", [pytest.param("cpu"),
+                                    pytest.param("cuda", marks=pytest.mark.gpu)])
+def test_each_rounds_guesses_are_the_drafts_greedy_continuation_of_the_confirmed_text(
+        device, prompt_ids, cut_draft) -> None:
+    """Exactness alone cannot see a draft that guesses from the wrong text: the target rejects
+    its guesses and decodes on, only slower. So every round's guesses are scored here by the
+    draft itself, in one eager prefill over the request's confirmed tokens and the guesses:
+    each must be the draft's greedy choice after the text before it (within bfloat16's
+    rounding on a GPU). Partial acceptance happens in most rounds (a two-layer draft), so the
+    copies are cut back, and on a GPU most rounds are launched ahead from the verdict."""
+    from minisgl.engine.config import EngineConfig
+    from minisgl.engine.engine import Engine
+
+    dtype = "bfloat16" if device == "cuda" else "float32"
+    scheduler = Scheduler(SchedulerConfig(SHAKESPEARE_DIR, device=device, dtype=dtype,
+                                          num_pages=4096, max_running_reqs=8, overlap=False,
+                                          speculative=f"draft={cut_draft},k=4"))
+    rounds: list[tuple[list[list[int]], torch.Tensor, list[int]]] = []
+    propose = scheduler.speculator.propose
+
+    def recorded(reqs):
+        guesses = propose(reqs)  # a copy on the device, in stream order: no wait, no race
+        rounds.append(([list(r.token_ids) for r in reqs], guesses.tokens.clone(),
+                       list(guesses.counts)))
+        return guesses
+
+    scheduler.speculator.propose = recorded
+    reqs = fresh(prompt_ids, mixed_params(len(prompt_ids)))
+    for req in reqs:
+        scheduler.add(req)
+    while scheduler.has_work:
+        scheduler.step()
+    speculator = scheduler.speculator
+    assert 0 < speculator.num_accepted < speculator.num_proposed
+    if device == "cuda":
+        assert speculator.draft.rounds_ahead > scheduler.num_steps // 2
+    scorer = Engine(EngineConfig(cut_draft, device=device, dtype=dtype, num_pages=1024,
+                                 max_running_reqs=8, cuda_graph=False))
+    scored = 0
+    for confirmed, tokens, counts in rounds:
+        for text, row, count in zip(confirmed, tokens.tolist(), counts):
+            if count:
+                slack = greedy_slack(scorer, text, row[:count])
+                assert max(slack) <= 1.0, (len(text), row[:count], [round(x, 2) for x in slack])
+                scored += 1
+    assert scored >= 20
+
+
 # --------------------------------------------------------------------------- through the server
 def test_the_server_speculates_with_the_same_greedy_answers(
         shakespeare_server, cut_draft, tmp_path) -> None:

@@ -98,23 +98,25 @@ class DraftModel:
         if ran_ahead is not None:  # ran ahead, not used now: their lengths are unknown
             for uid in ran_ahead.rows.keys() - {copy.req.uid for _, copy in ready}:
                 self.release(uid)
-        parts: list[tuple[list[int], torch.Tensor]] = []  # rows of reqs, their guesses
+        # (rows of reqs, a tensor of guesses, the rows of it they take)
+        parts: list[tuple[list[int], torch.Tensor, list[int]]] = []
         if ready:
-            parts.append(([i for i, _ in ready],
-                          ran_ahead.select([ran_ahead.rows[c.req.uid] for _, c in ready])))
+            parts.append(([i for i, _ in ready], ran_ahead.tokens,
+                          [ran_ahead.rows[c.req.uid] for _, c in ready]))
         if behind:
             try:
                 steps = self._decode([copy for _, copy in behind])
                 # Step j's argmax is guess j; the last step's only puts the last guess in the
                 # cache. A copy, too: the graph's memory is overwritten next round.
-                parts.append(([i for i, _ in behind], steps[: self.k].T.contiguous()))
+                parts.append(([i for i, _ in behind], steps[: self.k].T.contiguous(),
+                              list(range(len(behind)))))
             except OutOfPagesError:  # the draft has no prefix cache: its pool can fill first
                 logger.warning("the draft's KV pool is full: no guesses this round")
                 for _, copy in behind:
                     self.release(copy.req.uid)
                     del want[copy.req.uid]
                 behind = []
-        guessed = _stack_rows(parts, len(reqs), self.k, self.engine.device)
+        guessed = _gather_rows(parts, len(reqs), self.k, self.engine.device)
         counts = [want.get(req.uid, 0) for req in reqs]
         self._unread = (guessed, [(copy, i, counts[i]) for i, copy in ready + behind])
         return Guesses(guessed, counts)
@@ -226,21 +228,19 @@ class _Ahead:
     tokens: torch.Tensor  # [C, k]
     rows: dict[int, int]
 
-    def select(self, rows: list[int]) -> torch.Tensor:
-        if rows == list(range(self.tokens.shape[0])):
-            return self.tokens
-        return self.tokens[host_to_device(torch.tensor(rows), self.tokens.device)]
 
-
-def _stack_rows(parts: list[tuple[list[int], torch.Tensor]], size: int, k: int,
-                device: torch.device) -> torch.Tensor:
-    """A ``[size, k]`` tensor whose rows ``rows`` are ``tokens``, for each ``(rows, tokens)``
-    of ``parts``; zeros elsewhere (rows with no guesses)."""
-    if len(parts) == 1 and parts[0][0] == list(range(size)):
-        return parts[0][1]
+def _gather_rows(parts: list[tuple[list[int], torch.Tensor, list[int]]], size: int, k: int,
+                 device: torch.device) -> torch.Tensor:
+    """A ``[size, k]`` tensor whose row ``rows[j]`` is ``tokens[taken[j]]``, for each
+    ``(rows, tokens, taken)`` of ``parts``; zeros elsewhere (rows with no guesses)."""
+    if len(parts) == 1:
+        rows, tokens, taken = parts[0]
+        if rows == list(range(size)) and taken == list(range(tokens.shape[0])):
+            return tokens
     full = torch.zeros(size, k, dtype=torch.int64, device=device)
-    for rows, tokens in parts:
-        full[host_to_device(torch.tensor(rows, dtype=torch.int64), device)] = tokens
+    for rows, tokens, taken in parts:  # both index lists in one copy
+        index = host_to_device(torch.tensor([rows, taken], dtype=torch.int64), device)
+        full[index[0]] = tokens[index[1]]
     return full
 
 

@@ -28,10 +28,10 @@ import torch
 from minisgl.attention import BatchLayout, layout_of, pad_batch
 from minisgl.attention.fi import PageArrays
 from minisgl.core import Batch
-from minisgl.speculative.accept import Verdict
 from minisgl.engine.graph import GraphRunner
 from minisgl.kvcache.page_table import PageTable, expand_ranges, pages_for, slots_of
 from minisgl.layers.attention import use_attention_backend
+from minisgl.speculative.accept import Verdict
 from minisgl.utils.torch_utils import host_to_device
 
 if TYPE_CHECKING:  # engine.py does not import this module: no cycle at run time
