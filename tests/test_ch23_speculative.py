@@ -428,6 +428,21 @@ def test_a_bad_setting_is_refused_naming_the_forms(text) -> None:
         SchedulerConfig(SHAKESPEARE_DIR, device="cpu", speculative=text)
 
 
+def test_a_speculating_engine_has_graphs_for_every_entry_a_verify_pass_feeds() -> None:
+    """A verify pass feeds k + 1 decode entries per request: at batch 1 with k = 4 that is 5
+    entries, which graphs sized for the requests alone (1) would leave to run eagerly."""
+    from minisgl.engine.graph import capture_batch_sizes, padded_batch_size
+
+    def sizes(**settings) -> list[int]:
+        return capture_batch_sizes(SchedulerConfig(SHAKESPEARE_DIR, device="cpu", **settings))
+
+    assert sizes(max_running_reqs=1) == [1]
+    assert sizes(max_running_reqs=1, speculative="ngram") == [1, 2, 4, 5]
+    assert padded_batch_size(8 * 7, sizes(max_running_reqs=8, speculative="ngram,k=6")) == 56
+    assert sizes(max_running_reqs=128, speculative="ngram")[-1] == 256  # the cap stays
+    assert sizes(max_running_reqs=8, speculative="ngram", cuda_graph_max_bs=16)[-1] == 16
+
+
 def test_speculation_with_overlap_asked_for_is_refused() -> None:
     with pytest.raises(ValueError, match="exclude each other"):
         SchedulerConfig(SHAKESPEARE_DIR, device="cpu", speculative="ngram", overlap=True)
@@ -536,8 +551,10 @@ def test_the_draft_steps_launched_as_one_write_what_one_step_at_a_time_writes(
 
     steps = 5
     dtype = "bfloat16" if device == "cuda" else "float32"
+    # configured as a draft's engine is (DraftModel): its graphs are DraftSteps'
     engine = Engine(EngineConfig(SHAKESPEARE_DIR, device=device, dtype=dtype,
-                                 num_pages=2048, max_running_reqs=8, fixed_plans=True))
+                                 num_pages=2048, max_running_reqs=8, fixed_plans=True,
+                                 cuda_graph_batch_sizes=(1,)))
     chained = DraftSteps(engine, steps)
     assert chained.graphs.enabled == (device == "cuda")
     # and one long context: a plan made at capture must hold for any length

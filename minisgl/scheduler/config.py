@@ -113,3 +113,12 @@ class SchedulerConfig(EngineConfig):
         if self.prefix_cache not in PREFIX_CACHES:
             raise ValueError(f"prefix_cache must be one of {', '.join(PREFIX_CACHES)}; "
                              f"got {self.prefix_cache!r}")
+
+    @property
+    def max_decode_entries(self) -> int:
+        """A verify pass (chapter 23) feeds each request's last token and its guesses as decode
+        entries of their own: ``k + 1`` a request, which the CUDA graphs must cover too (with
+        graphs for the requests alone, batch 1 would verify eagerly)."""
+        if self.speculative is None:
+            return self.max_running_reqs
+        return self.max_running_reqs * (Speculation.parse(self.speculative).k + 1)
