@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
         f"{len(held_out)} held-out prompts x {args.eval_len}, in "
         f"{time.perf_counter() - wall:.0f} s")
 
+    whole = AutoModelForCausalLM.from_pretrained(args.init, dtype=torch.float32).to(device)
+    log(f"{args.init.name} whole, held-out: {describe(agreement(whole, texts, device))}")
+    del whole
     with tempfile.TemporaryDirectory() as tmp:
         start = cut_layers(args.init, args.layers, Path(tmp) / "init")
         model = AutoModelForCausalLM.from_pretrained(start, dtype=torch.float32)
