@@ -910,5 +910,9 @@ def test_the_speedup_benchmark_compares_each_proposer_with_plain_decoding(repo_s
     assert all(row["kept"] == 1.0 for row in table[f"draft={SHAKESPEARE_DIR},k=3"].values())
     for setting in ("ngram", f"draft={SHAKESPEARE_DIR},k=3"):  # guessing is part of a round
         assert all(0 < row["guess_ms"] < row["round_ms"] for row in table[setting].values())
+    batches = bench.batches_of(3, 20)  # batch 1 measures every prompt, not the first alone
+    assert [len(b) for b in batches] == [3] * 7
+    given = sum(batches, [])
+    assert given[:20] == bench.held_out_prompts(20) and len(set(given)) == 20
     assert bench.agreeing_share([[1, 2, 3], [4, 5]], [[1, 2, 9], [4, 5]]) == 4 / 5
     assert bench.agreeing_share([[7, 2, 3]], [[1, 2, 3]]) == 0.0
