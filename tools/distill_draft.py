@@ -122,9 +122,9 @@ def describe(matches: list[list[bool]]) -> str:
 
 
 def distil(model: torch.nn.Module, rows: torch.Tensor, prompt_len: int,
-           args: argparse.Namespace, log: Callable[[str], None]) -> int:
+           args: argparse.Namespace, log: Callable[[str], None]) -> None:
     """Train ``model`` on ``rows`` (prompt then the target's continuation) to predict the
-    continuation; returns the steps taken."""
+    continuation."""
     device = rows.device
     generator = torch.Generator(device=device).manual_seed(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -152,7 +152,6 @@ def distil(model: torch.nn.Module, rows: torch.Tensor, prompt_len: int,
             log(f"  step {step}: loss {loss.item():.3f}")
     log(f"distilled {step} steps in {time.perf_counter() - start:.1f} s, last loss "
         f"{loss.item():.3f}")
-    return step
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -242,7 +241,7 @@ def main(argv: list[str] | None = None) -> int:
 
     args.out.mkdir(parents=True, exist_ok=True)
     model.to(torch.bfloat16).save_pretrained(args.out, safe_serialization=True)
-    for name in (*TOKENIZER_FILES, "generation_config.json", "readability_prompts.json"):
+    for name in ("generation_config.json", "readability_prompts.json"):
         if (args.init / name).is_file():
             shutil.copyfile(args.init / name, args.out / name)
     for name in TOKENIZER_FILES:  # the target's: a guess is one of its token ids

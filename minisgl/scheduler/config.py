@@ -119,6 +119,7 @@ class SchedulerConfig(EngineConfig):
         """A verify pass (chapter 23) feeds each request's last token and its guesses as decode
         entries of their own: ``k + 1`` a request, which the CUDA graphs must cover too (with
         graphs for the requests alone, batch 1 would verify eagerly)."""
+        entries = super().max_decode_entries
         if self.speculative is None:
-            return self.max_running_reqs
-        return self.max_running_reqs * (Speculation.parse(self.speculative).k + 1)
+            return entries
+        return entries * (Speculation.parse(self.speculative).k + 1)
