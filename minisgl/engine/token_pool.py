@@ -75,16 +75,22 @@ class TokenPool:
         tokens = tokens.to(self.ids.device, non_blocking=True)
         self._flat[lists[:len(dst)]] = tokens[lists[len(dst):]]
 
-    def write(self, reqs: Sequence[Req], starts: Sequence[int],
-              tokens: Sequence[Sequence[int]]) -> None:
-        """Write ``tokens[i]``, a list on the host, at positions ``starts[i]`` on of
-        ``reqs[i]``'s row, in one copy to the device (chapter 23: the guesses a verify pass
-        kept and the target's own token)."""
-        dst: list[int] = []
-        for req, start, ids in zip(reqs, starts, tokens, strict=True):
+    def store_rows(self, reqs: Sequence[Req], starts: Sequence[int], counts: Sequence[int],
+                   tokens: torch.Tensor) -> None:
+        """Write the first ``counts[i]`` of row ``i`` of ``tokens`` (``[B, n]``, on the device)
+        at positions ``starts[i]`` on of ``reqs[i]``'s row, in one copy of indices to the device
+        (chapter 23: the tokens of a verdict, written before the host has read them).
+
+        Any of them past what a request goes on to keep are never fed: a request's positions
+        past its length are written again before a pass reads them.
+        """
+        dst: list[int] = []  # where each token goes
+        src: list[int] = []  # where it is in ``tokens``, flattened
+        width = tokens.shape[1]
+        for i, (req, start, count) in enumerate(zip(reqs, starts, counts, strict=True)):
             row = req.table_row * self.row_len
-            dst += range(row + start, row + start + len(ids))
+            dst += range(row + start, row + start + count)
+            src += range(i * width, i * width + count)
         if dst:
-            values = [t for ids in tokens for t in ids]
-            lists = host_to_device(torch.tensor(dst + values, dtype=torch.int64), self.ids.device)
-            self._flat[lists[:len(dst)]] = lists[len(dst):]
+            lists = host_to_device(torch.tensor(dst + src, dtype=torch.int64), self.ids.device)
+            self._flat[lists[:len(dst)]] = tokens.reshape(-1)[lists[len(dst):]]

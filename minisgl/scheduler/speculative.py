@@ -108,13 +108,14 @@ class Speculator:
         host, ready = self._host_verdicts.copy(packed.view(-1))
         if self.draft is not None:
             self.draft.guess_ahead(verdict)
+        # Each request's tokens go into the token pool on the device, as a decode step's
+        # sample does, while the host would otherwise wait: it has nothing to write back.
+        self.engine.token_pool.store_rows(reqs, lengths, [n + 1 for n in guesses.counts],
+                                          verdict.tokens)
         if ready is not None:
             ready.synchronize()  # the host waits here
         emitted = unpack(host.view(packed.shape).tolist())
         read: list[Req] = []
-        going_on: list[Req] = []
-        starts: list[int] = []  # where each request going on took its tokens
-        took: list[list[int]] = []
         for req, length, count, tokens in zip(reqs, lengths, guesses.counts, emitted):
             self.num_proposed += count
             self.num_accepted += len(tokens) - 1
@@ -129,13 +130,6 @@ class Speculator:
             # length + kept. A request that stopped early holds fewer tokens than that.
             req.cached_len = length + min(len(tokens) - 1, taken)
             self.cache.pages.shrink(req)
-            if req.finish_reason is None:
-                going_on.append(req)
-                starts.append(length)
-                took.append(tokens)
-        # The token pool holds every running request's tokens: the kept guesses and the
-        # target's own token go in (the pass read the guesses from the proposer).
-        self.engine.token_pool.write(going_on, starts, took)
         return SpeculativeStep(read, new_pages, batch.num_tokens)
 
     def release(self, req: Req) -> None:
