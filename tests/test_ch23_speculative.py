@@ -475,7 +475,9 @@ def fed_batch(engine, prompts: list[list[int]], guesses: list[list[int]]) -> Bat
     their ``guesses`` in one prefill-phase batch, as a speculative step sets it up."""
     reqs = prefilled(engine, prompts)
     for req, guessed in zip(reqs, guesses):
-        engine.token_pool.write([req], [req.num_tokens], [guessed])
+        engine.token_pool.store_rows([req], [req.num_tokens], [len(guessed)],
+                                     torch.tensor([guessed], dtype=torch.int64,
+                                                  device=engine.device).view(1, -1))
         req.in_flight = len(guessed)
     engine.pages.reserve(*reqs)
     return Batch(reqs, "prefill")
@@ -580,6 +582,44 @@ def test_the_draft_steps_launched_as_one_write_what_one_step_at_a_time_writes(
         [1] * steps * len(reqs), steps * len(reqs), steps * len(reqs))
     torch.testing.assert_close(stored_kv(engine, fed(ours)), stored_kv(engine, fed(theirs)),
                                rtol=0, atol=0)
+
+
+@pytest.mark.gpu
+def test_a_fixed_plans_engine_replays_growing_batches_without_planning_again(
+        prompt_ids) -> None:
+    """With ``fixed_plans`` a captured size's plan holds for any lengths, so a replay writes
+    the page arrays and plans nothing (the host's FlashInfer ``plan()`` is skipped). Decode
+    steps of a short and a long context, graph against eager, must sample the same tokens
+    and score within bfloat16 rounding, with ``plan()`` called at capture only."""
+    from minisgl.engine.config import EngineConfig
+    from minisgl.engine.engine import Engine
+
+    engine = Engine(EngineConfig(SHAKESPEARE_DIR, device="cuda", dtype="bfloat16",
+                                 num_pages=2048, max_running_reqs=2, fixed_plans=True,
+                                 cuda_graph_batch_sizes=(2,)))
+    wrapper = engine.attn_backend._graph_wrappers[2][0]
+    plans = []
+    original_plan = wrapper.plan
+    wrapper.plan = lambda *a, **k: (plans.append(1), original_plan(*a, **k))[1]
+    reqs = prefilled(engine, [prompt_ids[0], sum(prompt_ids, [])[:-1] * 4])
+    for _ in range(6):
+        batch = Batch(reqs, "decode")
+        engine.pages.reserve(*reqs)
+        eager = engine.logits(batch, use_graph=False).clone()
+        replayed = engine.logits(batch).clone()
+        tol = bf16_tol(eager)
+        torch.testing.assert_close(replayed, eager, rtol=tol, atol=tol)
+        tokens = eager.argmax(-1).tolist()
+        top2 = eager.topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1] > 2 * tol).tolist()
+        assert [t for t, c in zip(replayed.argmax(-1).tolist(), clear) if c] == \
+            [t for t, c in zip(tokens, clear) if c]
+        engine.token_pool.store_rows(reqs, [r.num_tokens for r in reqs], [1] * len(reqs),
+                                     eager.argmax(-1, keepdim=True))
+        batch.advance()
+        for req, token in zip(reqs, tokens):
+            req.append_token(token)
+    assert plans == [], "a replay of a fixed-plans engine planned again"
 
 
 @pytest.mark.gpu

@@ -168,6 +168,7 @@ class FlashInferBackend(BaseAttnBackend):
         # captured batch size -> its decode wrapper over fixed arrays, its fixed query rows
         # and its number of pieces
         self._graph_wrappers: dict[int, tuple[Any, QueryRows | None, int]] = {}
+        self._planned_sizes: set[int] = set()  # captured sizes planned once (fixed_plans)
         # plan() stages its arrays in pinned host memory and copies them to the GPU
         # asynchronously. Planning again before that copy ran would overwrite the staging
         # memory under it, so each plan waits for the previous one's copy (see _plan).
@@ -214,6 +215,13 @@ class FlashInferBackend(BaseAttnBackend):
                 arrays["query_rows"] = QueryRows(host_to_device(rows.owners, self.device),
                                                  host_to_device(rows.indptr, self.device))
         meta = FIMetadata(**fields, **arrays, wrapper=wrapper)
+        if static and self.fixed_plans and layout.size in self._planned_sizes:
+            # The plan made when this size's graph was captured holds for any lengths: only
+            # the arrays change, and they go where plan() would have copied them.
+            self._graph_indptr[: len(meta.page_indptr)].copy_(meta.page_indptr, non_blocking=True)
+            self._graph_last_lens[: len(meta.last_page_lens)].copy_(meta.last_page_lens,
+                                                                    non_blocking=True)
+            return meta
         # plan(): the wrapper looks at the batch's lengths and splits the work, once a batch.
         # It stages its own arrays in pinned memory, so it waits for the last plan's copy.
         self._plan_copied.synchronize()
@@ -231,6 +239,8 @@ class FlashInferBackend(BaseAttnBackend):
             wrapper.plan(meta.qo_indptr, meta.page_indptr, meta.page_indices,
                          meta.last_page_lens, head_dim_qk=self.head_dim, causal=True, **common)
         self._plan_copied.record()
+        if static:
+            self._planned_sizes.add(layout.size)
         return meta
 
     def _attend(self, q: torch.Tensor, layer_id: int, meta: AttnMetadata) -> torch.Tensor:
@@ -266,7 +276,8 @@ class FlashInferBackend(BaseAttnBackend):
             raise ValueError("a caller's page arrays hold one entry per request: they cannot "
                              "serve a decode cut into pieces (use tensor cores)")
         indptr, indices, last_lens = arrays.indptr, arrays.indices, arrays.last_page_lens
-        self._graph_page_indices = indices
+        self._graph_indptr, self._graph_page_indices, self._graph_last_lens = (
+            indptr, indices, last_lens)
         for bs, num_pieces in pieces.items():
             entries = num_pieces or bs  # the kernel's requests: pieces, or the batch's
             wrapper = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(
