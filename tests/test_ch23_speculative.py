@@ -477,7 +477,7 @@ def fed_batch(engine, prompts: list[list[int]], guesses: list[list[int]]) -> Bat
     for req, guessed in zip(reqs, guesses):
         engine.token_pool.store_rows([req], [req.num_tokens], [len(guessed)],
                                      torch.tensor([guessed], dtype=torch.int64,
-                                                  device=engine.device).view(1, -1))
+                                                  device=engine.device))
         req.in_flight = len(guessed)
     engine.pages.reserve(*reqs)
     return Batch(reqs, "prefill")
@@ -498,6 +498,20 @@ BF16_REL_TOL = 2.0 ** -6
 def bf16_tol(logits: torch.Tensor) -> float:
     """What bfloat16 rounding may move logits of this scale by."""
     return BF16_REL_TOL * logits.abs().max().item()
+
+
+def clear_rows(reference: torch.Tensor, tol: float) -> list[bool]:
+    """Which rows of ``reference`` have their top logit ahead of the second by more than
+    ``2 * tol``, what rounding on both sides may close: there the argmax must not change."""
+    top2 = reference.topk(2, dim=-1).values
+    return (top2[:, 0] - top2[:, 1] > 2 * tol).tolist()
+
+
+def assert_argmaxes_agree(ours: torch.Tensor, reference: torch.Tensor,
+                          rows: list[bool]) -> None:
+    """``ours`` and ``reference`` pick the same token in every row that ``rows`` marks."""
+    assert [a for a, c in zip(ours.argmax(-1).tolist(), rows) if c] == \
+        [a for a, c in zip(reference.argmax(-1).tolist(), rows) if c]
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu"),
@@ -530,11 +544,9 @@ def test_each_fed_token_decoding_as_an_entry_scores_as_a_prefill_would(
     if device == "cpu":  # float32 on both sides: every argmax
         clear = [True] * len(reference)
     else:
-        top2 = reference.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1] > 2 * tol).tolist()
+        clear = clear_rows(reference, tol)
         assert sum(clear) >= len(clear) // 2, "too few rows with a clear argmax to compare"
-    assert [a for a, c in zip(ours.argmax(-1).tolist(), clear) if c] == \
-        [a for a, c in zip(reference.argmax(-1).tolist(), clear) if c]
+    assert_argmaxes_agree(ours, reference, clear)
     torch.testing.assert_close(stored, stored_kv(engine, layout), rtol=tol, atol=tol)
 
 
@@ -600,7 +612,12 @@ def test_a_fixed_plans_engine_replays_growing_batches_without_planning_again(
     wrapper = engine.attn_backend._graph_wrappers[2][0]
     plans = []
     original_plan = wrapper.plan
-    wrapper.plan = lambda *a, **k: (plans.append(1), original_plan(*a, **k))[1]
+
+    def counted_plan(*args, **kwargs):
+        plans.append(1)
+        return original_plan(*args, **kwargs)
+
+    wrapper.plan = counted_plan
     reqs = prefilled(engine, [prompt_ids[0], sum(prompt_ids, [])[:-1] * 4])
     for _ in range(6):
         batch = Batch(reqs, "decode")
@@ -609,15 +626,12 @@ def test_a_fixed_plans_engine_replays_growing_batches_without_planning_again(
         replayed = engine.logits(batch).clone()
         tol = bf16_tol(eager)
         torch.testing.assert_close(replayed, eager, rtol=tol, atol=tol)
-        tokens = eager.argmax(-1).tolist()
-        top2 = eager.topk(2, dim=-1).values
-        clear = (top2[:, 0] - top2[:, 1] > 2 * tol).tolist()
-        assert [t for t, c in zip(replayed.argmax(-1).tolist(), clear) if c] == \
-            [t for t, c in zip(tokens, clear) if c]
+        assert_argmaxes_agree(replayed, eager, clear_rows(eager, tol))
+        sampled = eager.argmax(-1, keepdim=True)  # [B, 1]
         engine.token_pool.store_rows(reqs, [r.num_tokens for r in reqs], [1] * len(reqs),
-                                     eager.argmax(-1, keepdim=True))
+                                     sampled)
         batch.advance()
-        for req, token in zip(reqs, tokens):
+        for req, token in zip(reqs, sampled.view(-1).tolist()):
             req.append_token(token)
     assert plans == [], "a replay of a fixed-plans engine planned again"
 
