@@ -846,6 +846,7 @@ def test_on_cuda_greedy_speculation_follows_plain_decoding_through_graphs(
             scheduler.add(req)
         while scheduler.has_work:
             scheduler.step()
+            scheduler.check_integrity()
         assert scheduler.cache.pages_in_use == 0
         assert replayed, "nothing replayed a CUDA graph"
         return reqs, scheduler
@@ -867,8 +868,43 @@ def test_on_cuda_greedy_speculation_follows_plain_decoding_through_graphs(
         draft = None if spec is None else scheduler.speculator.draft
         if draft is not None:  # most rounds launched ahead; the copies and pages all went back
             assert draft.rounds_ahead > scheduler.num_steps // 2
+            assert scheduler.speculator.rounds_verified_ahead > 0
             assert draft.num_copies == 0
             assert draft.engine.pages.num_used == 1  # the graphs' padding row's, for good
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("k", [3, 6])
+def test_on_cuda_verify_passes_launched_ahead_write_the_models_greedy_text(
+        k, prompt_ids, cut_draft) -> None:
+    """At batch 1 nearly every verify pass is launched from the device's verdict before the
+    host reads it (VerifyAhead): its inputs, positions and page arrays computed there. Every
+    token it keeps must still be the target's greedy choice after the text before it, the
+    bookkeeping must agree with itself every step, and every page must come back, also after a
+    request that ends at an end-of-sequence token while a pass is launched for it."""
+    from minisgl.engine.config import EngineConfig
+    from minisgl.engine.engine import Engine
+
+    scheduler = Scheduler(SchedulerConfig(SHAKESPEARE_DIR, device="cuda", dtype="bfloat16",
+                                          num_pages=4096, max_running_reqs=8, overlap=False,
+                                          speculative=f"draft={cut_draft},k={k}"))
+    speculator = scheduler.speculator
+    assert speculator.ahead is not None
+    scorer = Engine(EngineConfig(SHAKESPEARE_DIR, device="cuda", dtype="bfloat16",
+                                 num_pages=1024, max_running_reqs=8, cuda_graph=False))
+    for i, ids in enumerate(prompt_ids[:3]):
+        req = Req(i, ids, SamplingParams(max_tokens=60 + 7 * i, ignore_eos=i != 2))
+        before = (scheduler.num_steps, speculator.rounds_verified_ahead)
+        scheduler.add(req)
+        while scheduler.has_work:
+            scheduler.step()
+            scheduler.check_integrity()
+        rounds = scheduler.num_steps - before[0] - 1  # the prefill, then rounds
+        assert speculator.rounds_verified_ahead - before[1] >= rounds // 2, (rounds, i)
+        slack = greedy_slack(scorer, req.prompt_ids, req.output_ids)
+        assert max(slack) <= 1.0, (i, [round(x, 2) for x in slack])
+        assert scheduler.cache.pages_in_use == 0
+    assert 0 < speculator.num_accepted < speculator.num_proposed
 
 
 @pytest.mark.parametrize("device", [pytest.param("cpu"),

@@ -175,13 +175,15 @@ class FlashInferBackend(BaseAttnBackend):
         self._plan_copied = torch.cuda.Event()
         self._plan_copied.record()
 
-    def sibling(self) -> FlashInferBackend:
+    def sibling(self, fixed_plans: bool | None = None) -> FlashInferBackend:
         """A backend over the same pool, page table and scratch memory, with plans of its own:
         batches planned on several siblings can all be planned before any of them runs
         (chapter 23's draft steps). The scratch is shared safely: kernels on one stream run one
-        after another."""
+        after another. ``fixed_plans``: the sibling's (None: this backend's)."""
         return FlashInferBackend(self.kv_pool, self.page_table, self.num_qo_heads,
-                                 workspace=self._workspace, fixed_plans=self.fixed_plans)
+                                 workspace=self._workspace,
+                                 fixed_plans=self.fixed_plans if fixed_plans is None
+                                 else fixed_plans)
 
     def _decode_pieces(self, batch_size: int) -> int:
         """Pieces a decode batch is cut into: on the CUDA-core kernel only (see __init__)."""

@@ -148,6 +148,14 @@ class DraftModel:
                              {copy.req.uid: i for i, copy in enumerate(copies)})
         self.rounds_ahead += 1
 
+    def ahead_columns(self, reqs: Sequence[Req]) -> list[int] | None:
+        """Where each of ``reqs`` finds the guesses of the steps launched ahead this round:
+        its column of :attr:`DraftSteps.chain` (rows ``1 .. k``); None unless every one of
+        them has such guesses."""
+        if self._ahead is None or any(req.uid not in self._ahead.rows for req in reqs):
+            return None
+        return [self._ahead.rows[req.uid] for req in reqs]
+
     def release(self, uid: int) -> None:
         """Forget request ``uid`` (it finished or was aborted): its copy's pages go back."""
         copy = self._copies.pop(uid, None)

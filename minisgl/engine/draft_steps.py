@@ -111,6 +111,12 @@ class DraftSteps:
         self.ahead_graphs = GraphRunner(ahead_sizes, device, run=self._compute_ahead_inputs,
                                         prepare=lambda bs: None)
 
+    @property
+    def chain(self) -> torch.Tensor:
+        """``[num_steps + 1, max_bs]``: row 0 the first step's inputs, row ``j + 1`` step
+        ``j``'s argmax, column ``i`` the batch's request ``i`` (fixed memory, on the device)."""
+        return self._chain
+
     def run(self, batch: Batch) -> torch.Tensor:
         """Decode ``batch`` greedily ``num_steps`` times; returns the ``[num_steps, B]`` tokens,
         on the device.

@@ -7,7 +7,9 @@ the target feeds each request's last token and its guesses in one pass
 with plus one token of the target's own. The guesses it rejected wrote K/V that is now wrong:
 the request's length is cut back to what it kept, and whole pages past it go back to the pool.
 The prefix cache never sees a rejected token, because it only ever takes tokens up to a
-request's ``cached_len``. Chapter 23 tells the story.
+request's ``cached_len``. With a draft model on a GPU, the next round's draft steps and verify
+pass are both launched from the verdict on the device, before the host reads it
+(:class:`~minisgl.engine.verify_ahead.VerifyAhead`). Chapter 23 tells the story.
 """
 
 from __future__ import annotations
@@ -16,14 +18,18 @@ import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from minisgl.core import Batch, Req
 from minisgl.engine.draft import DraftModel
 from minisgl.engine.engine import Engine
 from minisgl.engine.verify import Guesses, verify
+from minisgl.engine.verify_ahead import VerifyAhead
+from minisgl.kvcache import OutOfPagesError
 from minisgl.scheduler.cache import CacheManager
 from minisgl.scheduler.config import SchedulerConfig, Speculation
 from minisgl.scheduler.overlap import HostTokens
-from minisgl.speculative.accept import unpack
+from minisgl.speculative.accept import Verdict, unpack
 from minisgl.speculative.ngram import propose_ngram
 
 
@@ -51,6 +57,23 @@ class SpeculativeStep:
     num_tokens: int
 
 
+@dataclass
+class _Launched:
+    """A verify pass launched before the host read the verdict before it (VerifyAhead).
+
+    Attributes:
+        reqs: the requests it verifies, in order; each fed ``k`` guesses.
+        verdict: its verdict, on the device; ``host``, ``ready``: its copy to the host.
+        new_pages: pages reserved for it.
+    """
+
+    reqs: list[Req]
+    verdict: Verdict
+    host: torch.Tensor
+    ready: torch.cuda.Event | None
+    new_pages: int
+
+
 class Speculator:
     """Runs the decode steps of a scheduler that speculates.
 
@@ -64,6 +87,9 @@ class Speculator:
         draft: the draft model, or None for prompt lookup.
         num_proposed: guesses made so far.
         num_accepted: guesses the target kept so far.
+        ahead: the graphs that launch a verify pass from the device's verdict, where the
+            draft's steps are launched ahead too (None elsewhere).
+        rounds_verified_ahead: rounds whose verify pass was launched ahead.
     """
 
     def __init__(self, config: SchedulerConfig, engine: Engine, cache: CacheManager) -> None:
@@ -78,6 +104,12 @@ class Speculator:
         self.num_accepted = 0
         # a verdict's rows, [B, k + 2] at most, read without waiting for what follows them
         self._host_verdicts = HostTokens(engine.device, config.max_running_reqs * (self.k + 2))
+        self.ahead: VerifyAhead | None = None
+        if (self.draft is not None and self.draft.steps.ahead_graphs.enabled
+                and engine.graph_runner.enabled and engine.attn_backend.name == "flashinfer"):
+            self.ahead = VerifyAhead(engine, self.k, self.draft.steps.chain)
+        self._launched: _Launched | None = None  # the next round's pass, launched already
+        self.rounds_verified_ahead = 0
 
     def propose(self, reqs: Sequence[Req]) -> Guesses:
         """Each request's guesses: at most ``k``, and never more than its ``max_tokens`` leaves
@@ -91,6 +123,7 @@ class Speculator:
     def decode(self, reqs: Sequence[Req], eos_token_ids: Sequence[int]) -> SpeculativeStep:
         """One speculative decode step of ``reqs`` (each has read its last sample); the
         scheduler retires those that finished."""
+        launched, self._launched = self._launched, None
         if not reqs:
             return SpeculativeStep([], 0, 0)
         guesses = self.propose(reqs)
@@ -99,22 +132,34 @@ class Speculator:
         # tokens in flight do: the pass is then an ordinary prefill over a cached past.
         for req, count in zip(reqs, guesses.counts):
             req.in_flight = count
-        new_pages = self.cache.reserve(reqs)
-        batch = Batch(list(reqs), "prefill")
-        verdict = verify(self.engine, batch, guesses)
-        # The verdict starts for the host, then the draft's next steps start from it on the
-        # device: the host waits for the copy only, and the device goes on guessing.
-        packed = verdict.packed()
-        host, ready = self._host_verdicts.copy(packed.view(-1))
+        num_fed = sum(guesses.counts) + len(reqs)
+        if (launched is not None and launched.reqs == list(reqs)
+                and guesses.counts == [self.k] * len(reqs)):
+            # Launched last round from the device's verdict, with these very guesses.
+            verdict, host, ready, new_pages = launched.verdict, launched.host, launched.ready, 0
+            self.rounds_verified_ahead += 1
+        else:
+            if launched is not None:  # its batch changed: the pages kept for it go back
+                for req in launched.reqs:
+                    if req.table_row is not None:
+                        self.cache.pages.shrink(req)
+            new_pages = self.cache.reserve(reqs)
+            verdict = verify(self.engine, Batch(list(reqs), "prefill"), guesses)
+            # The verdict starts for the host, then the draft's next steps start from it on
+            # the device: the host waits for the copy only, and the device goes on guessing.
+            host, ready = self._host_verdicts.copy(verdict.packed().view(-1))
         if self.draft is not None:
             self.draft.guess_ahead(verdict)
         # Each request's tokens go into the token pool on the device, as a decode step's
         # sample does, while the host would otherwise wait: it has nothing to write back.
         self.engine.token_pool.store_rows(reqs, lengths, [n + 1 for n in guesses.counts],
                                           verdict.tokens)
+        self._launched = self._verify_next(reqs, lengths, guesses.counts, verdict)
+        if self._launched is not None:
+            new_pages += self._launched.new_pages
         if ready is not None:
             ready.synchronize()  # the host waits here
-        emitted = unpack(host.view(packed.shape).tolist())
+        emitted = unpack(host.view(len(reqs), -1).tolist())
         read: list[Req] = []
         for req, length, count, tokens in zip(reqs, lengths, guesses.counts, emitted):
             self.num_proposed += count
@@ -129,8 +174,47 @@ class Speculator:
             # K/V now holds the last token and the kept guesses: positions before
             # length + kept. A request that stopped early holds fewer tokens than that.
             req.cached_len = length + min(len(tokens) - 1, taken)
+        if any(req.finish_reason is not None for req in reqs):
+            self._launched = None  # its batch is not the next one
+        for req in reqs:
+            # The pass launched ahead feeds k tokens past the last: their pages stay.
+            req.in_flight = self.k if self._launched is not None else 0
             self.cache.pages.shrink(req)
-        return SpeculativeStep(read, new_pages, batch.num_tokens)
+            req.in_flight = 0
+        return SpeculativeStep(read, new_pages, num_fed)
+
+    def _verify_next(self, reqs: Sequence[Req], lengths: list[int], counts: list[int],
+                     verdict: Verdict) -> _Launched | None:
+        """Launch the next round's verify pass from ``verdict`` on the device, before the host
+        reads it, where it can be: a draft whose next steps were launched ahead, greedy
+        requests that will all propose ``k`` guesses whatever is kept, and pages for every
+        position the pass can reach (reserved here, given back once the verdict is read)."""
+        if self.ahead is None or len(reqs) > self.ahead.max_batch_size:
+            return None
+        columns = self.draft.ahead_columns(reqs)
+        if columns is None:
+            return None
+        for req, length, count in zip(reqs, lengths, counts):
+            confirmed = length + count + 1  # at most, after this verdict
+            if (not req.params.is_greedy or confirmed + self.k > self.ahead.max_context
+                    or confirmed > self.draft.engine.max_seq_len - self.k  # propose's limit
+                    or req.params.max_tokens - (len(req.output_ids) + count + 1) - 1 < self.k):
+                return None
+        for req, count in zip(reqs, counts):  # every guess kept, then k more and the last
+            req.in_flight = count + self.k + 1
+        try:
+            new_pages = self.cache.reserve(reqs)
+        except (OutOfPagesError, ValueError):
+            return None
+        finally:
+            for req, count in zip(reqs, counts):
+                req.in_flight = count
+        rows = [req.table_row for req in reqs]
+        launched = self.ahead.launch(rows, lengths, columns, verdict)
+        if launched is None:
+            return None
+        host, ready = self._host_verdicts.copy(launched.packed().view(-1))
+        return _Launched(list(reqs), launched, host, ready, new_pages)
 
     def release(self, req: Req) -> None:
         """``req`` finished or was aborted: the draft forgets it."""
