@@ -125,6 +125,7 @@ class Speculator:
         scheduler retires those that finished."""
         launched, self._launched = self._launched, None
         if not reqs:
+            self._drop(launched)
             return SpeculativeStep([], 0, 0)
         guesses = self.propose(reqs)
         lengths = [req.num_tokens for req in reqs]
@@ -139,10 +140,7 @@ class Speculator:
             verdict, host, ready, new_pages = launched.verdict, launched.host, launched.ready, 0
             self.rounds_verified_ahead += 1
         else:
-            if launched is not None:  # its batch changed: the pages kept for it go back
-                for req in launched.reqs:
-                    if req.table_row is not None:
-                        self.cache.pages.shrink(req)
+            self._drop(launched)
             new_pages = self.cache.reserve(reqs)
             verdict = verify(self.engine, Batch(list(reqs), "prefill"), guesses)
             # The verdict starts for the host, then the draft's next steps start from it on
@@ -182,6 +180,13 @@ class Speculator:
             self.cache.pages.shrink(req)
             req.in_flight = 0
         return SpeculativeStep(read, new_pages, num_fed)
+
+    def _drop(self, launched: _Launched | None) -> None:
+        """``launched`` is not this round's pass (its batch changed): the pages kept for it go
+        back. What it wrote lies past every request's length and is written over later."""
+        for req in [] if launched is None else launched.reqs:
+            if req.table_row is not None:  # not released since
+                self.cache.pages.shrink(req)
 
     def _verify_next(self, reqs: Sequence[Req], lengths: list[int], counts: list[int],
                      verdict: Verdict) -> _Launched | None:
