@@ -91,19 +91,18 @@ class VerifyAhead:
         self.graphs = GraphRunner(sizes, device, run=self._run, prepare=self._plan_padding)
 
     def launch(self, rows: list[int], starts: list[int], columns: list[int],
-               verdict: Verdict) -> Verdict | None:
+               verdict: Verdict) -> Verdict:
         """Launch the verify pass that follows ``verdict``; returns its verdict, on the device
-        (fixed memory: the next launch overwrites it), or None where no graph serves the batch.
+        (fixed memory: the next launch overwrites it).
 
         Request ``i`` (page-table row ``rows[i]``) had ``starts[i]`` tokens confirmed when
         ``verdict`` was launched; it feeds the verdict's last token at position
         ``starts[i] + accepted[i]``, then its ``k`` guesses in column ``columns[i]`` of the
-        draft's chain. Its pages must be reserved as far as that can reach.
+        draft's chain. The caller keeps within ``max_batch_size`` requests and ``max_context``
+        tokens, and reserves pages as far as the pass can reach.
         """
         size = len(rows)
-        bs = next((bs for bs in self.graphs.batch_sizes if bs >= size), None)
-        if bs is None or max(starts) + 2 * self.k + 1 > self.max_context:
-            return None
+        bs = next(bs for bs in self.graphs.batch_sizes if bs >= size)
         pad = bs - size
         self._copied.synchronize()  # the host writes where the last launch's copies read
         self._staged.entries[:, :bs] = torch.tensor(

@@ -97,14 +97,16 @@ class RequestPages:
         self._allocator.free(pages)
         return len(pages)
 
-    def shrink(self, req: Req) -> int:
-        """Give back the pages of ``req``'s row past its ``num_tokens`` tokens; returns how many.
+    def shrink(self, req: Req, ahead: int = 0) -> int:
+        """Give back the pages of ``req``'s row past its ``num_tokens`` tokens and ``ahead``
+        more; returns how many.
 
         Chapter 23: a verify pass wrote K/V for guesses that were then rejected; the request
         is shorter again, and pages that hold only rejected tokens are freed. Their slots in a
-        page it keeps are written over by the tokens that come next.
+        page it keeps are written over by the tokens that come next. A pass launched before
+        this one's verdict was read feeds ``ahead`` tokens past the end: their pages stay.
         """
-        keep = pages_for(req.num_tokens, self.page_size)
+        keep = pages_for(req.num_tokens + ahead, self.page_size)
         dropped = self.table.truncate_row(req.table_row, min(keep, self.pages_held(req)))
         self._allocator.free(dropped)
         return len(dropped)

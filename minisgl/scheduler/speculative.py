@@ -112,13 +112,17 @@ class Speculator:
         self.rounds_verified_ahead = 0
 
     def propose(self, reqs: Sequence[Req]) -> Guesses:
-        """Each request's guesses: at most ``k``, and never more than its ``max_tokens`` leaves
-        room for after the target's own token."""
-        room = [min(self.k, req.params.max_tokens - len(req.output_ids) - 1) for req in reqs]
+        """Each request's guesses, as many as it has room for."""
+        room = [self._room(req) for req in reqs]
         if self.draft is not None:
             return self.draft.propose(reqs, room)
         return Guesses.from_lists([propose_ngram(req.token_ids, n) if n > 0 else []
                                    for req, n in zip(reqs, room)], self.engine.device)
+
+    def _room(self, req: Req, coming: int = 0) -> int:
+        """The guesses ``req`` may make once ``coming`` more tokens are out: at most ``k``, and
+        never more than its ``max_tokens`` leaves room for after the target's own token."""
+        return min(self.k, req.params.max_tokens - (len(req.output_ids) + coming) - 1)
 
     def decode(self, reqs: Sequence[Req], eos_token_ids: Sequence[int]) -> SpeculativeStep:
         """One speculative decode step of ``reqs`` (each has read its last sample); the
@@ -174,11 +178,9 @@ class Speculator:
             req.cached_len = length + min(len(tokens) - 1, taken)
         if any(req.finish_reason is not None for req in reqs):
             self._launched = None  # its batch is not the next one
+        ahead = self.k if self._launched is not None else 0
         for req in reqs:
-            # The pass launched ahead feeds k tokens past the last: their pages stay.
-            req.in_flight = self.k if self._launched is not None else 0
-            self.cache.pages.shrink(req)
-            req.in_flight = 0
+            self.cache.pages.shrink(req, ahead)
         return SpeculativeStep(read, new_pages, num_fed)
 
     def _drop(self, launched: _Launched | None) -> None:
@@ -203,7 +205,7 @@ class Speculator:
             confirmed = length + count + 1  # at most, after this verdict
             if (not req.params.is_greedy or confirmed + self.k > self.ahead.max_context
                     or confirmed > self.draft.engine.max_seq_len - self.k  # propose's limit
-                    or req.params.max_tokens - (len(req.output_ids) + count + 1) - 1 < self.k):
+                    or self._room(req, count + 1) < self.k):
                 return None
         for req, count in zip(reqs, counts):  # every guess kept, then k more and the last
             req.in_flight = count + self.k + 1
@@ -216,8 +218,6 @@ class Speculator:
                 req.in_flight = count
         rows = [req.table_row for req in reqs]
         launched = self.ahead.launch(rows, lengths, columns, verdict)
-        if launched is None:
-            return None
         host, ready = self._host_verdicts.copy(launched.packed().view(-1))
         return _Launched(list(reqs), launched, host, ready, new_pages)
 
