@@ -298,6 +298,34 @@ def test_tokens_per_round_walks_the_rounds_greedy_speculation_makes(
     assert distiller.tokens_per_round(matches, k) == (len(matches), rounds)
 
 
+def test_the_rounds_counted_teacher_forced_are_the_rounds_the_engine_runs(
+        distiller: ModuleType, tmp_path: Path) -> None:
+    """The distiller's tokens per round are a prediction, not an estimate: walking the
+    draft's teacher-forced guesses over the target's greedy text must give exactly as many
+    rounds as greedy speculation with that draft runs in the engine (CPU, float32; the draft is
+    tiny-shakespeare's first two layers, which agree with it about a third of the time)."""
+    from minisgl.core import SamplingParams
+    from minisgl.llm import LLM
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    k, length = 3, 24
+    prompts = json.loads((SHAKESPEARE / "readability_prompts.json").read_text())[:4]
+    ids = [AutoTokenizer.from_pretrained(SHAKESPEARE).encode(p) for p in prompts]
+    text = distiller.continuations(SHAKESPEARE, ids, length, "cpu")
+    draft = distiller.cut_layers(SHAKESPEARE, 2, tmp_path / "draft")
+    model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)
+    matches = distiller.agreement(model, [(p + t, len(p)) for p, t in zip(ids, text)],
+                                  torch.device("cpu"))
+    predicted = sum(distiller.tokens_per_round(m[1:], k)[1] for m in matches)
+    params = SamplingParams(max_tokens=length, ignore_eos=True)
+    with LLM(str(SHAKESPEARE), device="cpu", speculative=f"draft={draft},k={k}") as llm:
+        out = llm.generate(ids, params, progress=False)
+        kept = llm.scheduler.speculator.num_accepted
+    assert [o["token_ids"] for o in out] == text
+    # every token after the first is a kept guess or a round's own token
+    assert 0 < kept < len(ids) * (length - 1) and predicted == len(ids) * (length - 1) - kept
+
+
 def agreement_in(log: str, when: str) -> float:
     line = next(ln for ln in log.splitlines() if ln.startswith(when))
     return float(line.split("agreement ")[1].split(",")[0])

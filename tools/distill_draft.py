@@ -112,11 +112,12 @@ def agreement(model: torch.nn.Module, texts: Sequence[tuple[list[int], int]],
 
 
 def describe(matches: list[list[bool]]) -> str:
-    """The share of guesses that agree, and tokens per round at each reported k."""
+    """The share of guesses that agree, and tokens per round at each reported k. A request's
+    first token comes from its prefill, so its rounds start at the second."""
     flat = [m for text in matches for m in text]
     parts = [f"agreement {sum(flat) / len(flat):.3f}"]
     for k in REPORTED_K:
-        tokens, rounds = map(sum, zip(*(tokens_per_round(m, k) for m in matches)))
+        tokens, rounds = map(sum, zip(*(tokens_per_round(m[1:], k) for m in matches)))
         parts.append(f"k={k}: {tokens / rounds:.2f} tokens/round")
     return ", ".join(parts)
 
@@ -175,8 +176,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--gen-len", type=int, default=96,
                    help="tokens the target writes after each prompt (default: 96)")
-    p.add_argument("--eval-len", type=int, default=256,
-                   help="tokens the target writes after each held-out prompt (default: 256)")
+    p.add_argument("--eval-len", type=int, default=128,
+                   help="tokens the target writes after each held-out prompt (default: 128, "
+                        "as many as benchmark/speculative.py generates)")
     p.add_argument("--batch-size", type=int, default=64)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-steps", type=int, default=100_000)
