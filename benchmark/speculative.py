@@ -14,10 +14,15 @@ speculative run's tokens are compared with the plain run's, and the last column 
 them that agree up to each request's first difference. Greedy speculation changes none in exact
 arithmetic (100% on the CPU, in float32); in bfloat16 a batch of another shape rounds
 differently, and where plain decoding's top two tokens nearly tie, the other may win and the
-text goes another way from there.
+text goes another way from there. ``,ahead=off`` makes each round of a draft wait for the host to
+read the verdict before it: the two settings side by side measure what launching a round ahead
+saves.
 
     python benchmark/speculative.py --model models/shakespeare-target \\
         --speculative draft=models/tiny-shakespeare,k=4 ngram --batch-sizes 1 8 32 128
+    python benchmark/speculative.py --model models/shakespeare-target --batch-sizes 1 8 \\
+        --speculative draft=models/shakespeare-draft,k=6 \\
+                      draft=models/shakespeare-draft,k=6,ahead=off
     python benchmark/speculative.py --model models/tiny-shakespeare --device cpu --batch-sizes 1 4
 """
 
@@ -151,10 +156,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     plain = measure(args.model, args.device, None, args.batch_sizes, args.max_tokens, **timing)
     table: dict[str, Any] = {"plain": {b: r["tok_s"] for b, r in plain.items()}}
     print(f"target {args.model}, {args.max_tokens} tokens per request, greedy")
-    print(f"{'proposer':<40} {'batch':>5} {'tok/s':>9} {'kept':>6} {'ms/round':>9} "
+    print(f"{'proposer':<46} {'batch':>5} {'tok/s':>9} {'kept':>6} {'ms/round':>9} "
           f"{'guessing':>9} {'speedup':>8}  same")
     for size, row in plain.items():
-        print(f"{'(none)':<40} {size:>5} {row['tok_s']:>9.1f} {'':>6} {row['round_ms']:>9.3f} "
+        print(f"{'(none)':<46} {size:>5} {row['tok_s']:>9.1f} {'':>6} {row['round_ms']:>9.3f} "
               f"{'':>9} {1.0:>7.2f}x")
     for setting in args.speculative:
         rows = measure(args.model, args.device, setting, args.batch_sizes, args.max_tokens,
@@ -166,7 +171,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
             table[setting][size] = {"tok_s": row["tok_s"], "kept": row["kept"],
                                     "round_ms": row["round_ms"], "guess_ms": row["guess_ms"],
                                     "speedup": speedup, "agreeing_share": same}
-            print(f"{setting:<40} {size:>5} {row['tok_s']:>9.1f} {row['kept']:>6.2f} "
+            print(f"{setting:<46} {size:>5} {row['tok_s']:>9.1f} {row['kept']:>6.2f} "
                   f"{row['round_ms']:>9.3f} {row['guess_ms']:>9.3f} {speedup:>7.2f}x  "
                   f"{same:>4.0%}")
     if args.out is not None:

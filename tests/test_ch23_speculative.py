@@ -447,7 +447,16 @@ def test_speculation_with_overlap_asked_for_is_refused() -> None:
     with pytest.raises(ValueError, match="exclude each other"):
         SchedulerConfig(SHAKESPEARE_DIR, device="cpu", speculative="ngram", overlap=True)
     assert SchedulerConfig(SHAKESPEARE_DIR, device="cpu", speculative="ngram").overlap is False
-    assert Speculation.parse("draft=a/b,k=7") == Speculation(draft="a/b", k=7)
+
+
+def test_the_speculative_setting_parses_and_a_bad_one_is_refused() -> None:
+    assert Speculation.parse("draft=a/b,k=7") == Speculation(draft="a/b", k=7, ahead=True)
+    assert Speculation.parse("draft=a/b, ahead=off, k=2") == Speculation("a/b", 2, False)
+    assert Speculation.parse("ngram") == Speculation(None, 4, True)
+    for bad in ("draft=", "eagle", "ngram,k=0", "ngram,k=two", "draft=a,ahead=no",
+                "ngram,depth=2"):
+        with pytest.raises(ValueError, match="speculative must be"):
+            Speculation.parse(bad)
 
 
 def test_a_draft_with_another_vocabulary_is_refused(tiny_model_dir) -> None:
@@ -857,7 +866,7 @@ def test_on_cuda_greedy_speculation_follows_plain_decoding_through_graphs(
     scorer = Engine(EngineConfig(SHAKESPEARE_DIR, device="cuda", dtype="bfloat16",
                                  num_pages=1024, max_running_reqs=8, cuda_graph=False))
     plain, _ = run(None)
-    for spec in (None, f"draft={cut_draft},k=4", "ngram"):
+    for spec in (None, f"draft={cut_draft},k=4", f"draft={cut_draft},k=4,ahead=off", "ngram"):
         reqs, scheduler = (plain, None) if spec is None else run(spec)
         for req in reqs:
             slack = greedy_slack(scorer, req.prompt_ids, req.output_ids)
@@ -866,9 +875,13 @@ def test_on_cuda_greedy_speculation_follows_plain_decoding_through_graphs(
             assert scheduler.speculator.num_accepted > 0
             assert any(ours.output_ids == theirs.output_ids for ours, theirs in zip(reqs, plain))
         draft = None if spec is None else scheduler.speculator.draft
-        if draft is not None:  # most rounds launched ahead; the copies and pages all went back
-            assert draft.rounds_ahead > scheduler.num_steps // 2
-            assert scheduler.speculator.rounds_verified_ahead > 0
+        if draft is not None:  # most rounds launched ahead (unless turned off); the copies
+            # and pages all went back
+            if scheduler.speculator.launches_ahead:
+                assert draft.rounds_ahead > scheduler.num_steps // 2
+                assert scheduler.speculator.rounds_verified_ahead > 0
+            else:
+                assert draft.rounds_ahead == 0 == scheduler.speculator.rounds_verified_ahead
             assert draft.num_copies == 0
             assert draft.engine.pages.num_used == 1  # the graphs' padding row's, for good
 

@@ -36,33 +36,40 @@ class Speculation:
 
     The setting is ``ngram`` (prompt lookup: no model) or ``draft=PATH`` (a small model of
     the same tokenizer), optionally followed by ``,k=N``: at most ``N`` guesses a step
-    (default 4).
+    (default 4), and by ``,ahead=off``: a draft's next round waits for the host to read the
+    verdict before it (to measure what launching it ahead saves; on by default).
 
     Attributes:
         draft: the draft model's checkpoint, or None for prompt lookup.
         k: the most tokens guessed per request and step.
+        ahead: whether a draft's next steps and verify pass may be launched from the device's
+            verdict before the host reads it (CUDA graphs only).
     """
 
     draft: str | None
     k: int = 4
+    ahead: bool = True
 
     @classmethod
     def parse(cls, text: str) -> Speculation:
         head, *options = [part.strip() for part in str(text).split(",")]
-        usage = "ngram or draft=PATH, optionally followed by ,k=N"
+        usage = "ngram or draft=PATH, optionally followed by ,k=N (N >= 1) and ,ahead=on|off"
         if head == "ngram":
             draft = None
         elif head.startswith("draft=") and head[len("draft="):]:
             draft = head[len("draft="):]
         else:
             raise ValueError(f"speculative must be {usage}; got {text!r}")
-        k = 4
+        k, ahead = 4, True
         for option in options:
             name, _, value = option.partition("=")
-            if name != "k" or not value.isdigit() or int(value) < 1:
-                raise ValueError(f"speculative must be {usage} with N >= 1; got {text!r}")
-            k = int(value)
-        return cls(draft=draft, k=k)
+            if name == "k" and value.isdigit() and int(value) >= 1:
+                k = int(value)
+            elif name == "ahead" and value in ("on", "off"):
+                ahead = value == "on"
+            else:
+                raise ValueError(f"speculative must be {usage}; got {text!r}")
+        return cls(draft=draft, k=k, ahead=ahead)
 
 
 @dataclass(frozen=True)

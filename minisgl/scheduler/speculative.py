@@ -87,6 +87,8 @@ class Speculator:
         draft: the draft model, or None for prompt lookup.
         num_proposed: guesses made so far.
         num_accepted: guesses the target kept so far.
+        launches_ahead: whether a draft's next round may be launched before the host reads
+            the verdict (``,ahead=off`` turns it off).
         ahead: the graphs that launch a verify pass from the device's verdict, where the
             draft's steps are launched ahead too (None elsewhere).
         rounds_verified_ahead: rounds whose verify pass was launched ahead.
@@ -104,8 +106,9 @@ class Speculator:
         self.num_accepted = 0
         # a verdict's rows, [B, k + 2] at most, read without waiting for what follows them
         self._host_verdicts = HostTokens(engine.device, config.max_running_reqs * (self.k + 2))
+        self.launches_ahead = settings.ahead and self.draft is not None
         self.ahead: VerifyAhead | None = None
-        if (self.draft is not None and self.draft.steps.ahead_graphs.enabled
+        if (self.launches_ahead and self.draft.steps.ahead_graphs.enabled
                 and engine.graph_runner.enabled and engine.attn_backend.name == "flashinfer"):
             self.ahead = VerifyAhead(engine, self.k, self.draft.steps.chain)
         self._launched: _Launched | None = None  # the next round's pass, launched already
@@ -150,7 +153,7 @@ class Speculator:
             # The verdict starts for the host, then the draft's next steps start from it on
             # the device: the host waits for the copy only, and the device goes on guessing.
             host, ready = self._host_verdicts.copy(verdict.packed().view(-1))
-        if self.draft is not None:
+        if self.launches_ahead:
             self.draft.guess_ahead(verdict)
         # Each request's tokens go into the token pool on the device, as a decode step's
         # sample does, while the host would otherwise wait: it has nothing to write back.

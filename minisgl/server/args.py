@@ -47,7 +47,7 @@ ENGINE_OPTIONS: dict[str, str] = {
     "overlap": "overlap scheduling (default: on unless MINISGL_DISABLE_OVERLAP is set)",
     "speculative": "speculative decoding: ngram (prompt lookup) or draft=PATH (a draft model "
                    "with the same tokenizer), each optionally followed by ,k=N guesses a step "
-                   "(default: off)",
+                   "and ,ahead=off (a draft's next round waits for the host) (default: off)",
 }
 
 
