@@ -316,7 +316,7 @@ def test_the_rounds_counted_teacher_forced_are_the_rounds_the_engine_runs(
     model = AutoModelForCausalLM.from_pretrained(draft, dtype=torch.float32)
     matches = distiller.agreement(model, [(p + t, len(p)) for p, t in zip(ids, text)],
                                   torch.device("cpu"))
-    predicted = sum(distiller.tokens_per_round(m[1:], k)[1] for m in matches)
+    predicted = distiller.rounds_in(matches, k)[1]
     params = SamplingParams(max_tokens=length, ignore_eos=True)
     with LLM(str(SHAKESPEARE), device="cpu", speculative=f"draft={draft},k={k}") as llm:
         out = llm.generate(ids, params, progress=False)

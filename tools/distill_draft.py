@@ -111,13 +111,20 @@ def agreement(model: torch.nn.Module, texts: Sequence[tuple[list[int], int]],
     return out
 
 
+def rounds_in(matches: Sequence[Sequence[bool]], k: int) -> tuple[int, int]:
+    """The tokens and rounds of greedy speculation with ``k`` guesses over every text of
+    ``matches``, as the engine runs them: a request's first token comes from its prefill, so
+    its rounds start at the second."""
+    tokens, rounds = map(sum, zip(*(tokens_per_round(m[1:], k) for m in matches)))
+    return tokens, rounds
+
+
 def describe(matches: list[list[bool]]) -> str:
-    """The share of guesses that agree, and tokens per round at each reported k. A request's
-    first token comes from its prefill, so its rounds start at the second."""
+    """The share of guesses that agree, and tokens per round at each reported k."""
     flat = [m for text in matches for m in text]
     parts = [f"agreement {sum(flat) / len(flat):.3f}"]
     for k in REPORTED_K:
-        tokens, rounds = map(sum, zip(*(tokens_per_round(m[1:], k) for m in matches)))
+        tokens, rounds = rounds_in(matches, k)
         parts.append(f"k={k}: {tokens / rounds:.2f} tokens/round")
     return ", ".join(parts)
 
@@ -193,6 +200,8 @@ def main(argv: list[str] | None = None) -> int:
                  "max_steps"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be at least 1")
+    if args.eval_len < 2:  # the first token is the prefill's: a round needs one more
+        raise SystemExit("--eval-len must be at least 2")
     if not (args.target / "config.json").is_file():
         raise SystemExit(f"--target {args.target} holds no checkpoint; train it first: "
                          "python tools/train_tiny_model.py --shape target")
