@@ -17,6 +17,8 @@ import torch
 from conftest import SHAKESPEARE_DIR
 
 from minisgl.core import Batch, Req, SamplingParams
+from minisgl.kvcache.allocator import OutOfPagesError
+from minisgl.kvcache.request_pages import RequestPages
 from minisgl.scheduler.config import SchedulerConfig, Speculation
 from minisgl.scheduler.scheduler import Scheduler
 from minisgl.speculative.accept import PAD, accept_greedy, accept_sampled
@@ -328,6 +330,23 @@ def test_greedy_output_is_token_identical_and_every_page_returns(
     if speculator.draft is not None:  # and the draft's copies of them, and their pages
         assert speculator.draft.num_copies == 0
         assert speculator.draft.engine.pages.num_used == 0
+
+
+def test_pages_reserved_ahead_stay_until_shrink_lets_them_go() -> None:
+    """A pass launched before the verdict is read feeds up to ``ahead`` tokens past a request's
+    end: ``reserve(..., ahead=)`` maps their pages, all or nothing, within ``max_seq_len``, and
+    ``shrink(req, ahead)`` keeps them until a plain ``shrink`` gives them back."""
+    pages = RequestPages(num_pages=6, max_reqs=2, max_seq_len=24, page_size=4)
+    req = Req(0, [1] * 5)
+    assert pages.reserve(req, ahead=4) == 3  # 9 tokens: 3 pages
+    assert pages.shrink(req, 4) == 0 and pages.pages_held(req) == 3
+    other = Req(1, [1] * 9)
+    with pytest.raises(OutOfPagesError):  # 9 + 4 tokens need 4 pages, 3 are free
+        pages.reserve(other, ahead=4)
+    assert other.table_row is None and pages.num_free == 3  # nothing was taken
+    with pytest.raises(ValueError, match="max_seq_len"):
+        pages.reserve(req, ahead=20)
+    assert pages.shrink(req) == 1 and pages.pages_held(req) == 2
 
 
 def test_a_speculative_step_makes_several_tokens(prompt_ids, cut_draft) -> None:

@@ -170,14 +170,9 @@ class DraftSteps:
         bs = self.ahead_graphs.size_for(batch)
         if bs is None:
             return None
-        more = self.num_steps - 1
-        for req in batch.reqs:  # every guess kept: ``more`` further positions
-            req.in_flight += more
-        try:
-            self.engine.pages.reserve(*batch.reqs)
-        finally:  # whatever happens, the lengths are the caller's to set
-            for req in batch.reqs:
-                req.in_flight -= more
+        # Every guess kept: ``num_steps - 1`` positions past the end; the lengths stay the
+        # caller's to set.
+        self.engine.pages.reserve(*batch.reqs, ahead=self.num_steps - 1)
         size, table = batch.size, self.engine.pages.table
         layout = pad_batch(batch, bs, self.engine.pad_row)
         width = max(table.num_pages(row) for row in layout.rows)

@@ -48,13 +48,15 @@ class RequestPages:
         tokens: what a forward pass checks)."""
         return self.table.pages_needed(req.table_row, req.num_tokens)
 
-    def reserve(self, *reqs: Req) -> int:
+    def reserve(self, *reqs: Req, ahead: int = 0) -> int:
         """Make the next forward pass of every request in ``reqs`` possible (one request, or a
         whole batch): a row and pages for all its tokens.
 
         A request without a row gets one; then its row grows to map all ``req.num_tokens``
         tokens, the cached ones and those the next pass writes. All or nothing: if anything is
         missing, nothing changes, not even a row. The pages come from one allocation.
+        Chapter 23: a pass launched before the host knows the lengths may feed ``ahead``
+        tokens past the end; their pages are taken too (:meth:`shrink` gives back the rest).
 
         Returns:
             The number of pages allocated.
@@ -66,7 +68,7 @@ class RequestPages:
         """
         needs: list[int] = []
         for req in reqs:
-            num_tokens = req.num_tokens
+            num_tokens = req.num_tokens + ahead
             if num_tokens > self.max_seq_len:
                 raise ValueError(f"request {req.uid} has {num_tokens} tokens; the longest "
                                  f"sequence this cache holds is max_seq_len={self.max_seq_len}")

@@ -210,15 +210,10 @@ class Speculator:
                     or confirmed > self.draft.engine.max_seq_len - self.k  # propose's limit
                     or self._room(req, count + 1) < self.k):
                 return None
-        for req, count in zip(reqs, counts):  # every guess kept, then k more and the last
-            req.in_flight = count + self.k + 1
-        try:
-            new_pages = self.cache.reserve(reqs)
-        except (OutOfPagesError, ValueError):
+        try:  # every guess kept (in flight now), then the last token and k more
+            new_pages = self.cache.pages.reserve(*reqs, ahead=self.k + 1)
+        except (OutOfPagesError, ValueError):  # no eviction for a pass that may be dropped
             return None
-        finally:
-            for req, count in zip(reqs, counts):
-                req.in_flight = count
         rows = [req.table_row for req in reqs]
         launched = self.ahead.launch(rows, lengths, columns, verdict)
         host, ready = self._host_verdicts.copy(launched.packed().view(-1))
