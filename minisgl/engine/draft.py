@@ -83,9 +83,8 @@ class DraftModel:
         """
         ran_ahead, self._ahead = self._ahead, None
         self._read_last_guesses()
-        room = self.engine.max_seq_len - self.k
         want = {req.uid: min(n, self.k) for req, n in zip(reqs, counts, strict=True)
-                if n > 0 and req.num_tokens <= room}
+                if n > 0 and self.has_room(req.num_tokens)}
         ready: list[tuple[int, _Copy]] = []  # (row of reqs, copy) of guesses made ahead
         behind: list[tuple[int, _Copy]] = []  # those that guess now
         for i, req in enumerate(reqs):
@@ -120,6 +119,11 @@ class DraftModel:
         counts = [want.get(req.uid, 0) for req in reqs]
         self._unread = (guessed, [(copy, i, counts[i]) for i, copy in ready + behind])
         return Guesses(guessed, counts)
+
+    def has_room(self, num_tokens: int) -> bool:
+        """Whether a request of ``num_tokens`` confirmed tokens gets guesses: its copy's
+        ``k + 1`` steps must fit in the draft's ``max_seq_len``."""
+        return num_tokens <= self.engine.max_seq_len - self.k
 
     def guess_ahead(self, verdict: Verdict) -> None:
         """Launch the next round's steps of every copy that guessed this round, from

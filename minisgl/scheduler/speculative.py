@@ -207,7 +207,7 @@ class Speculator:
         for req, length, count in zip(reqs, lengths, counts):
             confirmed = length + count + 1  # at most, after this verdict
             if (not req.params.is_greedy or confirmed + self.k > self.ahead.max_context
-                    or confirmed > self.draft.engine.max_seq_len - self.k  # propose's limit
+                    or not self.draft.has_room(confirmed)
                     or self._room(req, count + 1) < self.k):
                 return None
         try:  # every guess kept (in flight now), then the last token and k more
