@@ -349,6 +349,28 @@ def test_pages_reserved_ahead_stay_until_shrink_lets_them_go() -> None:
     assert pages.shrink(req) == 1 and pages.pages_held(req) == 2
 
 
+@pytest.mark.parametrize("proposer", ["ngram,k=4", "draft,k=4", "draft,k=6"])
+def test_requests_speculate_up_to_the_longest_sequence(proposer, prompt_ids, cut_draft) -> None:
+    """Requests whose ``max_tokens`` ends them exactly at ``max_seq_len``: near it a request
+    makes fewer guesses (what is left of ``max_tokens`` caps them) and a draft none (its
+    ``k + 1`` steps must fit), and the same tokens come out to the last position."""
+    max_seq_len = 48
+    params = [SamplingParams(max_tokens=max_seq_len - len(ids), ignore_eos=True)
+              for ids in prompt_ids]
+    plain = fresh(prompt_ids, params)
+    run_all(plain, None, max_seq_len=max_seq_len)
+    reqs = fresh(prompt_ids, params)
+    scheduler = run_all(reqs, proposer.replace("draft", f"draft={cut_draft}"),
+                        max_seq_len=max_seq_len)
+    assert [req.output_ids for req in reqs] == [req.output_ids for req in plain]
+    assert all(req.num_tokens == max_seq_len for req in reqs)
+    speculator = scheduler.speculator
+    assert 0 < speculator.num_accepted < speculator.num_proposed
+    assert scheduler.cache.pages_in_use == 0
+    if speculator.draft is not None:
+        assert speculator.draft.num_copies == 0 and speculator.draft.engine.pages.num_used == 0
+
+
 def test_a_speculative_step_makes_several_tokens(prompt_ids, cut_draft) -> None:
     """With a draft that is the target itself every guess is kept: k + 1 tokens a step."""
     req = Req(0, prompt_ids[0], SamplingParams(max_tokens=21, ignore_eos=True))
