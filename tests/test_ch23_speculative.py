@@ -316,6 +316,17 @@ def plain_outputs(prompt_ids) -> list[list[int]]:
     return [req.output_ids for req in reqs]
 
 
+def assert_kept_some_and_returned_everything(scheduler: Scheduler) -> None:
+    """After a run: some guesses kept and some rejected, every page of every request back,
+    and the draft's copies of them and their pages too."""
+    speculator = scheduler.speculator
+    assert 0 < speculator.num_accepted < speculator.num_proposed
+    assert scheduler.cache.pages_in_use == 0
+    if speculator.draft is not None:
+        assert speculator.draft.num_copies == 0
+        assert speculator.draft.engine.pages.num_used == 0
+
+
 @pytest.mark.parametrize("proposer", ["ngram", "ngram,k=1", "draft", "draft,k=6"])
 @pytest.mark.parametrize("page_size", [1, 4])
 def test_greedy_output_is_token_identical_and_every_page_returns(
@@ -324,12 +335,7 @@ def test_greedy_output_is_token_identical_and_every_page_returns(
     reqs = fresh(prompt_ids, mixed_params(len(prompt_ids)))
     scheduler = run_all(reqs, spec, page_size=page_size)
     assert [req.output_ids for req in reqs] == plain_outputs
-    speculator = scheduler.speculator
-    assert 0 < speculator.num_accepted < speculator.num_proposed  # kept some, rejected some
-    assert scheduler.cache.pages_in_use == 0  # every page of every request came back
-    if speculator.draft is not None:  # and the draft's copies of them, and their pages
-        assert speculator.draft.num_copies == 0
-        assert speculator.draft.engine.pages.num_used == 0
+    assert_kept_some_and_returned_everything(scheduler)
 
 
 def test_pages_reserved_ahead_stay_until_shrink_lets_them_go() -> None:
@@ -364,11 +370,7 @@ def test_requests_speculate_up_to_the_longest_sequence(proposer, prompt_ids, cut
                         max_seq_len=max_seq_len)
     assert [req.output_ids for req in reqs] == [req.output_ids for req in plain]
     assert all(req.num_tokens == max_seq_len for req in reqs)
-    speculator = scheduler.speculator
-    assert 0 < speculator.num_accepted < speculator.num_proposed
-    assert scheduler.cache.pages_in_use == 0
-    if speculator.draft is not None:
-        assert speculator.draft.num_copies == 0 and speculator.draft.engine.pages.num_used == 0
+    assert_kept_some_and_returned_everything(scheduler)
 
 
 def test_a_speculative_step_makes_several_tokens(prompt_ids, cut_draft) -> None:
