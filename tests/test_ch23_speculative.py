@@ -648,6 +648,25 @@ def test_the_draft_steps_launched_as_one_write_what_one_step_at_a_time_writes(
                                rtol=0, atol=0)
 
 
+def assert_replays_score_as_eager_steps(engine, reqs: list[Req], steps: int) -> None:
+    """``steps`` greedy decode steps of ``reqs``, each scored eagerly and by a graph replay:
+    the two within bfloat16 rounding, the same argmax wherever the eager one is clear."""
+    for _ in range(steps):
+        batch = Batch(reqs, "decode")
+        engine.pages.reserve(*reqs)
+        eager = engine.logits(batch, use_graph=False).clone()
+        replayed = engine.logits(batch).clone()
+        tol = bf16_tol(eager)
+        torch.testing.assert_close(replayed, eager, rtol=tol, atol=tol)
+        assert_argmaxes_agree(replayed, eager, clear_rows(eager, tol))
+        sampled = eager.argmax(-1, keepdim=True)  # [B, 1]
+        engine.token_pool.store_rows(reqs, [r.num_tokens for r in reqs], [1] * len(reqs),
+                                     sampled)
+        batch.advance()
+        for req, token in zip(reqs, sampled.view(-1).tolist()):
+            req.append_token(token)
+
+
 @pytest.mark.gpu
 def test_a_fixed_plans_engine_replays_growing_batches_without_planning_again(
         prompt_ids) -> None:
@@ -670,22 +689,33 @@ def test_a_fixed_plans_engine_replays_growing_batches_without_planning_again(
         return original_plan(*args, **kwargs)
 
     wrapper.plan = counted_plan
-    reqs = prefilled(engine, [prompt_ids[0], sum(prompt_ids, [])[:-1] * 4])
-    for _ in range(6):
-        batch = Batch(reqs, "decode")
-        engine.pages.reserve(*reqs)
-        eager = engine.logits(batch, use_graph=False).clone()
-        replayed = engine.logits(batch).clone()
-        tol = bf16_tol(eager)
-        torch.testing.assert_close(replayed, eager, rtol=tol, atol=tol)
-        assert_argmaxes_agree(replayed, eager, clear_rows(eager, tol))
-        sampled = eager.argmax(-1, keepdim=True)  # [B, 1]
-        engine.token_pool.store_rows(reqs, [r.num_tokens for r in reqs], [1] * len(reqs),
-                                     sampled)
-        batch.advance()
-        for req, token in zip(reqs, sampled.view(-1).tolist()):
-            req.append_token(token)
+    assert_replays_score_as_eager_steps(
+        engine, prefilled(engine, [prompt_ids[0], sum(prompt_ids, [])[:-1] * 4]), steps=6)
     assert plans == [], "a replay of a fixed-plans engine planned again"
+
+
+@pytest.mark.gpu
+def test_a_fixed_plans_engine_made_after_another_was_dropped_replays_as_it_runs_eagerly(
+        prompt_ids) -> None:
+    """A captured batch's tensor-core kernel reads a work list that ``plan()`` fills only in
+    part; the rest comes from pinned host memory, which a dropped engine leaves full of its
+    plans (``clear_plan_staging``). Measured on an H100 without it: an illegal memory access
+    while the second engine captured. Made after another engine was dropped, a fixed-plans
+    engine must capture, and its replays must score as its eager steps do."""
+    import gc
+
+    from minisgl.engine.config import EngineConfig
+    from minisgl.engine.engine import Engine
+
+    dropped = Engine(EngineConfig(SHAKESPEARE_DIR, device="cuda", dtype="bfloat16",
+                                  num_pages=1024, max_running_reqs=8))
+    assert dropped.graph_runner.enabled
+    del dropped
+    gc.collect()
+    engine = Engine(EngineConfig(SHAKESPEARE_DIR, device="cuda", dtype="bfloat16",
+                                 num_pages=2048, max_running_reqs=8, fixed_plans=True,
+                                 cuda_graph_batch_sizes=(1,)))
+    assert_replays_score_as_eager_steps(engine, prefilled(engine, prompt_ids[:1]), steps=4)
 
 
 @pytest.mark.gpu

@@ -287,11 +287,28 @@ class FlashInferBackend(BaseAttnBackend):
                 use_tensor_cores=self.use_tensor_cores,
                 paged_kv_indptr_buffer=indptr[: entries + 1], paged_kv_indices_buffer=indices,
                 paged_kv_last_page_len_buffer=last_lens[:entries])
+            clear_plan_staging(wrapper)
             rows = QueryRows(
                 owners=torch.zeros(num_pieces, dtype=torch.int32, device=self.device),
                 indptr=torch.zeros(bs + 1, dtype=torch.int32, device=self.device),
             ) if num_pieces else None
             self._graph_wrappers[bs] = (wrapper, rows, num_pieces)
+
+
+def clear_plan_staging(wrapper: Any) -> None:
+    """Zero the pinned host memory a CUDA-graph wrapper stages its plans in.
+
+    On tensor cores, a captured batch's kernel launches a fixed grid of blocks, one per entry
+    of a work list, but ``plan()`` fills in the list's real entries only and copies the whole
+    list from this memory to the device (FlashInfer 0.6.5, ``PrefillPlan``). The other blocks
+    read whatever the memory held before. Newly pinned memory holds zeros, so they redo entry
+    0's work and write the same values again. Memory freed by another wrapper (an engine
+    dropped earlier in the process) holds its plans: request numbers past this batch, and
+    the kernel reads out of bounds.
+    """
+    staging = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
+    if staging is not None:
+        staging.zero_()
 
 
 def check_flashinfer_supports(device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
