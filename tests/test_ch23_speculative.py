@@ -697,8 +697,8 @@ def test_a_fixed_plans_engine_replays_growing_batches_without_planning_again(
 @pytest.mark.gpu
 def test_a_fixed_plans_engine_made_after_another_was_dropped_replays_as_it_runs_eagerly(
         prompt_ids) -> None:
-    """A captured batch's tensor-core kernel reads a work list that ``plan()`` fills only in
-    part; the rest comes from pinned host memory, which a dropped engine leaves full of its
+    """With fixed plans a captured batch's kernel reads a work list that ``plan()`` fills only
+    in part; the rest comes from pinned host memory, which a dropped engine leaves full of its
     plans (``clear_plan_staging``). Measured on an H100 without it: an illegal memory access
     while the second engine captured. Made after another engine was dropped, a fixed-plans
     engine must capture, and its replays must score as its eager steps do."""

@@ -298,13 +298,14 @@ class FlashInferBackend(BaseAttnBackend):
 def clear_plan_staging(wrapper: Any) -> None:
     """Zero the pinned host memory a CUDA-graph wrapper stages its plans in.
 
-    On tensor cores, a captured batch's kernel launches a fixed grid of blocks, one per entry
-    of a work list, but ``plan()`` fills in the list's real entries only and copies the whole
-    list from this memory to the device (FlashInfer 0.6.5, ``PrefillPlan``). The other blocks
-    read whatever the memory held before. Newly pinned memory holds zeros, so they redo entry
-    0's work and write the same values again. Memory freed by another wrapper (an engine
-    dropped earlier in the process) holds its plans: request numbers past this batch, and
-    the kernel reads out of bounds.
+    With ``fixed_plans`` (tensor cores, no split), a captured batch's kernel launches a fixed
+    grid of blocks, one per entry of a work list, but ``plan()`` fills in the list's real
+    entries only and copies the whole list from this memory to the device (FlashInfer 0.6.5,
+    ``PrefillPlan``; a split plan marks the other blocks idle instead). The other blocks read
+    whatever the memory held before. Newly pinned memory holds zeros, so they redo entry 0's
+    work and write the same values again. Memory freed by another wrapper (an engine dropped
+    earlier in the process) holds its plans: request numbers past this batch, and the kernel
+    reads out of bounds.
     """
     staging = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
     if staging is not None:
