@@ -305,7 +305,8 @@ def clear_plan_staging(wrapper: Any) -> None:
     whatever the memory held before. Newly pinned memory holds zeros, so they redo entry 0's
     work and write the same values again. Memory freed by another wrapper (an engine dropped
     earlier in the process) holds its plans: request numbers past this batch, and the kernel
-    reads out of bounds.
+    reads out of bounds. (FlashInfer issue 4002; a fix that launches only the real entries was
+    proposed there.)
     """
     staging = getattr(wrapper, "_pin_memory_int_workspace_buffer", None)
     if staging is not None:
