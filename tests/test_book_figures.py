@@ -1656,6 +1656,44 @@ def test_ch23_server_answers_begin_as_the_offline_text() -> None:
     )
 
 
+
+def test_ch23_speculation_on_the_gpu_pays_at_batch_1_and_stops_paying() -> None:
+    text = recording("ch23_speculative_bench-cuda")
+    assert "NVIDIA H100" in text.splitlines()[0]
+    plain = {int(m[1]): (float(m[2]), float(m[3]))
+             for m in rows(text, r"\(none\)\s+(\d+)\s+([\d.]+)\s+([\d.]+)\s+1\.00x")}
+    spec = {(m[1], int(m[2])): (float(m[3]), float(m[4]), float(m[5]), float(m[7]))
+            for m in rows(text, r"draft=\S+,(k=\d+(?:,ahead=off)?)\s+(\d+)\s+([\d.]+)\s+"
+                                r"([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)x")}
+    assert sorted(plain) == [1, 8, 32, 128]
+    assert sorted(spec) == sorted((s, b) for s in ("k=6", "k=8", "k=6,ahead=off") for b in plain)
+    for (setting, size), (tok_s, _, _, speedup) in spec.items():
+        assert abs(tok_s / plain[size][0] - speedup) < 0.006, (setting, size)  # the column's rule
+    tok_s, kept, round_ms, speedup = spec["k=6", 1]
+    assert speedup >= 1.8 and spec["k=8", 1][3] >= 1.8, "at least 1.8x at batch 1 with the draft"
+    per_round = 1 + 6 * kept
+    predicted = float(found(text, r"k=6: ([\d.]+) tokens/round")[0])
+    assert f"{per_round:.1f}" == f"{predicted:.1f}", "the distiller's prediction, as the page says"
+    stops = min(size for (setting, size), row in spec.items() if setting == "k=6" and row[3] < 1)
+    assert all(spec["k=6", size][3] > 1 for size in plain if size < stops)
+
+    def times(value: float) -> str:
+        return f"{value:.2f}×"
+
+    assert_on_page(
+        "ch23",
+        f"At batch 1 a plain step takes {plain[1][1]:.3f} ms. A round with *k* = 6 takes "
+        f"{round_ms:.3f} ms",
+        f"the target keeps {kept:.2f} of the guesses: {per_round:.1f} tokens a round",
+        f"That would be {per_round / (round_ms / plain[1][1]):.1f}×",
+        f"the rest: {times(speedup)} (*k* = 8: {times(spec['k=8', 1][3])})",
+        f"the next draft steps: {times(spec['k=6,ahead=off', 1][3])}",
+        f"Batch 8 still gains, {times(spec['k=6', 8][3])}; at batch {stops} speculation costs, "
+        f"{times(spec['k=6', stops][3])}",
+        f"{times(speedup)} at batch 1 with a distilled two-layer draft, a loss from batch "
+        f"{stops} on",
+    )
+
 # --------------------------------------------------------------------------- chapter 9 onwards
 # From chapter 9 on, every measured figure a page states in its prose (a time, a rate, a size, a
 # share, written with a decimal point or a thousands separator) must be a number of a recording

@@ -18,7 +18,8 @@ What the script does, in order:
 3. the draft's starting point: the first ``--layers`` layers of ``--init`` with its embedding,
    final norm and head (``tools/cut_model.py``);
 4. training with AdamW on the continuations only (cross-entropy against the target's tokens),
-   with a linear warm-up and decay, until ``--max-steps`` or ``--time-limit``;
+   with a linear warm-up and decay, until ``--max-steps`` or ``--time-limit``, logging the
+   held-out agreement (step 5) every 1,000 steps;
 5. the agreement of the draft with the target, before and after: the target's greedy
    continuation of each held-out prompt (``readability_prompts.json``), scored by the draft in
    one teacher-forced pass. The share of positions where the draft's argmax is the target's
@@ -26,7 +27,7 @@ What the script does, in order:
    an estimate, since a draft whose guesses were right saw exactly the target's text;
 6. the checkpoint (bfloat16, the target's tokenizer files copied) and ``training_log.txt``.
 
-On one GPU it takes about two minutes; on a CPU it runs too, slowly (the tests run it there
+On one GPU it takes about three minutes; on a CPU it runs too, slowly (the tests run it there
 on tiny sizes).
 """
 
@@ -77,7 +78,8 @@ def continuations(target: Path, prompts: list[list[int]], max_tokens: int,
     from minisgl.llm import LLM
 
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, temperature=0.0)
-    with LLM(str(target), device=device, max_running_reqs=min(256, len(prompts))) as llm:
+    # a large batch: thousands of short requests, and the more at once, the fewer weight reads
+    with LLM(str(target), device=device, max_running_reqs=min(1024, len(prompts))) as llm:
         return [out["token_ids"] for out in llm.generate(prompts, params, progress=False)]
 
 
@@ -130,9 +132,10 @@ def describe(matches: list[list[bool]]) -> str:
 
 
 def distil(model: torch.nn.Module, rows: torch.Tensor, prompt_len: int,
-           args: argparse.Namespace, log: Callable[[str], None]) -> None:
+           args: argparse.Namespace, log: Callable[[str], None],
+           held_out: Sequence[tuple[list[int], int]]) -> None:
     """Train ``model`` on ``rows`` (prompt then the target's continuation) to predict the
-    continuation."""
+    continuation; every 1,000 steps, log the loss and the agreement on ``held_out``."""
     device = rows.device
     generator = torch.Generator(device=device).manual_seed(args.seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.0)
@@ -156,8 +159,11 @@ def distil(model: torch.nn.Module, rows: torch.Tensor, prompt_len: int,
         loss.backward()
         optimizer.step()
         step += 1
-        if step % 500 == 0:
-            log(f"  step {step}: loss {loss.item():.3f}")
+        if step % 1000 == 0:  # the held-out agreement says when more steps only memorise
+            matches = [m for text in agreement(model, held_out, device) for m in text]
+            model.train()
+            log(f"  step {step}: loss {loss.item():.3f}, held-out agreement "
+                f"{sum(matches) / len(matches):.3f}")
     log(f"distilled {step} steps in {time.perf_counter() - start:.1f} s, last loss "
         f"{loss.item():.3f}")
 
@@ -179,7 +185,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "tools/train_tiny_model.py does)")
     p.add_argument("--cache", type=Path, default=ROOT / "models" / ".corpus")
     p.add_argument("--device", default="auto", help="auto, cpu or cuda (default: auto)")
-    p.add_argument("--num-prompts", type=int, default=16384)
+    # With half as many, a minute of training memorised them (agreement 0.98 on its own
+    # training text, 0.80-0.84 held out); with these, 0.91 and 0.86 (runs on an H100).
+    p.add_argument("--num-prompts", type=int, default=32768,
+                   help="passages of the training plays the target continues (default: 32768)")
     p.add_argument("--prompt-len", type=int, default=48)
     p.add_argument("--gen-len", type=int, default=96,
                    help="tokens the target writes after each prompt (default: 96)")
@@ -246,7 +255,7 @@ def main(argv: list[str] | None = None) -> int:
     train_texts = [(row.tolist(), args.prompt_len) for row in rows[:len(held_out)]]
     log(f"before, held-out: {describe(agreement(model, texts, device))}")
     log(f"before, training: {describe(agreement(model, train_texts, device))}")
-    distil(model, rows, args.prompt_len, args, log)
+    distil(model, rows, args.prompt_len, args, log, texts)
     log(f"after, held-out: {describe(agreement(model, texts, device))}")
     log(f"after, training: {describe(agreement(model, train_texts, device))}")
 
