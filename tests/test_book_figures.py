@@ -1656,7 +1656,6 @@ def test_ch23_server_answers_begin_as_the_offline_text() -> None:
     )
 
 
-
 def test_ch23_speculation_on_the_gpu_pays_at_batch_1_and_stops_paying() -> None:
     text = recording("ch23_speculative_bench-cuda")
     assert "NVIDIA H100" in text.splitlines()[0]

@@ -121,10 +121,15 @@ def rounds_in(matches: Sequence[Sequence[bool]], k: int) -> tuple[int, int]:
     return tokens, rounds
 
 
+def agreement_share(matches: Sequence[Sequence[bool]]) -> float:
+    """The share of every text's positions where the draft agreed with the target."""
+    flat = [m for text in matches for m in text]
+    return sum(flat) / len(flat)
+
+
 def describe(matches: list[list[bool]]) -> str:
     """The share of guesses that agree, and tokens per round at each reported k."""
-    flat = [m for text in matches for m in text]
-    parts = [f"agreement {sum(flat) / len(flat):.3f}"]
+    parts = [f"agreement {agreement_share(matches):.3f}"]
     for k in REPORTED_K:
         tokens, rounds = rounds_in(matches, k)
         parts.append(f"k={k}: {tokens / rounds:.2f} tokens/round")
@@ -160,10 +165,9 @@ def distil(model: torch.nn.Module, rows: torch.Tensor, prompt_len: int,
         optimizer.step()
         step += 1
         if step % 1000 == 0:  # the held-out agreement says when more steps only memorise
-            matches = [m for text in agreement(model, held_out, device) for m in text]
+            share = agreement_share(agreement(model, held_out, device))
             model.train()
-            log(f"  step {step}: loss {loss.item():.3f}, held-out agreement "
-                f"{sum(matches) / len(matches):.3f}")
+            log(f"  step {step}: loss {loss.item():.3f}, held-out agreement {share:.3f}")
     log(f"distilled {step} steps in {time.perf_counter() - start:.1f} s, last loss "
         f"{loss.item():.3f}")
 
