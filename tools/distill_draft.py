@@ -102,12 +102,14 @@ def tokens_per_round(matches: Sequence[bool], k: int) -> tuple[int, int]:
 def agreement(model: torch.nn.Module, texts: Sequence[tuple[list[int], int]],
               device: torch.device) -> list[list[bool]]:
     """For each (ids, start): whether the model's argmax after ``ids[:i]`` is ``ids[i]``, for
-    every ``i`` from ``start`` on (one teacher-forced pass per text)."""
+    every ``i`` from ``start`` on (one teacher-forced pass per text). No gradients: it also
+    runs in the middle of training, every 1,000 steps."""
     model.eval()
     out = []
     for ids, start in texts:
         x = torch.tensor(ids, device=device)[None]
-        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=device.type == "cuda"):
+        with torch.no_grad(), torch.autocast(device.type, dtype=torch.bfloat16,
+                                             enabled=device.type == "cuda"):
             guesses = model(x).logits[0, start - 1:-1].argmax(-1)
         out.append((guesses == x[0, start:]).tolist())
     return out
