@@ -12,8 +12,9 @@ The systems (``--systems``, all by default):
   the radix or the naive prefix cache (on CUDA: bfloat16, FlashInfer, CUDA graphs). One engine
   per prefix cache, warmed up first, with overlap switched between its two runs;
 - ``transformers``: ``generate`` on the requests as one left-padded batch (or
-  ``--hf-batch-size`` requests per batch), every row running to the longest output of its
-  batch. Only each request's own tokens count as output; the rest is waste;
+  ``--hf-batch-size`` requests per batch; halved until a batch fits the GPU when not given),
+  every row running to the longest output of its batch. Only each request's own tokens count
+  as output; the rest is waste;
 - ``transformers-cb``: transformers' continuous batching, each request with its own
   ``max_new_tokens``, when the installed version has it.
 
@@ -396,8 +397,9 @@ def run_transformers(args: argparse.Namespace, workload: Workload, model: Any,
     size = args.hf_batch_size or workload.num_requests
     print(f"transformers: generate in {-(-workload.num_requests // size)} padded batch(es) of "
           f"up to {size} requests", flush=True)
-    run = generate_padded(model, workload.prompts, workload.output_lens, size)
-    emit(SystemResult(system="transformers", config=f"padded batches of {size}",
+    run = generate_padded(model, workload.prompts, workload.output_lens, size,
+                          shrink=args.hf_batch_size is None)
+    emit(SystemResult(system="transformers", config=f"padded batches of {run.batch_size}",
                       num_requests=workload.num_requests, output_tokens=run.useful,
                       wall_s=run.wall_s, computed_tokens=run.computed, output_lens_ok=run.ok))
 
@@ -408,12 +410,38 @@ class PaddedRun:
     computed: int  # every row run to its batch's longest output
     ok: bool  # every request got its whole output
     wall_s: float
+    batch_size: int  # requests per padded batch
 
 
 def generate_padded(model: Any, prompts: Sequence[list[int]], output_lens: Sequence[int],
-                    size: int) -> PaddedRun:
-    """``generate`` on ``size`` requests at a time after a short warm-up, timed."""
+                    size: int, shrink: bool = False) -> PaddedRun:
+    """``generate`` on ``size`` requests at a time after a short warm-up, timed.
+
+    A padded batch's KV cache holds every row at its longest prompt plus its longest output, so
+    one batch of every request may not fit a GPU's memory. With ``shrink`` (no batch size was
+    asked for) a batch that runs out of memory starts the whole run over in batches of half
+    the size; without it the error says what to pass.
+    """
+    import torch
+
     hf_generate(model, prompts[:2], WARMUP_OUTPUT_LEN)  # warm-up
+    while True:
+        try:
+            return _timed_padded_run(model, prompts, output_lens, size)
+        except torch.OutOfMemoryError as exc:
+            if not shrink or size == 1:
+                raise RuntimeError(f"transformers ran out of GPU memory in padded batches of "
+                                   f"{size}: pass a smaller --hf-batch-size") from exc
+        smaller = -(-size // 2)
+        # Out of the except block: the exception no longer holds the failed batch's tensors.
+        free_device_memory(model.device)
+        print(f"transformers: out of GPU memory in padded batches of {size}; starting over "
+              f"in batches of {smaller}", flush=True)
+        size = smaller
+
+
+def _timed_padded_run(model: Any, prompts: Sequence[list[int]], output_lens: Sequence[int],
+                      size: int) -> PaddedRun:
     synchronize(model.device)
     useful = computed = 0
     ok = True
@@ -426,7 +454,7 @@ def generate_padded(model: Any, prompts: Sequence[list[int]], output_lens: Seque
         useful += sum(got)
         ok &= got == list(wanted)
     synchronize(model.device)
-    return PaddedRun(useful, computed, ok, time.perf_counter() - start)
+    return PaddedRun(useful, computed, ok, time.perf_counter() - start, size)
 
 
 def cb_unavailable_reason(model: Any) -> str | None:
@@ -804,13 +832,14 @@ def run_transformers_alongside(args: argparse.Namespace, names: Sequence[str],
     prompts = load.prompts(vocab_size, 0)
     model = load_hf_model(Path(args.model), device, dtype)
     size = args.hf_batch_size or load.num_requests
-    run = generate_padded(model, prompts, load.output_lens, size)
+    run = generate_padded(model, prompts, load.output_lens, size,
+                          shrink=args.hf_batch_size is None)
     del model
     free_device_memory(device)
     throughput = [n for n in names if HEADLINES[n][0] == "tok_per_s"]
     return AblationResult(
         arms=dict.fromkeys(throughput, "transformers"), workload="random",
-        engine={"system": f"transformers generate, padded batches of {size}"},
+        engine={"system": f"transformers generate, padded batches of {run.batch_size}"},
         wall_s=run.wall_s, output_tokens=run.useful, prompt_tokens=sum(load.input_lens),
         prefill_tokens=sum(load.input_lens), decode_steps=0, measured="throughput only",
         ttft_ms=None, itl_ms=None, output_lens_ok=run.ok)
@@ -1010,7 +1039,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tensor-parallel ranks for minisgl (chapter 17; default: 1). Its "
                              "decode floor is then per rank: each reads its share of the weights")
     parser.add_argument("--hf-batch-size", type=int, default=None,
-                        help="requests per padded transformers batch (default: all in one)")
+                        help="requests per padded transformers batch (default: all in one, "
+                             "halved until a batch fits the GPU)")
     parser.add_argument("--out", type=Path, default=None,
                         help="write the header, workload and results here as JSON")
     ablation = parser.add_argument_group(

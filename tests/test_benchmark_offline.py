@@ -58,6 +58,31 @@ def test_the_hbm_floor_counts_weights_and_every_context_once_per_step(
     assert no_gpu.floor_seconds is None and no_gpu.floor_fraction is None
 
 
+def test_transformers_batches_halve_until_they_fit_unless_a_size_was_asked_for(
+        offline: ModuleType, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A stand-in ``generate`` runs out of memory above 3 rows: a run of 7 requests in one
+    batch starts over in batches of 4, then 2, and counts only that last run's tokens."""
+    import torch
+
+    calls: list[int] = []
+
+    def generate(model: object, prompts: list[list[int]], max_new_tokens: int) -> torch.Tensor:
+        calls.append(len(prompts))
+        if len(prompts) > 3:
+            raise torch.OutOfMemoryError("stand-in: too many rows")
+        return torch.zeros(len(prompts), max_new_tokens, dtype=torch.int64)
+
+    monkeypatch.setattr(offline, "hf_generate", generate)
+    model = type("Model", (), {"device": torch.device("cpu")})()
+    prompts, lens = [[1, 2]] * 7, [5, 1, 2, 3, 4, 6, 7]
+    run = offline.generate_padded(model, prompts, lens, size=7, shrink=True)
+    assert calls == [2, 7, 4, 2, 2, 2, 1]  # warm-up, 7 fails, 4 fails, then 2 + 2 + 2 + 1
+    assert (run.batch_size, run.useful, run.ok) == (2, sum(lens), True)
+    assert run.computed == 2 * 5 + 2 * 3 + 2 * 6 + 1 * 7  # each batch to its longest output
+    with pytest.raises(RuntimeError, match="smaller --hf-batch-size"):
+        offline.generate_padded(model, prompts, lens, size=4)
+
+
 @pytest.fixture(scope="module")
 def cpu_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
             ) -> tuple[dict, str]:
