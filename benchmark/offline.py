@@ -397,8 +397,7 @@ def run_transformers(args: argparse.Namespace, workload: Workload, model: Any,
     size = args.hf_batch_size or workload.num_requests
     print(f"transformers: generate in {-(-workload.num_requests // size)} padded batch(es) of "
           f"up to {size} requests", flush=True)
-    run = generate_padded(model, workload.prompts, workload.output_lens, size,
-                          shrink=args.hf_batch_size is None)
+    run = generate_padded(model, workload.prompts, workload.output_lens, args.hf_batch_size)
     emit(SystemResult(system="transformers", config=f"padded batches of {run.batch_size}",
                       num_requests=workload.num_requests, output_tokens=run.useful,
                       wall_s=run.wall_s, computed_tokens=run.computed, output_lens_ok=run.ok))
@@ -414,16 +413,17 @@ class PaddedRun:
 
 
 def generate_padded(model: Any, prompts: Sequence[list[int]], output_lens: Sequence[int],
-                    size: int, shrink: bool = False) -> PaddedRun:
+                    size: int | None) -> PaddedRun:
     """``generate`` on ``size`` requests at a time after a short warm-up, timed.
 
     A padded batch's KV cache holds every row at its longest prompt plus its longest output, so
-    one batch of every request may not fit a GPU's memory. With ``shrink`` (no batch size was
-    asked for) a batch that runs out of memory starts the whole run over in batches of half
-    the size; without it the error says what to pass.
+    one batch of every request may not fit a GPU's memory. With ``size`` None (no batch size
+    was asked for) the run starts as one batch, and a batch that runs out of memory starts the
+    whole run over in batches of half the size; with a size the error says what to pass.
     """
     import torch
 
+    shrink, size = size is None, size or len(prompts)
     hf_generate(model, prompts[:2], WARMUP_OUTPUT_LEN)  # warm-up
     while True:
         try:
@@ -831,9 +831,7 @@ def run_transformers_alongside(args: argparse.Namespace, names: Sequence[str],
     load = make_workload(args.num_requests, lens, lens, args.seed)
     prompts = load.prompts(vocab_size, 0)
     model = load_hf_model(Path(args.model), device, dtype)
-    size = args.hf_batch_size or load.num_requests
-    run = generate_padded(model, prompts, load.output_lens, size,
-                          shrink=args.hf_batch_size is None)
+    run = generate_padded(model, prompts, load.output_lens, args.hf_batch_size)
     del model
     free_device_memory(device)
     throughput = [n for n in names if HEADLINES[n][0] == "tok_per_s"]

@@ -75,7 +75,7 @@ def test_transformers_batches_halve_until_they_fit_unless_a_size_was_asked_for(
     monkeypatch.setattr(offline, "hf_generate", generate)
     model = type("Model", (), {"device": torch.device("cpu")})()
     prompts, lens = [[1, 2]] * 7, [5, 1, 2, 3, 4, 6, 7]
-    run = offline.generate_padded(model, prompts, lens, size=7, shrink=True)
+    run = offline.generate_padded(model, prompts, lens, size=None)  # none asked for: all 7
     assert calls == [2, 7, 4, 2, 2, 2, 1]  # warm-up, 7 fails, 4 fails, then 2 + 2 + 2 + 1
     assert (run.batch_size, run.useful, run.ok) == (2, sum(lens), True)
     assert run.computed == 2 * 5 + 2 * 3 + 2 * 6 + 1 * 7  # each batch to its longest output
